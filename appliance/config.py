@@ -1,0 +1,266 @@
+"""Configuration: msgspec Structs validated from TOML templates.
+
+Every value has one home (a field here) and one default. A template is a TOML file whose
+tables mirror these Structs; an unknown key or a bad value is an error naming its path.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from importlib import resources
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+PositiveInt = Annotated[int, Meta(ge=1)]
+NonNegInt = Annotated[int, Meta(ge=0)]
+NonNegFloat = Annotated[float, Meta(ge=0.0)]
+Fraction = Annotated[float, Meta(gt=0.0, le=1.0)]
+
+# Where operators keep their own templates beside the shipped ones.
+TEMPLATE_DIR_ENV = "APPLIANCE_TEMPLATE_DIR"
+DEFAULT_TEMPLATE_DIR = "/etc/appliance/templates"
+
+
+class ConfigError(ValueError):
+    """A template or override that cannot be used; the message names the key and the limit."""
+
+
+class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class ModelConfig(_Section):
+    # Hugging Face model directory (config.json, *.safetensors, tokenizer files).
+    path: str = ""
+    # Name the API serves the model under; defaults to the directory's name.
+    name: str = ""
+    # Compute dtype; "auto" is bfloat16 (AMX on CPU, tensor cores on GPU).
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    # Longest prompt + output; 0 takes max_position_embeddings from config.json.
+    max_model_len: NonNegInt = 0
+    # When set and `path` holds no model, build this demo model there on first start.
+    demo_shape: Literal["", "tiny", "small"] = ""
+
+
+class CacheConfig(_Section):
+    # Tokens per KV block. 16 keeps PagedAttention's waste under 4% of slots.
+    block_size: Annotated[int, Meta(ge=1, le=256)] = 16
+    kv_cache_dtype: Literal["auto", "fp8_e4m3", "fp8_e5m2", "int8"] = "auto"
+    # Layers whose KV stays 16-bit when kv_cache_dtype quantizes the rest.
+    kv_cache_keep_16bit: list[NonNegInt] = []
+    # GPU: share of device memory the engine may take (weights + activations + KV).
+    gpu_memory_utilization: Fraction = 0.90
+    # CPU: GiB of host memory for the KV pool.
+    kv_cache_memory: Annotated[float, Meta(gt=0.0)] = 1.0
+    # Explicit pool size; 0 computes it from the memory settings above.
+    num_blocks: NonNegInt = 0
+    enable_prefix_caching: bool = True
+    # GiB of host memory for blocks of swapped-out sequences.
+    swap_space: NonNegFloat = 4.0
+
+
+class SchedulerConfig(_Section):
+    # continuous (= fcfs): iteration-level batching in arrival order; priority: ordered by
+    # (priority, arrival); static: form a batch and run it until all its members finish.
+    policy: Literal["continuous", "fcfs", "priority", "static"] = "continuous"
+    max_num_seqs: PositiveInt = 256
+    # Token budget of one step: decodes first, then prefill chunks.
+    max_num_batched_tokens: PositiveInt = 8192
+    # Largest prefill chunk one request may take in a step (0 = the whole budget).
+    long_prefill_token_threshold: NonNegInt = 0
+    preemption_mode: Literal["recompute", "swap"] = "recompute"
+    # KV usage above which a waiting, more urgent request may preempt running work.
+    preemption_threshold: Fraction = 0.90
+    # Thrash guard: usage must stay above the threshold this many consecutive steps ...
+    preemption_patience_steps: PositiveInt = 4
+    # ... and a request preempted this many times is never preempted again by arrivals.
+    max_preemptions_per_request: PositiveInt = 3
+    # Admission control (0 = unlimited); per-class values in [priority_classes] override.
+    max_waiting_requests: NonNegInt = 0
+    queue_timeout_s: NonNegFloat = 0.0
+
+
+class PriorityClass(_Section):
+    priority: int
+    # 0 inherits the scheduler-wide value.
+    queue_timeout_s: NonNegFloat = 0.0
+    max_waiting_requests: NonNegInt = 0
+
+
+def _default_classes() -> dict[str, PriorityClass]:
+    return {
+        "realtime": PriorityClass(priority=0),
+        "interactive": PriorityClass(priority=5),
+        "batch": PriorityClass(priority=10),
+    }
+
+
+class ParallelConfig(_Section):
+    tensor_parallel_size: Literal[1, 2, 4, 8] = 1
+
+
+class HardwareConfig(_Section):
+    # auto: CUDA when present, else CPU.
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    # What `appliance plan` assumes without touching the box.
+    num_gpus: NonNegInt = 0
+    gpu_name: str = ""
+    gpu_memory_gib: NonNegFloat = 0.0
+    # Typical prompt + output length the plan reports concurrency at.
+    typical_seq_len: NonNegInt = 2048
+
+
+class ServerConfig(_Section):
+    host: str = "127.0.0.1"
+    port: Annotated[int, Meta(ge=0, le=65535)] = 8000
+    # Bearer keys for /v1/*: a file (one key per line) or an environment variable.
+    api_key_file: str = ""
+    api_key_env: str = ""
+    admin_token_file: str = ""
+    admin_token_env: str = ""
+    max_request_body_bytes: PositiveInt = 4 * 1024 * 1024
+    drain_timeout_s: NonNegFloat = 30.0
+    # Retry-After (seconds) sent with 429 responses.
+    retry_after_s: PositiveInt = 1
+
+
+class ApplianceConfig(_Section):
+    description: str = ""
+    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = msgspec.field(default_factory=ParallelConfig)
+    hardware: HardwareConfig = msgspec.field(default_factory=HardwareConfig)
+    server: ServerConfig = msgspec.field(default_factory=ServerConfig)
+    priority_classes: dict[str, PriorityClass] = msgspec.field(default_factory=_default_classes)
+
+    def priority_of(self, name_or_value: str | int | None) -> int:
+        """Integer priority of a class name (or an integer passed through)."""
+        if name_or_value is None:
+            return 0
+        if isinstance(name_or_value, int):
+            return name_or_value
+        try:
+            return self.priority_classes[name_or_value].priority
+        except KeyError:
+            known = ", ".join(sorted(self.priority_classes))
+            raise ConfigError(
+                f"priority: unknown class {name_or_value!r}; known classes: {known}"
+            ) from None
+
+    def class_of(self, priority: int) -> str:
+        """Name of the class whose priority is closest at or below `priority` (for counters)."""
+        best = None
+        for name, cls in sorted(self.priority_classes.items(), key=lambda kv: kv[1].priority):
+            if cls.priority <= priority:
+                best = name
+        if best is None:
+            return str(priority)
+        return best
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def shipped_template_dir() -> Path:
+    return Path(str(resources.files("appliance.templates")))
+
+
+def template_dirs() -> list[Path]:
+    dirs = [shipped_template_dir()]
+    extra = os.environ.get(TEMPLATE_DIR_ENV, DEFAULT_TEMPLATE_DIR)
+    if extra and Path(extra).is_dir():
+        dirs.append(Path(extra))
+    return dirs
+
+
+def list_templates() -> dict[str, Path]:
+    """Template name -> file, operator templates shadowing shipped ones of the same name."""
+    found: dict[str, Path] = {}
+    for d in template_dirs():
+        for f in sorted(d.glob("*.toml")):
+            found[f.stem] = f
+    return found
+
+
+def resolve_template(name_or_path: str | os.PathLike[str]) -> Path:
+    p = Path(name_or_path)
+    if p.suffix == ".toml" or p.exists():
+        if not p.is_file():
+            raise ConfigError(f"template: no such file {str(p)!r}")
+        return p
+    templates = list_templates()
+    if str(name_or_path) not in templates:
+        raise ConfigError(
+            f"template: unknown template {str(name_or_path)!r}; "
+            f"available: {', '.join(sorted(templates)) or 'none'}"
+        )
+    return templates[str(name_or_path)]
+
+
+def parse_override_value(text: str) -> Any:
+    """`--set key=value` values: TOML literals (numbers, booleans, arrays), else a string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_overrides(raw: dict[str, Any], overrides: dict[str, Any] | None) -> dict[str, Any]:
+    for dotted, value in (overrides or {}).items():
+        parts = dotted.split(".")
+        node = raw
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {dotted!r}: {part!r} is not a table")
+            node = child
+        node[parts[-1]] = parse_override_value(value) if isinstance(value, str) else value
+    return raw
+
+
+def config_from_dict(raw: dict[str, Any], source: str = "config") -> ApplianceConfig:
+    try:
+        cfg = msgspec.convert(raw, ApplianceConfig)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+    _check_consistency(cfg, source)
+    return cfg
+
+
+def _check_consistency(cfg: ApplianceConfig, source: str) -> None:
+    s = cfg.scheduler
+    if s.long_prefill_token_threshold > s.max_num_batched_tokens:
+        raise ConfigError(
+            f"{source}: scheduler.long_prefill_token_threshold ({s.long_prefill_token_threshold}) "
+            f"must not exceed scheduler.max_num_batched_tokens ({s.max_num_batched_tokens})"
+        )
+    if len(set(cfg.cache.kv_cache_keep_16bit)) != len(cfg.cache.kv_cache_keep_16bit):
+        raise ConfigError(f"{source}: cache.kv_cache_keep_16bit lists a layer twice")
+
+
+def load_config(
+    name_or_path: str | os.PathLike[str] | None = None,
+    overrides: dict[str, Any] | None = None,
+) -> ApplianceConfig:
+    """Load a template by name or path (None = all defaults) and apply dotted overrides."""
+    raw: dict[str, Any] = {}
+    source = "config"
+    if name_or_path is not None:
+        path = resolve_template(name_or_path)
+        source = str(path)
+        try:
+            raw = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{source}: not valid TOML: {exc}") from None
+    raw = apply_overrides(raw, overrides)
+    return config_from_dict(raw, source)
+
+
+def config_to_toml_dict(cfg: ApplianceConfig) -> dict[str, Any]:
+    return msgspec.to_builtins(cfg)

@@ -1,0 +1,152 @@
+"""Paged attention in torch: the CPU path of the engine and the reference for the Triton kernels.
+
+Cache layout (one pair per layer): ``k_cache``/``v_cache`` of shape
+``[num_blocks, block_size, num_kv_heads, head_dim]``. A token's slot is
+``block_id * block_size + offset``. Quantized caches store bytes (``torch.uint8`` for FP8,
+``torch.int8`` for INT8) with one float32 scale per KV head: ``stored = x / scale``.
+
+A step's tokens are laid out sequence by sequence: sequence ``i`` owns query rows
+``query_start_loc[i]:query_start_loc[i+1]``, which are its *last* ``q_len`` positions out of
+``seq_lens[i]`` context tokens (cached prefix + this step's tokens, already written).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+FP8_FORMATS = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
+INT8_MAX = 127.0
+
+
+def cache_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype in FP8_FORMATS:
+        return torch.uint8
+    if kv_cache_dtype == "int8":
+        return torch.int8
+    raise ValueError(f"kv_cache_dtype: unknown value {kv_cache_dtype!r}")
+
+
+def quantize(x: torch.Tensor, kv_cache_dtype: str, scale: torch.Tensor | None) -> torch.Tensor:
+    """x: [..., num_kv_heads, head_dim] -> stored representation; scale: [num_kv_heads]."""
+    if kv_cache_dtype == "auto":
+        return x
+    assert scale is not None, "quantized caches need a per-head scale"
+    scaled = x.float() / scale.view(-1, 1)
+    if kv_cache_dtype in FP8_FORMATS:
+        limit = FP8_MAX[kv_cache_dtype]
+        return scaled.clamp(-limit, limit).to(FP8_FORMATS[kv_cache_dtype]).view(torch.uint8)
+    return scaled.round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+
+
+def dequantize(
+    stored: torch.Tensor, kv_cache_dtype: str, scale: torch.Tensor | None, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """Inverse of `quantize`: stored [..., num_kv_heads, head_dim] -> out_dtype."""
+    if kv_cache_dtype == "auto":
+        return stored.to(out_dtype)
+    assert scale is not None
+    if kv_cache_dtype in FP8_FORMATS:
+        values = stored.view(FP8_FORMATS[kv_cache_dtype]).float()
+    else:
+        values = stored.float()
+    return (values * scale.view(-1, 1)).to(out_dtype)
+
+
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_cache_dtype: str = "auto",
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> None:
+    """Scatter new K/V ([num_tokens, num_kv_heads, head_dim]) into their slots."""
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    flat_k = k_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
+    flat_v = v_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
+    flat_k.index_copy_(0, slot_mapping, quantize(key, kv_cache_dtype, k_scale).to(k_cache.dtype))
+    flat_v.index_copy_(0, slot_mapping, quantize(value, kv_cache_dtype, v_scale).to(v_cache.dtype))
+
+
+def gather_kv(
+    cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    max_len: int,
+    kv_cache_dtype: str,
+    scale: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """[B, max_blocks] block tables -> [B, num_kv_heads, max_len, head_dim] (padded)."""
+    block_size = cache.shape[1]
+    blocks_needed = (max_len + block_size - 1) // block_size
+    gathered = cache[block_tables[:, :blocks_needed]]  # [B, nb, bs, Hkv, D]
+    batch = gathered.shape[0]
+    gathered = gathered.reshape(batch, blocks_needed * block_size, *cache.shape[2:])[:, :max_len]
+    return dequantize(gathered, kv_cache_dtype, scale, out_dtype).transpose(1, 2)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+    kv_cache_dtype: str = "auto",
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new queries over its whole (paged) context.
+
+    query: [num_tokens, num_heads, head_dim]; returns the same shape. One padded
+    scaled-dot-product call for the whole batch; GQA through `enable_gqa`.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    batch = seq_lens.shape[0]
+    device = query.device
+    query_lens = query_start_loc[1:] - query_start_loc[:-1]
+
+    keys = gather_kv(k_cache, block_tables, max_seq_len, kv_cache_dtype, k_scale, query.dtype)
+    values = gather_kv(v_cache, block_tables, max_seq_len, kv_cache_dtype, v_scale, query.dtype)
+
+    if max_query_len == 1:
+        # Decode batch: one query per sequence, no padding of the queries needed.
+        q = query.view(batch, 1, num_heads, head_dim).transpose(1, 2)
+        key_pos = torch.arange(max_seq_len, device=device)
+        mask = (key_pos[None, :] < seq_lens[:, None]).view(batch, 1, 1, max_seq_len)
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True
+        )
+        return out.transpose(1, 2).reshape(num_tokens, num_heads, head_dim)
+
+    # Scatter the ragged queries into a padded [B, max_q] grid.
+    row = torch.arange(num_tokens, device=device)
+    seq_of_row = torch.repeat_interleave(torch.arange(batch, device=device), query_lens)
+    pos_in_query = row - query_start_loc[:-1][seq_of_row]
+    padded = query.new_zeros(batch, max_query_len, num_heads, head_dim)
+    padded[seq_of_row, pos_in_query] = query
+
+    # Query i of sequence s sits at absolute position seq_len - q_len + i.
+    q_abs = (seq_lens - query_lens)[:, None] + torch.arange(max_query_len, device=device)[None]
+    key_pos = torch.arange(max_seq_len, device=device)
+    mask = key_pos[None, None, :] <= q_abs[:, :, None]
+    # Padded query rows see key 0 only, so softmax stays finite; their output is dropped.
+    mask[:, :, 0] = True
+    out = F.scaled_dot_product_attention(
+        padded.transpose(1, 2),
+        keys,
+        values,
+        attn_mask=mask[:, None],
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out.transpose(1, 2)[seq_of_row, pos_in_query]
