@@ -1,0 +1,38 @@
+"""Measured machine rates the benchmarks compare against: memory copy bandwidth and the
+matmul rate in the compute dtype."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def _timed(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def copy_bandwidth(device: torch.device, mib: int = 512, repeats: int = 5) -> float:
+    """Bytes per second moved by a large copy, counting the read and the write."""
+    n = mib * 2**20 // 2
+    src = torch.ones(n, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    seconds = _timed(lambda: dst.copy_(src), repeats)
+    return 2 * src.numel() * src.element_size() / seconds
+
+
+def matmul_flops(device: torch.device, dtype: torch.dtype, size: int = 2048, repeats: int = 3) -> float:
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    seconds = _timed(lambda: a @ b, repeats)
+    return 2 * size**3 / seconds

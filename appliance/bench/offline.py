@@ -1,0 +1,177 @@
+"""`appliance bench offline`: throughput of the engine in-process, per scheduling mode, against
+the bound computed from measured copy bandwidth and matmul rate."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from appliance.bench.hardware import copy_bandwidth, matmul_flops
+from appliance.config import load_config, parse_override_value
+from appliance.engine.llm_engine import Engine
+from appliance.engine.loader import LoadedModel, load_model
+from appliance.engine.stats import StepRecord
+from appliance.sampling_params import SamplingParams
+
+MODES = {
+    # name: (policy, max_num_seqs or None for "all requests")
+    "one-at-a-time": ("continuous", 1),
+    "static": ("static", None),
+    "continuous": ("continuous", None),
+}
+
+
+@dataclass
+class ModeResult:
+    mode: str
+    requests: int
+    output_tokens: int
+    seconds: float
+    output_tokens_per_s: float
+    bound_tokens_per_s: float
+    share_of_bound: float
+    mean_batch: float
+    peak_slot_utilisation: float
+    peak_kv_usage: float
+    steps: int
+
+
+@dataclass
+class Rates:
+    copy_bytes_per_s: float
+    matmul_flops_per_s: float
+
+
+def step_bound_seconds(record: StepRecord, loaded: LoadedModel, rates: Rates) -> float:
+    """Roofline time of one step: bytes read (weights once + KV of the context) over copy
+    bandwidth, or matmul FLOPs over the matmul rate, whichever is larger."""
+    args = loaded.args
+    elem = loaded.dtype.itemsize
+    per_layer = (
+        args.hidden_size * (args.num_heads + 2 * args.num_kv_heads) * args.head_dim
+        + args.num_heads * args.head_dim * args.hidden_size
+        + 3 * args.hidden_size * args.intermediate_size
+    )
+    body_params = args.num_layers * per_layer
+    head_params = args.vocab_size * args.hidden_size
+    kv_per_token = loaded.bytes_per_block / loaded.block_size
+    bytes_read = (body_params + head_params) * elem + record.num_context_tokens * kv_per_token
+    flops = 2 * body_params * record.num_scheduled_tokens + 2 * head_params * record.num_seqs
+    return max(bytes_read / rates.copy_bytes_per_s, flops / rates.matmul_flops_per_s)
+
+
+def make_prompts(vocab: int, n: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    # Avoid the low ids, where byte-level tokenizers keep their special tokens.
+    return [[rng.randrange(16, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def run_mode(
+    mode: str,
+    loaded: LoadedModel,
+    base_overrides: dict[str, Any],
+    template: str,
+    prompts: list[list[int]],
+    output_len: int,
+    static_batch: int,
+    rates: Rates,
+) -> ModeResult:
+    policy, seqs = MODES[mode]
+    if mode == "static":
+        seqs = static_batch
+    overrides = dict(base_overrides)
+    overrides["scheduler.policy"] = policy
+    overrides["scheduler.max_num_seqs"] = seqs or len(prompts)
+    engine = Engine(load_config(template, overrides), loaded=loaded)
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    for p in prompts:
+        engine.add_request(p, params)
+    start = time.perf_counter()
+    outputs = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs += len(out.new_token_ids)
+    seconds = time.perf_counter() - start
+    records = list(engine.history.records)
+    bound_s = sum(step_bound_seconds(r, loaded, rates) for r in records)
+    stats = engine.stats()
+    return ModeResult(
+        mode=mode,
+        requests=len(prompts),
+        output_tokens=outputs,
+        seconds=seconds,
+        output_tokens_per_s=outputs / seconds,
+        bound_tokens_per_s=outputs / bound_s,
+        share_of_bound=bound_s / seconds,
+        mean_batch=sum(r.num_seqs for r in records) / max(1, len(records)),
+        peak_slot_utilisation=stats.slot_utilisation_at_peak,
+        peak_kv_usage=max((r.kv_usage for r in records), default=0.0),
+        steps=len(records),
+    )
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("offline", help="offline throughput per scheduling mode")
+    p.add_argument("--model", required=True, help="Hugging Face model directory")
+    p.add_argument("--template", default="cpu-demo")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--policy", choices=[*MODES, "all"], default="all")
+    p.add_argument("--static-batch", type=int, default=16)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=main)
+
+
+def main(ns: argparse.Namespace) -> int:
+    overrides: dict[str, Any] = {"model.path": ns.model, "model.demo_shape": ""}
+    for item in ns.set:
+        key, _, value = item.partition("=")
+        overrides[key] = parse_override_value(value)
+    overrides.setdefault("scheduler.max_num_batched_tokens", max(2048, ns.prompt_len))
+    config = load_config(ns.template, overrides)
+    loaded = load_model(config)
+    rates = Rates(copy_bandwidth(loaded.device), matmul_flops(loaded.device, loaded.dtype))
+    prompts = make_prompts(loaded.args.vocab_size, ns.num_requests, ns.prompt_len, ns.seed)
+    modes = list(MODES) if ns.policy == "all" else [ns.policy]
+    results = [
+        run_mode(m, loaded, overrides, ns.template, prompts, ns.output_len, ns.static_batch, rates)
+        for m in modes
+    ]
+    if ns.json:
+        print(
+            json.dumps(
+                {
+                    "model": str(loaded.model_dir),
+                    "rates": asdict(rates),
+                    "results": [asdict(r) for r in results],
+                }
+            )
+        )
+        return 0
+    print(
+        f"model {loaded.model_dir.name}: {ns.num_requests} requests x {ns.prompt_len} prompt + "
+        f"{ns.output_len} output tokens, {loaded.dtype}, block size {config.cache.block_size}"
+    )
+    print(
+        f"measured: copy bandwidth {rates.copy_bytes_per_s / 1e9:.1f} GB/s, "
+        f"matmul {rates.matmul_flops_per_s / 1e9:.0f} GFLOP/s"
+    )
+    header = f"{'mode':<14} {'out tok/s':>10} {'bound tok/s':>12} {'% bound':>8} {'vs 1-at-a-time':>15} {'mean batch':>11} {'slot util@peak':>15} {'time s':>8}"
+    print(header)
+    print("-" * len(header))
+    base = next((r.output_tokens_per_s for r in results if r.mode == "one-at-a-time"), None)
+    for r in results:
+        speedup = f"{r.output_tokens_per_s / base:.1f}x" if base else "-"
+        print(
+            f"{r.mode:<14} {r.output_tokens_per_s:>10.1f} {r.bound_tokens_per_s:>12.1f} "
+            f"{100 * r.share_of_bound:>7.1f}% {speedup:>15} {r.mean_batch:>11.1f} "
+            f"{100 * r.peak_slot_utilisation:>14.1f}% {r.seconds:>8.1f}"
+        )
+    return 0

@@ -1,0 +1,99 @@
+"""The `appliance` command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Any
+
+from appliance.config import ConfigError, list_templates, load_config, parse_override_value
+
+
+def parse_sets(items: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. cache.block_size=16")
+        out[key.strip()] = parse_override_value(value.strip())
+    return out
+
+
+def cmd_templates(ns: argparse.Namespace) -> int:
+    for name, path in sorted(list_templates().items()):
+        cfg = load_config(path)
+        print(f"{name:<16} {cfg.description}  [{path}]")
+    return 0
+
+
+def cmd_validate(ns: argparse.Namespace) -> int:
+    cfg = load_config(ns.template, parse_sets(ns.set))
+    import msgspec
+
+    print(json.dumps(msgspec.to_builtins(cfg), indent=2))
+    return 0
+
+
+def cmd_generate(ns: argparse.Namespace) -> int:
+    from appliance.engine.llm_engine import Engine
+    from appliance.sampling_params import SamplingParams
+
+    overrides = parse_sets(ns.set)
+    if ns.model:
+        overrides["model.path"] = ns.model
+    engine = Engine.from_template(ns.template, overrides)
+    params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, seed=ns.seed)
+    for result in engine.generate(ns.prompt, params):
+        print(json.dumps({"text": result.text, "finish_reason": result.finish_reason, "tokens": len(result.token_ids)}))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from appliance.bench import offline
+    from appliance.models.demo import add_demo_model_parser
+
+    parser = argparse.ArgumentParser(prog="appliance", description="LLM inference appliance")
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("templates", help="list the templates (shipped and operator)")
+    p.set_defaults(func=cmd_templates)
+
+    p = sub.add_parser("validate", help="validate a template (with --set overrides) and print it")
+    p.add_argument("--template", required=True)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.set_defaults(func=cmd_validate)
+
+    p = sub.add_parser("generate", help="generate offline from prompts given on the command line")
+    p.add_argument("prompt", nargs="+")
+    p.add_argument("--template", default="cpu-demo")
+    p.add_argument("--model")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.set_defaults(func=cmd_generate)
+
+    add_demo_model_parser(sub)
+
+    bench = sub.add_parser("bench", help="benchmarks that print tables")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    offline.add_parser(bench_sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    try:
+        return int(ns.func(ns) or 0)
+    except ConfigError as exc:
+        print(f"appliance: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

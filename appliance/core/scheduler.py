@@ -1,0 +1,485 @@
+"""Iteration-level scheduler: each step grants tokens under one budget so every request's
+computed tokens catch up with its tokens. Decodes first, then prefill chunks, then admissions;
+preemption (recompute or swap) when KV blocks run out or a more urgent request waits.
+
+Plain Python over block ids; the runner turns the output into tensors.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from appliance.config import ApplianceConfig
+from appliance.core.kv_cache_manager import KVCacheManager
+from appliance.core.request import FinishReason, Request, RequestStatus
+from appliance.core.scheduler_stats import PreemptionEvent, SchedulerCounters
+from appliance.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledRequest:
+    request_id: str
+    # Tokens fed this step: positions start_pos .. start_pos + len(token_ids) - 1.
+    token_ids: list[int]
+    start_pos: int
+    block_ids: list[int]
+    # True when this step reaches the request's last known token: sample its next one.
+    sample: bool
+    sampling_params: SamplingParams
+    # Index of the token to be sampled among the outputs (seeds randomness per position).
+    output_index: int
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_scheduled_tokens: int = 0
+    # Tokens of context the step's attention reads (cached prefixes + new tokens).
+    num_context_tokens: int = 0
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # Which limit stopped the step from doing more: none | token_budget | max_num_seqs | kv_blocks
+    bound_by: str = "none"
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled and not self.blocks_to_swap_out and not self.blocks_to_swap_in
+
+
+@dataclass
+class FinishedRequest:
+    request: Request
+    reason: FinishReason
+
+
+class Scheduler:
+    def __init__(self, config: ApplianceConfig, kv: KVCacheManager, max_model_len: int) -> None:
+        self.config = config
+        self.cfg = config.scheduler
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.by_priority = self.cfg.policy == "priority"
+        self.static = self.cfg.policy == "static"
+        self.requests: dict[str, Request] = {}
+        # Waiting (new and recompute-preempted) and swapped queues, kept sorted by _key.
+        self.waiting: list[Request] = []
+        self.swapped: list[Request] = []
+        self.running: list[Request] = []
+        self.counters = SchedulerCounters()
+        self.preemption_log: deque[PreemptionEvent] = deque(maxlen=256)
+        self.finished: list[FinishedRequest] = []
+        self._pressure_steps = 0
+
+    # -- queues ----------------------------------------------------------------------------------
+    def _key(self, req: Request) -> tuple[int, float]:
+        return req.sort_key() if self.by_priority else (0, req.arrival_time)
+
+    def _victim_key(self, req: Request) -> tuple[int, float]:
+        # Victims: least urgent, then latest arrival; urgency counts under every policy.
+        return req.sort_key()
+
+    def _insert(self, queue: list[Request], req: Request) -> None:
+        keys = [self._key(r) for r in queue]
+        queue.insert(bisect.bisect_right(keys, self._key(req)), req)
+
+    def _class_limit(self, req: Request, attr: str) -> float:
+        cls = self.config.priority_classes.get(req.priority_class)
+        value = getattr(cls, attr) if cls is not None else 0
+        return value or getattr(self.cfg, attr)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.swapped)
+
+    def has_unfinished(self) -> bool:
+        return self.num_unfinished > 0
+
+    # -- arrivals and departures -----------------------------------------------------------------
+    def add_request(self, req: Request) -> bool:
+        """Queue a request; False (and the request finished with QUEUE_FULL) when the waiting
+        queue of its class is full."""
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id {req.request_id!r} is already in use")
+        limit = int(self._class_limit(req, "max_waiting_requests"))
+        if limit:
+            same_class = sum(1 for r in self.waiting if r.priority_class == req.priority_class)
+            if same_class >= limit:
+                self.counters.count_rejected(req.priority_class, FinishReason.QUEUE_FULL)
+                req.status = RequestStatus.FINISHED
+                req.finish_reason = FinishReason.QUEUE_FULL
+                req.finish_detail = f"waiting queue full ({same_class} >= {limit})"
+                return False
+        self.requests[req.request_id] = req
+        self._insert(self.waiting, req)
+        return True
+
+    def finish_request(self, request_id: str, reason: FinishReason, detail: str = "") -> bool:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        for queue in (self.running, self.waiting, self.swapped):
+            if req in queue:
+                queue.remove(req)
+                break
+        self.kv.forget(req)
+        if req.preempted_at is not None:
+            req.time_preempted += time.monotonic() - req.preempted_at
+            self.counters.time_preempted_s += time.monotonic() - req.preempted_at
+            req.preempted_at = None
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.finish_detail = detail
+        self.finished.append(FinishedRequest(req, reason))
+        return True
+
+    def abort(self, request_id: str) -> bool:
+        return self.finish_request(request_id, FinishReason.ABORT)
+
+    def take_finished(self) -> list[FinishedRequest]:
+        out, self.finished = self.finished, []
+        return out
+
+    # -- one step --------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = _StepBuilder(self)
+        self._expire_timeouts()
+        self._update_pressure()
+        out.schedule_running()
+        out.admit()
+        result = out.build()
+        assert result.num_scheduled_tokens <= self.cfg.max_num_batched_tokens
+        assert len(self.running) <= self.cfg.max_num_seqs
+        return result
+
+    def _expire_timeouts(self) -> None:
+        now = time.monotonic()
+        for req in list(self.waiting):
+            if req.first_scheduled_time is not None:
+                continue  # only requests that never started can time out in the queue
+            timeout = self._class_limit(req, "queue_timeout_s")
+            if timeout and now - req.arrival_time > timeout:
+                self.counters.count_rejected(req.priority_class, FinishReason.QUEUE_TIMEOUT)
+                self.finish_request(
+                    req.request_id,
+                    FinishReason.QUEUE_TIMEOUT,
+                    f"waited {now - req.arrival_time:.1f}s > queue_timeout_s {timeout}",
+                )
+
+    def _update_pressure(self) -> None:
+        if self.kv.pool.usage() > self.cfg.preemption_threshold:
+            self._pressure_steps += 1
+        else:
+            self._pressure_steps = 0
+
+    def arrival_preemption_allowed(self) -> bool:
+        return self._pressure_steps >= self.cfg.preemption_patience_steps
+
+    def is_protected(self, req: Request) -> bool:
+        """Thrash guard: a request preempted this many times is not preempted again."""
+        return req.num_preemptions >= self.cfg.max_preemptions_per_request
+
+    def preempt(self, victim: Request, cause: str) -> list[tuple[int, int]]:
+        """Take `victim` off the running list; returns device->host copies for a swap."""
+        usage_before = self.kv.pool.usage()
+        blocks_held = self.kv.num_blocks_held(victim.request_id)
+        self.running.remove(victim)
+        mode = self.cfg.preemption_mode
+        mapping: list[tuple[int, int]] = []
+        fallback = False
+        if mode == "swap":
+            swapped = self.kv.swap_out(victim)
+            if swapped is None:
+                fallback = True
+                mode = "recompute"
+                self.counters.swap_fallbacks += 1
+            else:
+                mapping = swapped
+        recompute_tokens = 0
+        if mode == "swap":
+            victim.status = RequestStatus.SWAPPED
+            self._insert(self.swapped, victim)
+            self.counters.blocks_swapped_out += len(mapping)
+        else:
+            recompute_tokens = victim.num_computed_tokens
+            self.kv.free(victim)
+            victim.num_computed_tokens = 0
+            victim.status = RequestStatus.PREEMPTED
+            self._insert(self.waiting, victim)
+            self.counters.tokens_recomputed += recompute_tokens
+        victim.num_preemptions += 1
+        victim.preempted_at = time.monotonic()
+        self.counters.count_preemption(mode, victim.priority_class or str(victim.priority))
+        self.preemption_log.append(
+            PreemptionEvent(
+                time=time.time(),
+                request_id=victim.request_id,
+                priority_class=victim.priority_class or str(victim.priority),
+                priority=victim.priority,
+                mode=mode,
+                swap_fallback=fallback,
+                cause=cause,
+                tokens_to_recompute=recompute_tokens,
+                blocks_swapped=len(mapping),
+                blocks_held=blocks_held,
+                kv_usage_before=usage_before,
+                kv_usage_after=self.kv.pool.usage(),
+                times_preempted=victim.num_preemptions,
+            )
+        )
+        return mapping
+
+    # -- after the forward pass ------------------------------------------------------------------
+    def update_from_output(
+        self, output: SchedulerOutput, sampled: dict[str, int]
+    ) -> list[tuple[Request, int]]:
+        """Advance computed tokens, append sampled tokens, finish what stopped.
+        Returns (request, new token) for every request that got a token."""
+        new_tokens: list[tuple[Request, int]] = []
+        now = time.monotonic()
+        for sr in output.scheduled:
+            req = self.requests.get(sr.request_id)
+            if req is None or req.status is not RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            req.num_computed_tokens += len(sr.token_ids)
+            self.kv.cache_blocks(req)
+            if not sr.sample:
+                continue
+            token = sampled[sr.request_id]
+            req.token_ids.append(token)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            new_tokens.append((req, token))
+            reason = self._stop_reason(req, token)
+            if reason is not None:
+                self.finish_request(req.request_id, reason)
+        return new_tokens
+
+    def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
+        params = req.sampling_params
+        n_out = req.num_output_tokens
+        if n_out >= params.min_tokens:
+            if not params.ignore_eos and token in req.eos_token_ids:
+                return FinishReason.STOP
+            if token in params.stop_token_ids:
+                return FinishReason.STOP
+        if n_out >= params.max_tokens or req.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+
+class _StepBuilder:
+    """The decisions of one `Scheduler.schedule()` call."""
+
+    def __init__(self, sched: Scheduler) -> None:
+        self.s = sched
+        self.kv = sched.kv
+        self.budget = sched.cfg.max_num_batched_tokens
+        self.granted: dict[str, int] = {}
+        self.order: list[Request] = []
+        self.swap_out: list[tuple[int, int]] = []
+        self.swap_in: list[tuple[int, int]] = []
+        self.bound_by = "none"
+        self.preempted_any = False
+
+    def _bound(self, limit: str) -> None:
+        # The first limit hit is the one that bound the step.
+        if self.bound_by == "none":
+            self.bound_by = limit
+
+    def _chunk(self, req: Request, remaining: int) -> int:
+        limit = self.s.cfg.long_prefill_token_threshold or remaining
+        return min(remaining, self.budget, limit)
+
+    def _grant(self, req: Request, tokens: int) -> None:
+        self.granted[req.request_id] = tokens
+        self.order.append(req)
+        self.budget -= tokens
+
+    def _ungrant(self, req: Request) -> None:
+        tokens = self.granted.pop(req.request_id, None)
+        if tokens is not None:
+            self.order.remove(req)
+            self.budget += tokens
+
+    def _preempt(self, victim: Request, cause: str) -> None:
+        self._ungrant(victim)
+        self.swap_out.extend(self.s.preempt(victim, cause))
+        self.preempted_any = True
+        self._bound("kv_blocks")
+
+    # Running requests: decodes first so a long prefill never stalls them.
+    def schedule_running(self) -> None:
+        s = self.s
+        running = sorted(s.running, key=s._victim_key)
+        decodes = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
+        prefills = [r for r in running if r.num_tokens - r.num_computed_tokens > 1]
+        for req in decodes + prefills:
+            if req not in s.running:
+                continue  # preempted earlier in this step
+            remaining = req.num_tokens - req.num_computed_tokens
+            if self.budget <= 0:
+                self._bound("token_budget")
+                break
+            tokens = self._chunk(req, remaining)
+            if tokens < remaining:
+                self._bound("token_budget")
+            if self._allocate_or_preempt(req, tokens):
+                self._grant(req, tokens)
+
+    def _allocate_or_preempt(self, req: Request, tokens: int) -> bool:
+        s = self.s
+        while not self.kv.allocate_slots(req, tokens):
+            candidates = [r for r in s.running if not s.is_protected(r) or r is req]
+            victim = max(candidates, key=s._victim_key)
+            if victim is req:
+                if len(s.running) == 1 and not s.swapped and self._alone_cannot_fit(req, tokens):
+                    s.finish_request(
+                        req.request_id,
+                        FinishReason.ERROR,
+                        f"KV cache exhausted: the request needs "
+                        f"{self.kv.num_blocks_held(req.request_id) + self.kv.blocks_needed(req, tokens)}"
+                        f" blocks, the pool has {self.kv.pool.num_blocks}",
+                    )
+                    self._bound("kv_blocks")
+                    return False
+                self._preempt(req, "out_of_blocks")
+                return False
+            self._preempt(victim, "out_of_blocks")
+        return True
+
+    def _alone_cannot_fit(self, req: Request, tokens: int) -> bool:
+        return self.kv.blocks_needed(req, tokens) > self.kv.pool.num_free_blocks
+
+    # Waiting and swapped requests, most urgent first.
+    def admit(self) -> None:
+        s = self.s
+        if s.static and (s.running or self.order):
+            return  # a static batch runs until all of its members finish
+        candidates = sorted(s.waiting + s.swapped, key=s._key)
+        for req in candidates:
+            if req.status is RequestStatus.FINISHED:
+                continue
+            if self.budget <= 0:
+                self._bound("token_budget")
+                break
+            if len(s.running) >= s.cfg.max_num_seqs:
+                if not self._make_room(req, "max_num_seqs"):
+                    self._bound("max_num_seqs")
+                    break
+            admitted = self._admit_swapped(req) if req.status is RequestStatus.SWAPPED else (
+                self._admit_waiting(req)
+            )
+            if not admitted:
+                self._bound("kv_blocks")
+                break
+
+    def _make_room(self, req: Request, cause: str) -> bool:
+        """Arrival-triggered preemption: only strictly less urgent, unprotected victims, and
+        only once the pressure has lasted `preemption_patience_steps` steps."""
+        s = self.s
+        if not s.by_priority or (cause == "kv_pressure" and not s.arrival_preemption_allowed()):
+            return False
+        victims = [
+            r for r in s.running if r.priority > req.priority and not s.is_protected(r)
+        ]
+        if not victims:
+            return False
+        self._preempt(max(victims, key=s._victim_key), cause)
+        return True
+
+    def _admit_swapped(self, req: Request) -> bool:
+        s = self.s
+        while True:
+            host_blocks = len(self.kv.req_swap.get(req.request_id, ()))
+            # One block of headroom for the token the resumed request computes next.
+            if host_blocks + 1 <= self.kv.pool.num_free_blocks:
+                break
+            if not self._make_room(req, "kv_pressure"):
+                return False
+        self.swap_in.extend(self.kv.swap_in(req))
+        s.counters.blocks_swapped_in += host_blocks
+        s.swapped.remove(req)
+        return self._start(req, [])
+
+    def _admit_waiting(self, req: Request) -> bool:
+        hits, _ = self.kv.get_computed_blocks(req)
+        while True:
+            tokens = self._initial_tokens(req, len(hits))
+            if tokens and self.kv.can_allocate(req, tokens, hits):
+                break
+            if not self._make_room(req, "kv_pressure"):
+                return False
+            hits, _ = self.kv.get_computed_blocks(req)
+        self.kv.allocate_slots(req, tokens, hits)
+        hit_tokens = len(hits) * self.kv.block_size
+        self.kv.prefix_queries += req.num_tokens
+        self.kv.prefix_hits += hit_tokens
+        req.num_computed_tokens = hit_tokens
+        if req.first_scheduled_time is None:
+            req.num_cached_prompt_tokens = hit_tokens
+        self.s.waiting.remove(req)
+        return self._start(req, hits)
+
+    def _initial_tokens(self, req: Request, num_hits: int) -> int:
+        """Tokens to allocate for on admission: the first chunk, or for a request the thrash
+        guard protects, its whole remaining length so it never needs preempting again."""
+        remaining = req.num_tokens - num_hits * self.kv.block_size
+        chunk = self._chunk(req, remaining)
+        if self.s.is_protected(req):
+            params = req.sampling_params
+            final = min(req.num_prompt_tokens + params.max_tokens, self.s.max_model_len)
+            return max(chunk, final - num_hits * self.kv.block_size - 1)
+        return chunk
+
+    def _start(self, req: Request, hits: list) -> bool:
+        s = self.s
+        now = time.monotonic()
+        if req.preempted_at is not None:
+            req.time_preempted += now - req.preempted_at
+            s.counters.time_preempted_s += now - req.preempted_at
+            req.preempted_at = None
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = now
+        req.status = RequestStatus.RUNNING
+        s.running.append(req)
+        remaining = req.num_tokens - req.num_computed_tokens
+        tokens = self._chunk(req, remaining)
+        if tokens < remaining:
+            self._bound("token_budget")
+        if not self.kv.allocate_slots(req, tokens):
+            # Cannot happen after the checks above; keep the invariant loud.
+            raise RuntimeError(f"allocation for admitted request {req.request_id} failed")
+        self._grant(req, tokens)
+        return True
+
+    def build(self) -> SchedulerOutput:
+        scheduled = []
+        total = 0
+        context = 0
+        for req in self.order:
+            tokens = self.granted[req.request_id]
+            start = req.num_computed_tokens
+            scheduled.append(
+                ScheduledRequest(
+                    request_id=req.request_id,
+                    token_ids=req.token_ids[start : start + tokens],
+                    start_pos=start,
+                    block_ids=self.kv.block_ids(req.request_id),
+                    sample=start + tokens == req.num_tokens,
+                    sampling_params=req.sampling_params,
+                    output_index=req.num_output_tokens,
+                )
+            )
+            total += tokens
+            context += start + tokens
+        return SchedulerOutput(
+            scheduled=scheduled,
+            num_scheduled_tokens=total,
+            num_context_tokens=context,
+            blocks_to_swap_out=self.swap_out,
+            blocks_to_swap_in=self.swap_in,
+            bound_by=self.bound_by,
+        )

@@ -1,0 +1,314 @@
+"""The engine: requests in, one scheduled forward pass per `step()`, outputs out.
+
+`Engine.generate()` is the offline API; `add_request` / `step` / `abort` is what the server
+drives. The engine owns the scheduler, the runner and the detokenizers of live requests.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from appliance.config import ApplianceConfig, ConfigError, load_config
+from appliance.core.kv_cache_manager import KVCacheManager
+from appliance.core.request import FinishReason, Request, RequestStatus
+from appliance.core.scheduler import Scheduler
+from appliance.core.scheduler_stats import PreemptionEvent
+from appliance.engine.detokenizer import IncrementalDetokenizer
+from appliance.engine.loader import LoadedModel, load_model
+from appliance.engine.outputs import CompletionResult, Logprob, RequestOutput
+from appliance.engine.stats import EngineStats, StepHistory, StepRecord
+from appliance.sampling_params import SamplingParams
+
+log = logging.getLogger("appliance.engine")
+
+Prompt = str | list[int]
+
+
+class Engine:
+    def __init__(self, config: ApplianceConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        self.loaded = loaded or load_model(config)
+        if self.loaded.block_size != config.cache.block_size:
+            raise ConfigError(
+                f"cache.block_size {config.cache.block_size} differs from the loaded KV pool's "
+                f"{self.loaded.block_size}"
+            )
+        self.tokenizer = self.loaded.tokenizer
+        self.model_name = self.loaded.model_name
+        self.max_model_len = self.loaded.max_model_len
+        self.eos_token_ids = self.loaded.eos_token_ids
+        # Fresh block bookkeeping per engine; the KV tensors belong to the loaded runner.
+        self.kv = KVCacheManager(
+            self.loaded.num_blocks,
+            config.cache.block_size,
+            config.cache.enable_prefix_caching,
+            self.loaded.num_swap_blocks,
+        )
+        self.scheduler = Scheduler(config, self.kv, self.max_model_len)
+        self.runner = self.loaded.runner
+        self._ids = itertools.count()
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._logprobs: dict[str, list[Logprob]] = {}
+        self._stream_text: set[str] = set()
+        self.history = StepHistory()
+        self.step_count = 0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.requests_finished: dict[str, int] = {}
+        self._peak_blocks = 0
+        self._slot_util_at_peak = 1.0
+        self._last_step: StepRecord | None = None
+
+    @classmethod
+    def from_template(
+        cls, name_or_path: str | os.PathLike[str] | None = None, overrides: dict[str, Any] | None = None
+    ) -> Engine:
+        return cls(load_config(name_or_path, overrides))
+
+    # -- requests --------------------------------------------------------------------------------
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt, add_special_tokens=True))
+        return list(prompt)
+
+    def add_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int | str | None = None,
+        stream_text: bool = False,
+        arrival_time: float | None = None,
+    ) -> Request:
+        """Validate and queue a request. Raises ValueError for bad input (naming the field and
+        the limit); a request refused by admission control comes back already finished."""
+        params = params or SamplingParams()
+        params.validate()
+        token_ids = self.tokenize(prompt)
+        if not token_ids:
+            raise ValueError("prompt: must contain at least one token")
+        vocab = self.loaded.args.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {len(token_ids)} tokens leaves no room to generate within "
+                f"max_model_len {self.max_model_len} (the prompt must be shorter)"
+            )
+        blocks_for_prompt = -(-(len(token_ids) + 1) // self.kv.block_size)
+        if blocks_for_prompt > self.kv.pool.num_blocks:
+            raise ValueError(
+                f"prompt: {len(token_ids)} tokens need {blocks_for_prompt} KV blocks, "
+                f"the pool has {self.kv.pool.num_blocks}"
+            )
+        try:
+            prio = self.config.priority_of(priority)
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
+        cls_name = priority if isinstance(priority, str) else self.config.class_of(prio)
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        kwargs: dict[str, Any] = {}
+        if arrival_time is not None:
+            kwargs["arrival_time"] = arrival_time
+        req = Request(
+            request_id=rid,
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            eos_token_ids=self.eos_token_ids,
+            priority=prio,
+            priority_class=cls_name,
+            **kwargs,
+        )
+        if not self.scheduler.add_request(req):
+            self._count_finish(req.finish_reason or FinishReason.QUEUE_FULL)
+            return req
+        if params.stop or stream_text:
+            self._detok[rid] = IncrementalDetokenizer(
+                self.tokenizer, params.stop, params.include_stop_str_in_output
+            )
+        if stream_text:
+            self._stream_text.add(rid)
+        if params.logprobs is not None:
+            self._logprobs[rid] = []
+        return req
+
+    def abort(self, request_id: str) -> bool:
+        return self.scheduler.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step --------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
+        sched = self.scheduler
+        out = sched.schedule()
+        result = self.runner.execute(out)
+        new_tokens = sched.update_from_output(out, result.sampled)
+
+        outputs: dict[str, RequestOutput] = {}
+        for req, token in new_tokens:
+            rid = req.request_id
+            ro = RequestOutput(request_id=rid, new_token_ids=[token])
+            lp = result.logprobs.get(rid)
+            if lp is not None and rid in self._logprobs:
+                entry = Logprob(lp.token_id, lp.logprob, list(zip(lp.top_ids, lp.top_logprobs, strict=True)))
+                self._logprobs[rid].append(entry)
+                ro.new_logprobs = [entry]
+            detok = self._detok.get(rid)
+            if detok is not None:
+                ro.new_text = detok.add(token)
+                if detok.stopped and not req.is_finished:
+                    sched.finish_request(rid, FinishReason.STOP)
+            outputs[rid] = ro
+
+        for fin in sched.take_finished():
+            req = fin.request
+            ro = outputs.setdefault(req.request_id, RequestOutput(request_id=req.request_id, new_token_ids=[]))
+            ro.finished = True
+            ro.finish_reason = fin.reason.value
+            ro.finish_detail = req.finish_detail
+            detok = self._detok.pop(req.request_id, None)
+            if detok is not None:
+                ro.new_text += detok.flush()
+            self._stream_text.discard(req.request_id)
+            self._count_finish(fin.reason)
+        for ro in outputs.values():
+            req = sched.requests.get(ro.request_id) or self._finished_req(new_tokens, ro.request_id)
+            if req is not None:
+                ro.num_prompt_tokens = req.num_prompt_tokens
+                ro.num_cached_tokens = req.num_cached_prompt_tokens
+                ro.num_output_tokens = req.num_output_tokens
+
+        self._record_step(out, time.perf_counter() - started)
+        return list(outputs.values())
+
+    @staticmethod
+    def _finished_req(new_tokens: list[tuple[Request, int]], rid: str) -> Request | None:
+        for req, _ in new_tokens:
+            if req.request_id == rid:
+                return req
+        return None
+
+    def _count_finish(self, reason: FinishReason) -> None:
+        self.requests_finished[reason.value] = self.requests_finished.get(reason.value, 0) + 1
+
+    def _record_step(self, out: Any, duration: float) -> None:
+        self.step_count += 1
+        usage = self.kv.usage()
+        decode_tokens = sum(1 for r in out.scheduled if len(r.token_ids) == 1 and r.output_index)
+        prompt_tokens = out.num_scheduled_tokens - decode_tokens
+        gen_tokens = sum(1 for r in out.scheduled if r.sample)
+        self.prompt_tokens_total += prompt_tokens
+        self.generation_tokens_total += gen_tokens
+        if usage.used >= self._peak_blocks and usage.slots_allocated:
+            self._peak_blocks = usage.used
+            self._slot_util_at_peak = usage.slot_utilisation
+        sched = self.scheduler
+        record = StepRecord(
+            step=self.step_count,
+            time=time.time(),
+            duration_s=duration,
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting),
+            num_swapped=len(sched.swapped),
+            num_seqs=len(out.scheduled),
+            num_scheduled_tokens=out.num_scheduled_tokens,
+            num_context_tokens=out.num_context_tokens,
+            num_prompt_tokens=prompt_tokens,
+            num_generation_tokens=gen_tokens,
+            blocks_used=usage.used,
+            blocks_cached=usage.cached_free,
+            blocks_free=usage.free,
+            kv_usage=usage.usage,
+            bound_by=out.bound_by,
+        )
+        self._last_step = record
+        self.history.append(record)
+
+    # -- offline API -----------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        priority: int | str | None = None,
+    ) -> list[CompletionResult]:
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompt_list = list(prompts)  # type: ignore[arg-type]
+        if params is None or isinstance(params, SamplingParams):
+            param_list = [params or SamplingParams()] * len(prompt_list)
+        else:
+            param_list = list(params)
+            if len(param_list) != len(prompt_list):
+                raise ValueError(
+                    f"params: {len(param_list)} SamplingParams for {len(prompt_list)} prompts"
+                )
+        requests = [self.add_request(p, sp, priority=priority) for p, sp in zip(prompt_list, param_list, strict=True)]
+        texts: dict[str, str] = {}
+        while self.has_unfinished():
+            for ro in self.step():
+                if ro.new_text:
+                    texts[ro.request_id] = texts.get(ro.request_id, "") + ro.new_text
+        return [self._result(req, texts.get(req.request_id)) for req in requests]
+
+    def _result(self, req: Request, streamed_text: str | None) -> CompletionResult:
+        if streamed_text is None:
+            streamed_text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+        reason = req.finish_reason or FinishReason.ABORT
+        return CompletionResult(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            token_ids=req.output_token_ids,
+            text=streamed_text,
+            finish_reason=reason.value,
+            finish_detail=req.finish_detail,
+            logprobs=self._logprobs.pop(req.request_id, None),
+            num_cached_tokens=req.num_cached_prompt_tokens,
+        )
+
+    # -- figures ---------------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        usage = self.kv.usage()
+        sched = self.scheduler
+        return EngineStats(
+            model_name=self.model_name,
+            step=self.step_count,
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting),
+            num_swapped=len(sched.swapped),
+            num_blocks=usage.num_blocks,
+            block_size=self.kv.block_size,
+            blocks_used=usage.used,
+            blocks_cached=usage.cached_free,
+            blocks_free=usage.free,
+            kv_usage=usage.usage,
+            slots_holding_tokens=usage.slots_holding_tokens,
+            slots_allocated=usage.slots_allocated,
+            slot_utilisation=usage.slot_utilisation,
+            slot_utilisation_at_peak=self._slot_util_at_peak,
+            swap_blocks_total=usage.swap_blocks_total,
+            swap_blocks_used=usage.swap_blocks_used,
+            prefix_cache_queries=self.kv.prefix_queries,
+            prefix_cache_hits=self.kv.prefix_hits,
+            prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total,
+            requests_finished=dict(self.requests_finished),
+            counters=sched.counters,
+            last_step=self._last_step,
+        )
+
+    def preemption_log(self) -> list[PreemptionEvent]:
+        return list(self.scheduler.preemption_log)
+
+    def request_status(self, request_id: str) -> RequestStatus | None:
+        req = self.scheduler.requests.get(request_id)
+        return req.status if req is not None else None

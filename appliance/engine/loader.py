@@ -1,0 +1,200 @@
+"""Start-up: find (or build) the model directory, load config, tokenizer and weights, size the
+KV pool from the memory settings, and wire the runner and the cache manager together."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from appliance.config import ApplianceConfig, ConfigError
+from appliance.engine.model_runner import KVCachePool, ModelRunner
+from appliance.kernels.paged_attention import cache_storage_dtype
+from appliance.layers.parallel import tp_size
+from appliance.layers.rotary import RotaryEmbedding
+from appliance.models.hf_files import has_model, iter_safetensors, load_hf_config, load_tokenizer
+from appliance.models.llama import LlamaForCausalLM, ModelArgs
+
+log = logging.getLogger("appliance.loader")
+
+GiB = 1024**3
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass
+class LoadedModel:
+    model_name: str
+    model_dir: Path
+    args: ModelArgs
+    model: LlamaForCausalLM
+    tokenizer: Any
+    max_model_len: int
+    eos_token_ids: frozenset[int]
+    num_blocks: int
+    num_swap_blocks: int
+    runner: ModelRunner
+    device: torch.device
+    dtype: torch.dtype
+    block_size: int
+    bytes_per_block: int
+    phase_times: dict[str, float]
+
+
+def resolve_device(config: ApplianceConfig) -> torch.device:
+    wanted = config.hardware.device
+    if wanted == "cuda" or (wanted == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ConfigError("hardware.device: 'cuda' asked for but no CUDA device is visible")
+        return torch.device("cuda", 0)
+    return torch.device("cpu")
+
+
+def resolve_dtype(config: ApplianceConfig) -> torch.dtype:
+    return torch.bfloat16 if config.model.dtype == "auto" else DTYPES[config.model.dtype]
+
+
+def resolve_model_dir(config: ApplianceConfig, progress: Callable[[str], None]) -> Path:
+    if not config.model.path:
+        raise ConfigError("model.path: no model directory given (set it in the template or --model)")
+    path = Path(os.path.expanduser(config.model.path))
+    if has_model(path):
+        return path
+    if config.model.demo_shape:
+        from appliance.models.demo import build_demo_model
+
+        progress(f"building the {config.model.demo_shape!r} demo model into {path} (first start)")
+        build_demo_model(config.model.demo_shape, path, progress=progress)
+        return path
+    raise ConfigError(f"model.path: {str(path)!r} holds no Hugging Face model (config.json + safetensors)")
+
+
+def kv_bytes_per_block(args: ModelArgs, block_size: int, storage: torch.dtype, tp: int) -> int:
+    elem = torch.empty((), dtype=storage).element_size()
+    return 2 * args.num_layers * block_size * args.kv_heads_per_rank(tp) * args.head_dim * elem
+
+
+def _eos_ids(hf_config: Any, tokenizer: Any) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (getattr(hf_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, list):
+            ids.update(source)
+    return frozenset(ids)
+
+
+def load_model(
+    config: ApplianceConfig, progress: Callable[[str], None] | None = None
+) -> LoadedModel:
+    say = progress or (lambda msg: log.info(msg))
+    times: dict[str, float] = {}
+    t0 = time.perf_counter()
+    device = resolve_device(config)
+    dtype = resolve_dtype(config)
+    model_dir = resolve_model_dir(config, say)
+    times["locate_model"] = time.perf_counter() - t0
+
+    t = time.perf_counter()
+    hf_config = load_hf_config(model_dir)
+    args = ModelArgs.from_hf(hf_config)
+    tokenizer = load_tokenizer(model_dir)
+    max_len = config.model.max_model_len or args.max_position_embeddings
+    if max_len > args.max_position_embeddings:
+        raise ConfigError(
+            f"model.max_model_len: {max_len} exceeds the model's max_position_embeddings "
+            f"({args.max_position_embeddings})"
+        )
+    times["config_tokenizer"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    say(f"loading weights from {model_dir} ({args.num_layers} layers, {dtype})")
+    with torch.device("meta"):
+        model = LlamaForCausalLM(args)
+    model = model.to_empty(device=device).to(dtype)
+    # Buffers (rotary tables) are recomputed on the real device: to_empty left them blank.
+    fresh = RotaryEmbedding(
+        args.head_dim, args.max_position_embeddings, args.rope_theta, args.rope_scaling
+    ).to(device)
+    for layer in model.model.layers:
+        layer.self_attn.rotary.cos, layer.self_attn.rotary.sin = fresh.cos, fresh.sin
+    model.load_weights((name, tensor.to(dtype)) for name, tensor in iter_safetensors(model_dir))
+    model.eval()
+    times["load_weights"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    cache = config.cache
+    storage = cache_storage_dtype(cache.kv_cache_dtype, dtype)
+    tp = tp_size()
+    per_block = kv_bytes_per_block(args, cache.block_size, storage, tp)
+    if cache.num_blocks:
+        num_blocks = cache.num_blocks
+    elif device.type == "cuda":
+        num_blocks = _gpu_blocks(config, per_block, device)
+    else:
+        num_blocks = int(cache.kv_cache_memory * GiB // per_block)
+    needed = -(-max_len // cache.block_size)
+    if num_blocks < needed:
+        raise ConfigError(
+            f"cache: {num_blocks} KV blocks of {cache.block_size} tokens "
+            f"({per_block / 2**20:.2f} MiB each) cannot hold one sequence of max_model_len "
+            f"{max_len} ({needed} blocks); raise cache.kv_cache_memory / gpu_memory_utilization "
+            "or lower model.max_model_len"
+        )
+    num_swap = int(cache.swap_space * GiB // per_block)
+    pool = KVCachePool(
+        args.num_layers,
+        num_blocks,
+        num_swap,
+        cache.block_size,
+        args.kv_heads_per_rank(tp),
+        args.head_dim,
+        storage,
+        device,
+    )
+    eos = _eos_ids(hf_config, tokenizer)
+    runner = ModelRunner(model, pool, cache.block_size, device, eos)
+    times["allocate_kv"] = time.perf_counter() - t
+    say(
+        f"KV cache: {num_blocks} blocks x {cache.block_size} tokens "
+        f"({num_blocks * per_block / GiB:.2f} GiB), swap {num_swap} blocks"
+    )
+    name = config.model.name or model_dir.name
+    return LoadedModel(
+        model_name=name,
+        model_dir=model_dir,
+        args=args,
+        model=model,
+        tokenizer=tokenizer,
+        max_model_len=max_len,
+        eos_token_ids=eos,
+        num_blocks=num_blocks,
+        num_swap_blocks=num_swap,
+        runner=runner,
+        device=device,
+        dtype=dtype,
+        block_size=cache.block_size,
+        bytes_per_block=per_block,
+        phase_times=times,
+    )
+
+
+def _gpu_blocks(config: ApplianceConfig, per_block: int, device: torch.device) -> int:
+    """KV pool on a GPU: what `gpu_memory_utilization` leaves after weights and activations."""
+    free, total = torch.cuda.mem_get_info(device)
+    used_by_us = torch.cuda.memory_allocated(device)
+    # Activation reserve: a forward at the largest batch the template allows, estimated from
+    # the hidden size; the exact profile pass runs in the memory planner.
+    reserve = int(0.05 * total)
+    budget = int(total * config.cache.gpu_memory_utilization) - used_by_us - reserve - (total - free - used_by_us)
+    if budget <= 0:
+        raise ConfigError(
+            f"cache.gpu_memory_utilization {config.cache.gpu_memory_utilization}: the weights "
+            f"({used_by_us / GiB:.1f} GiB) leave no room for a KV cache on a {total / GiB:.1f} GiB device"
+        )
+    return budget // per_block

@@ -1,0 +1,168 @@
+"""Turns a SchedulerOutput into tensors, runs one forward pass and the sampler.
+
+Owns the KV tensors (device pool and host swap pool). Token order in a step: decodes first,
+then prefill chunks, so attention runs as at most two batched calls per layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from appliance.core.scheduler import ScheduledRequest, SchedulerOutput
+from appliance.engine.sampler import Sampler, SampleRequest, TokenLogprobs
+from appliance.layers.attention import AttentionMetadata, PagedBatch
+from appliance.models.llama import LlamaForCausalLM
+
+
+@dataclass
+class RunnerOutput:
+    sampled: dict[str, int]
+    logprobs: dict[str, TokenLogprobs]
+
+
+class KVCachePool:
+    """Per-layer K/V tensors of the device pool and the host swap pool."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        num_swap_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.device_caches = [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(num_layers)
+        ]
+        swap_shape = (num_swap_blocks, block_size, num_kv_heads, head_dim)
+        pin = device.type == "cuda"
+        self.host_caches = [
+            (
+                torch.zeros(swap_shape, dtype=dtype, pin_memory=pin),
+                torch.zeros(swap_shape, dtype=dtype, pin_memory=pin),
+            )
+            for _ in range(num_layers if num_swap_blocks else 0)
+        ]
+
+    def swap_out(self, mapping: list[tuple[int, int]]) -> None:
+        self._copy(mapping, self.device_caches, self.host_caches)
+
+    def swap_in(self, mapping: list[tuple[int, int]]) -> None:
+        self._copy(mapping, self.host_caches, self.device_caches)
+
+    @staticmethod
+    def _copy(
+        mapping: list[tuple[int, int]],
+        src: list[tuple[torch.Tensor, torch.Tensor]],
+        dst: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> None:
+        if not mapping:
+            return
+        src_ids = torch.tensor([a for a, _ in mapping])
+        dst_ids = torch.tensor([b for _, b in mapping])
+        for (sk, sv), (dk, dv) in zip(src, dst, strict=True):
+            dk[dst_ids.to(dk.device)] = sk[src_ids.to(sk.device)].to(dk.device)
+            dv[dst_ids.to(dv.device)] = sv[src_ids.to(sv.device)].to(dv.device)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv: KVCachePool,
+        block_size: int,
+        device: torch.device,
+        eos_token_ids: frozenset[int],
+        sampler_seed: int = 0,
+    ) -> None:
+        self.model = model
+        self.kv = kv
+        self.block_size = block_size
+        self.device = device
+        self.eos_token_ids = sorted(eos_token_ids)
+        self.sampler = Sampler(sampler_seed)
+
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        self.kv.swap_out(out.blocks_to_swap_out)
+        self.kv.swap_in(out.blocks_to_swap_in)
+        if not out.scheduled:
+            return RunnerOutput({}, {})
+        batch = sorted(out.scheduled, key=lambda r: len(r.token_ids) > 1)
+        input_ids, positions, meta, last_rows = self._prepare(batch)
+        hidden = self.model(input_ids, positions, meta, self.kv.device_caches)
+        sampling = [(i, r) for i, r in enumerate(batch) if r.sample]
+        if not sampling:
+            return RunnerOutput({}, {})
+        rows = torch.tensor([last_rows[i] for i, _ in sampling], device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, rows)).cpu()
+        tokens, logprobs = self.sampler(logits, [self._sample_request(r) for _, r in sampling])
+        sampled = {r.request_id: t for (_, r), t in zip(sampling, tokens, strict=True)}
+        lps = {
+            r.request_id: lp for (_, r), lp in zip(sampling, logprobs, strict=True) if lp is not None
+        }
+        return RunnerOutput(sampled, lps)
+
+    def _sample_request(self, req: ScheduledRequest) -> SampleRequest:
+        params = req.sampling_params
+        banned: list[int] = []
+        if req.output_index < params.min_tokens:
+            banned = list(params.stop_token_ids)
+            if not params.ignore_eos:
+                banned += self.eos_token_ids
+        return SampleRequest(params, req.output_index, banned)
+
+    def _prepare(
+        self, batch: list[ScheduledRequest]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        bs = self.block_size
+        query_lens = [len(r.token_ids) for r in batch]
+        starts = [r.start_pos for r in batch]
+        flat_ids = [t for r in batch for t in r.token_ids]
+        num_tokens = len(flat_ids)
+
+        q_lens = torch.tensor(query_lens)
+        seq_index = torch.repeat_interleave(torch.arange(len(batch)), q_lens)
+        q_start = torch.zeros(len(batch) + 1, dtype=torch.long)
+        torch.cumsum(q_lens, 0, out=q_start[1:])
+        positions = torch.tensor(starts)[seq_index] + (torch.arange(num_tokens) - q_start[:-1][seq_index])
+
+        max_blocks = max(len(r.block_ids) for r in batch)
+        tables = torch.tensor([r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r in batch])
+        slots = tables[seq_index, positions // bs] * bs + positions % bs
+        seq_lens = torch.tensor(starts) + q_lens
+
+        num_decodes = sum(1 for n in query_lens if n == 1)
+        dev = self.device
+
+        def paged(lo: int, hi: int) -> PagedBatch | None:
+            if lo == hi:
+                return None
+            qsl = q_start[lo : hi + 1] - q_start[lo]
+            return PagedBatch(
+                block_tables=tables[lo:hi].to(dev),
+                seq_lens=seq_lens[lo:hi].to(dev),
+                query_start_loc=qsl.to(dev),
+                max_query_len=max(query_lens[lo:hi]),
+                max_seq_len=int(seq_lens[lo:hi].max()),
+                num_tokens=int(qsl[-1]),
+            )
+
+        meta = AttentionMetadata(
+            slot_mapping=slots.to(dev),
+            decode=paged(0, num_decodes),
+            prefill=paged(num_decodes, len(batch)),
+        )
+        last_rows = (q_start[1:] - 1).tolist()
+        return (
+            torch.tensor(flat_ids, device=dev),
+            positions.to(dev),
+            meta,
+            last_rows,
+        )

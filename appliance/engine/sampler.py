@@ -1,0 +1,107 @@
+"""Token selection for one step's batch: greedy, temperature, top-k, top-p, per-request seeds,
+banned tokens (min_tokens) and top-k logprobs, in batched tensor operations."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from appliance.sampling_params import SamplingParams
+
+
+@dataclass
+class SampleRequest:
+    params: SamplingParams
+    # Position of the token being sampled among the request's outputs.
+    output_index: int
+    # Tokens that may not be sampled now (EOS and stop ids before min_tokens).
+    banned_token_ids: list[int]
+
+
+@dataclass
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+def _row_generator(seed: int, output_index: int) -> torch.Generator:
+    # Randomness keyed by (seed, position), not by a stateful stream, so a request resumed
+    # after preemption or batched differently draws exactly the same numbers.
+    mixed = (seed * 0x9E3779B97F4A7C15 + output_index * 0xBF58476D1CE4E5B9) % (2**63 - 1)
+    return torch.Generator().manual_seed(mixed)
+
+
+class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(
+        self, logits: torch.Tensor, requests: list[SampleRequest]
+    ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """logits: [N, vocab] float32, one row per request."""
+        logits = logits.float()
+        rows, vocab = logits.shape
+        want_logprobs = any(r.params.logprobs is not None for r in requests)
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+
+        for i, req in enumerate(requests):
+            if req.banned_token_ids:
+                logits[i, req.banned_token_ids] = float("-inf")
+
+        greedy = torch.tensor([r.params.greedy for r in requests])
+        tokens = logits.argmax(dim=-1)
+        if not bool(greedy.all()):
+            sampled = self._sample(logits, requests, greedy)
+            tokens = torch.where(greedy, tokens, sampled)
+        token_list = tokens.tolist()
+
+        out_logprobs: list[TokenLogprobs | None] = [None] * rows
+        if raw_logprobs is not None:
+            k_max = max((r.params.logprobs or 0) for r in requests)
+            top_vals, top_ids = raw_logprobs.topk(max(k_max, 1), dim=-1)
+            chosen = raw_logprobs.gather(1, tokens.view(-1, 1)).view(-1).tolist()
+            top_vals_l, top_ids_l = top_vals.tolist(), top_ids.tolist()
+            for i, req in enumerate(requests):
+                k = req.params.logprobs
+                if k is None:
+                    continue
+                out_logprobs[i] = TokenLogprobs(
+                    token_list[i], chosen[i], top_ids_l[i][:k], top_vals_l[i][:k]
+                )
+        return token_list, out_logprobs
+
+    def _sample(
+        self, logits: torch.Tensor, requests: list[SampleRequest], greedy: torch.Tensor
+    ) -> torch.Tensor:
+        temps = torch.tensor([r.params.temperature if not r.params.greedy else 1.0 for r in requests])
+        logits = logits / temps.view(-1, 1)
+        top_k = torch.tensor([r.params.top_k if r.params.top_k > 0 else 0 for r in requests])
+        top_p = torch.tensor([r.params.top_p for r in requests])
+        if bool((top_k > 0).any()) or bool((top_p < 1.0).any()):
+            logits = _apply_top_k_top_p(logits, top_k, top_p)
+        probs = torch.softmax(logits, dim=-1)
+        # Exponential race: argmax(p / E) with E ~ Exp(1) samples from p.
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for i, req in enumerate(requests):
+            if req.params.seed is not None and not req.params.greedy:
+                noise[i].exponential_(generator=_row_generator(req.params.seed, req.output_index))
+        return (probs / noise).argmax(dim=-1)
+
+
+def _apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    ranks = torch.arange(vocab).view(1, -1)
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).view(-1, 1)
+    mask = ranks >= k
+    probs = torch.softmax(sorted_logits.masked_fill(mask, float("-inf")), dim=-1)
+    # Keep the smallest prefix whose mass reaches top_p (the top token always survives).
+    before = probs.cumsum(dim=-1) - probs
+    mask |= before >= top_p.view(-1, 1)
+    sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)

@@ -1,0 +1,67 @@
+"""Rotary position embeddings (rotate-half layout), with Llama-3 and linear frequency scaling."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
+    # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, the band between
+    # interpolated smoothly.
+    factor = float(params["factor"])
+    low = float(params.get("low_freq_factor", 1.0))
+    high = float(params.get("high_freq_factor", 4.0))
+    old_len = float(params["original_max_position_embeddings"])
+    low_wavelen = old_len / low
+    high_wavelen = old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(
+        self,
+        head_dim: int,
+        max_position: int,
+        base: float,
+        scaling: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        inv_freq = 1.0 / (base**exponents)
+        rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+        if rope_type == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, scaling or {})
+        elif rope_type == "linear":
+            inv_freq = inv_freq / float((scaling or {})["factor"])
+        elif rope_type not in ("default", None):
+            raise ValueError(
+                f"rope_scaling: rope_type {rope_type!r} is not supported "
+                "(supported: default, linear, llama3)"
+            )
+        positions = torch.arange(max_position, dtype=torch.int64).float()
+        freqs = torch.outer(positions, inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, Hq, D], k: [T, Hk, D] at absolute `positions` [T]."""
+        cos = self.cos[positions].to(q.dtype).unsqueeze(1)
+        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -1,0 +1,48 @@
+"""Per-request sampling parameters, validated with errors that name the field and its limit."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    max_tokens: int = 16
+    # 0 means greedy.
+    temperature: float = 1.0
+    top_p: float = 1.0
+    # 0 (or -1) disables top-k.
+    top_k: int = 0
+    # Reproducible sampling: the same seed gives the same tokens whatever the batch.
+    seed: int | None = None
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    # Number of top logprobs to return per generated token (None: no logprobs).
+    logprobs: int | None = None
+    # Keep the stop string in the returned text (OpenAI drops it).
+    include_stop_str_in_output: bool = False
+
+    def validate(self, max_logprobs: int = 20) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
+            )
+        if self.logprobs is not None and not 0 <= self.logprobs <= max_logprobs:
+            raise ValueError(f"logprobs must be in [0, {max_logprobs}], got {self.logprobs}")
+        if any(s == "" for s in self.stop):
+            raise ValueError("stop strings must not be empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1

@@ -1,0 +1,428 @@
+"""Triton paged attention: decode (split-K / flash-decoding) and chunked prefill.
+
+Same contract as `paged_attention.paged_attention` (the torch reference): cache
+``[num_blocks, block_size, num_kv_heads, head_dim]`` read through ``block_tables``; sequence
+``i`` owns query rows ``query_start_loc[i]:query_start_loc[i+1]``, its last ``q_len`` positions
+out of ``seq_lens[i]`` (already written) context tokens.
+
+Design:
+* One program per (sequence, KV head[, split / query tile]) handles the whole GQA head group,
+  so every K/V byte is read once per group: the group's query rows (padded to a power of two,
+  at least 16 for `tl.dot`) multiply each K/V tile with `tl.dot`.
+* K/V are read a tile of ``BLOCK_N`` tokens at a time; each token's physical row comes from the
+  block table, and a row is ``head_dim`` contiguous elements (coalesced loads).
+* Quantized caches are read at their stored width and converted in registers (FP8 through fp16
+  bit tricks, see `triton_kv`), never with fp8 dots: works on Ampere. The per-head K scale is
+  folded into the softmax scale and the V scale into the output.
+* Online softmax in fp32 (base 2). Decode splits long contexts across programs and merges the
+  partial results by log-sum-exp in a second kernel.
+* 16-bit queries use 16-bit dots with fp32 accumulation on the GPU; fp32 queries use IEEE fp32
+  dots. Off the GPU (TRITON_INTERPRET=1) every dot is fp32: the interpreter's bf16 dot is broken.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_kv import FMT_AUTO, FMT_MULTIPLIER, _check_cache, _check_scale, _dequant
+from .triton_kv import write_kv_triton as write_kv_triton
+
+__all__ = ["paged_attention_triton", "paged_attention_decode", "paged_attention_prefill",
+           "write_kv_triton"]
+
+LOG2E = 1.4426950408889634
+DECODE_BLOCK_N = 64  # context tokens per loop iteration (decode)
+PREFILL_BLOCK_M = 64  # query rows (tokens x padded group) per program (prefill)
+PREFILL_BLOCK_N = 64
+MIN_SPLIT_SIZE = 512  # tokens: below this a split's fixed cost outweighs the parallelism
+MAX_SPLITS = 64
+
+
+@triton.jit
+def _tile_offsets(bt_row_ptr, pos, valid, kvh, stride_cb, stride_cs, stride_ch,
+                  BLOCK_SIZE: tl.constexpr):
+    """Token positions -> element offsets of their cache rows (int64), via the block table."""
+    block = tl.load(bt_row_ptr + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    return block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kvh * stride_ch
+
+
+@triton.jit
+def _load_kv_tile(cache_ptr, rows, mask, offs_d, KV_FMT: tl.constexpr, DTYPE: tl.constexpr):
+    raw = tl.load(cache_ptr + rows[:, None] + offs_d[None, :], mask=mask, other=0)
+    return _dequant(raw, KV_FMT).to(DTYPE)
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr,
+    qk_scale, v_mult,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_cb, stride_cs, stride_ch, stride_bt,
+    stride_pb, stride_ph, stride_ps,
+    SPLIT_SIZE: tl.constexpr,
+    USE_SPLITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    KV_FMT: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Grid (batch, num_kv_heads, num_splits): one query token per sequence."""
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx_len = tl.load(seq_lens_ptr + seq)
+    start = split * SPLIT_SIZE
+    if start < ctx_len:
+        end = tl.minimum(start + SPLIT_SIZE, ctx_len)
+        offs_g = tl.arange(0, GROUP_PAD)
+        offs_d = tl.arange(0, HEAD_DIM_PAD)
+        offs_n = tl.arange(0, BLOCK_N)
+        heads = kvh * GROUP + offs_g
+        row_mask = (offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :]
+        q = tl.load(q_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
+                    + offs_d[None, :], mask=row_mask, other=0.0)
+        if FP32_DOT:
+            q = q.to(tl.float32)
+        k_scale = qk_scale
+        v_scale = v_mult
+        if KV_FMT != 0:
+            k_scale = k_scale * tl.load(k_scale_ptr + kvh)
+            v_scale = v_scale * tl.load(v_scale_ptr + kvh)
+        bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+        m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
+        for tok in range(start, end, BLOCK_N):
+            pos = tok + offs_n
+            valid = pos < end
+            rows = _tile_offsets(bt_row, pos, valid, kvh, stride_cb, stride_cs, stride_ch,
+                                 BLOCK_SIZE)
+            kv_mask = valid[:, None] & (offs_d < HEAD_DIM)[None, :]
+            k = _load_kv_tile(k_cache_ptr, rows, kv_mask, offs_d, KV_FMT, q.dtype)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * k_scale  # [G, N], log2 units
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = _load_kv_tile(v_cache_ptr, rows, kv_mask, offs_d, KV_FMT, q.dtype)
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+        out = acc * (v_scale / l_i)[:, None]
+        if USE_SPLITS:
+            part = seq.to(tl.int64) * stride_pb + heads * stride_ph + split * stride_ps
+            tl.store(part_out_ptr + part[:, None] + offs_d[None, :], out, mask=row_mask)
+            # part_lse is part_out without its last (HEAD_DIM_PAD) dimension.
+            tl.store(part_lse_ptr + part // HEAD_DIM_PAD, m_i + tl.log2(l_i), mask=offs_g < GROUP)
+        else:
+            o = out_ptr + seq.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+            tl.store(o, out.to(out_ptr.dtype.element_ty), mask=row_mask)
+    elif not USE_SPLITS:  # empty context (a padding entry): write zeros, not NaN
+        offs_g = tl.arange(0, GROUP_PAD)
+        offs_d = tl.arange(0, HEAD_DIM_PAD)
+        row_mask = (offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :]
+        o = (out_ptr + seq.to(tl.int64) * stride_ot + (kvh * GROUP + offs_g)[:, None] * stride_oh
+             + offs_d[None, :])
+        tl.store(o, tl.zeros([GROUP_PAD, HEAD_DIM_PAD], out_ptr.dtype.element_ty), mask=row_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr,
+    stride_pb, stride_ph, stride_ps, stride_ot, stride_oh,
+    SPLIT_SIZE: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+):
+    """Grid (batch, num_heads): merge the splits' normalised outputs by log-sum-exp."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    ctx_len = tl.load(seq_lens_ptr + seq)
+    num_splits = tl.cdiv(ctx_len, SPLIT_SIZE)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    s_mask = offs_s < num_splits
+    base = seq.to(tl.int64) * stride_pb + head * stride_ph + offs_s * stride_ps
+    lse = tl.load(part_lse_ptr + base // HEAD_DIM_PAD, mask=s_mask, other=float("-inf"))
+    weight = tl.where(s_mask, tl.exp2(lse - tl.max(lse, 0)), 0.0)
+    parts = tl.load(part_out_ptr + base[:, None] + offs_d[None, :],
+                    mask=s_mask[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+    total = tl.sum(weight, 0)
+    out = tl.sum(parts * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + seq.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
+             out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    k_scale_ptr, v_scale_ptr, out_ptr,
+    qk_scale, v_mult,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_cb, stride_cs, stride_ch, stride_bt,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    KV_FMT: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Grid (query tiles, batch, num_kv_heads). A tile is BLOCK_Q query tokens x the head group,
+    flattened to BLOCK_Q * GROUP_PAD rows; it attends causally to the cached prefix and itself."""
+    q_tile = tl.program_id(0)
+    seq = tl.program_id(1)
+    kvh = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if q_tile * BLOCK_Q < q_len:
+        ctx_len = tl.load(seq_lens_ptr + seq)
+        prefix = ctx_len - q_len
+        offs_m = tl.arange(0, BLOCK_Q * GROUP_PAD)
+        offs_d = tl.arange(0, HEAD_DIM_PAD)
+        offs_n = tl.arange(0, BLOCK_N)
+        tok = q_tile * BLOCK_Q + offs_m // GROUP_PAD
+        heads = kvh * GROUP + offs_m % GROUP_PAD
+        row_ok = (tok < q_len) & (offs_m % GROUP_PAD < GROUP)
+        row_mask = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+        rows = (q_start + tok).to(tl.int64)
+        q = tl.load(q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh
+                    + offs_d[None, :], mask=row_mask, other=0.0)
+        if FP32_DOT:
+            q = q.to(tl.float32)
+        k_scale = qk_scale
+        v_scale = v_mult
+        if KV_FMT != 0:
+            k_scale = k_scale * tl.load(k_scale_ptr + kvh)
+            v_scale = v_scale * tl.load(v_scale_ptr + kvh)
+        q_pos = prefix + tok  # absolute position of each row's token
+        kv_end = tl.minimum(ctx_len, prefix + (q_tile + 1) * BLOCK_Q)
+        bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+        m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
+        acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM_PAD], tl.float32)
+        for tok0 in range(0, kv_end, BLOCK_N):
+            pos = tok0 + offs_n
+            valid = pos < kv_end
+            kv_rows = _tile_offsets(bt_row, pos, valid, kvh, stride_cb, stride_cs, stride_ch,
+                                    BLOCK_SIZE)
+            kv_mask = valid[:, None] & (offs_d < HEAD_DIM)[None, :]
+            k = _load_kv_tile(k_cache_ptr, kv_rows, kv_mask, offs_d, KV_FMT, q.dtype)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * k_scale
+            s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every row sees key 0
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = _load_kv_tile(v_cache_ptr, kv_rows, kv_mask, offs_d, KV_FMT, q.dtype)
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+        out = acc * (v_scale / l_i)[:, None]
+        o = out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o, out.to(out_ptr.dtype.element_ty), mask=row_mask)
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def choose_split_size(batch: int, num_kv_heads: int, max_seq_len: int,
+                      device: torch.device) -> int:
+    """Tokens per decode split: split only when (batch x KV heads) cannot fill the GPU."""
+    if device.type != "cuda":
+        return max(max_seq_len, 1)
+    programs = batch * num_kv_heads
+    target = 2 * _num_sms(device.index if device.index is not None else 0)
+    if programs >= target or max_seq_len <= 2 * MIN_SPLIT_SIZE:
+        return max(max_seq_len, 1)
+    splits = min(triton.cdiv(target, programs), MAX_SPLITS)
+    size = max(MIN_SPLIT_SIZE, triton.cdiv(max_seq_len, splits))
+    return triton.cdiv(size, DECODE_BLOCK_N) * DECODE_BLOCK_N
+
+
+class _Launch:
+    """Checked shapes and the arguments shared by the decode and prefill launches."""
+
+    def __init__(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 block_tables: torch.Tensor, kv_cache_dtype: str, scale: float,
+                 k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> None:
+        self.fmt = _check_cache(k_cache, v_cache, kv_cache_dtype)
+        _, self.block_size, self.num_kv_heads, self.head_dim = k_cache.shape
+        if query.dim() != 3 or query.shape[2] != self.head_dim:
+            raise ValueError(f"query must be [tokens, heads, {self.head_dim}]")
+        self.num_heads = query.shape[1]
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError("num_heads must be a multiple of num_kv_heads")
+        self.group = self.num_heads // self.num_kv_heads
+        self.query = query if query.stride(2) == 1 else query.contiguous()
+        self.block_tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
+        if self.fmt == FMT_AUTO:
+            self.k_scale = self.v_scale = block_tables  # never read
+        else:
+            self.k_scale = _check_scale(k_scale, self.num_kv_heads, "k_scale")
+            self.v_scale = _check_scale(v_scale, self.num_kv_heads, "v_scale")
+        self.qk_scale = scale * LOG2E * FMT_MULTIPLIER[self.fmt]
+        self.v_mult = FMT_MULTIPLIER[self.fmt]
+        self.fp32_dot = query.dtype == torch.float32 or query.device.type != "cuda"
+        self.head_dim_pad = max(triton.next_power_of_2(self.head_dim), 16)
+        self.cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                              self.block_tables.stride(0))
+
+
+def paged_attention_decode(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_seq_len: int,
+    kv_cache_dtype: str = "auto",
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    split_size: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Decode: query row ``i`` ([batch, num_heads, head_dim]) is sequence ``i``'s last token.
+
+    ``split_size`` (tokens per program along the context) defaults to `choose_split_size`;
+    a sequence with ``seq_lens == 0`` gets zeros.
+    """
+    a = _Launch(query, k_cache, v_cache, block_tables, kv_cache_dtype, scale, k_scale, v_scale)
+    batch = seq_lens.shape[0]
+    out = torch.empty_like(query) if out is None else out
+    if batch == 0:
+        return out
+    if split_size is None:
+        split_size = choose_split_size(batch, a.num_kv_heads, max_seq_len, query.device)
+    split_size = max(int(split_size), 1)
+    num_splits = max(triton.cdiv(max_seq_len, split_size), 1)
+    use_splits = num_splits > 1
+    group_pad = max(triton.next_power_of_2(a.group), 16)
+    if use_splits:
+        part_out = torch.empty(batch, a.num_heads, num_splits, a.head_dim_pad,
+                               dtype=torch.float32, device=query.device)
+        part_lse = torch.empty(batch, a.num_heads, num_splits, dtype=torch.float32,
+                               device=query.device)
+        part_strides = part_out.stride()[:3]
+    else:
+        part_out = part_lse = out  # never touched
+        part_strides = (0, 0, 0)
+    seq_lens = seq_lens.contiguous()
+    _decode_kernel[(batch, a.num_kv_heads, num_splits)](
+        a.query, k_cache, v_cache, a.block_tables, seq_lens, a.k_scale, a.v_scale,
+        out, part_out, part_lse,
+        a.qk_scale, a.v_mult,
+        a.query.stride(0), a.query.stride(1), out.stride(0), out.stride(1),
+        *a.cache_strides,
+        *part_strides,
+        SPLIT_SIZE=split_size,
+        USE_SPLITS=use_splits,
+        GROUP=a.group,
+        GROUP_PAD=group_pad,
+        HEAD_DIM=a.head_dim,
+        HEAD_DIM_PAD=a.head_dim_pad,
+        BLOCK_SIZE=a.block_size,
+        BLOCK_N=DECODE_BLOCK_N,
+        KV_FMT=a.fmt,
+        FP32_DOT=a.fp32_dot,
+        DOT_PRECISION="ieee" if a.fp32_dot else "tf32",
+        num_warps=4,
+        num_stages=2,
+    )
+    if use_splits:
+        _decode_reduce_kernel[(batch, a.num_heads)](
+            part_out, part_lse, seq_lens, out,
+            *part_strides, out.stride(0), out.stride(1),
+            SPLIT_SIZE=split_size,
+            SPLITS_PAD=max(triton.next_power_of_2(num_splits), 2),
+            HEAD_DIM=a.head_dim,
+            HEAD_DIM_PAD=a.head_dim_pad,
+            num_warps=4,
+        )
+    return out
+
+
+def paged_attention_prefill(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    kv_cache_dtype: str = "auto",
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """(Chunked) prefill: ragged query chunks attending causally to prefix + themselves."""
+    a = _Launch(query, k_cache, v_cache, block_tables, kv_cache_dtype, scale, k_scale, v_scale)
+    batch = seq_lens.shape[0]
+    out = torch.empty_like(query) if out is None else out
+    if batch == 0 or max_query_len == 0:
+        return out
+    group_pad = triton.next_power_of_2(a.group)
+    block_q = max(PREFILL_BLOCK_M // group_pad, 1)  # rows = block_q * group_pad >= 16
+    grid = (triton.cdiv(max_query_len, block_q), batch, a.num_kv_heads)
+    _prefill_kernel[grid](
+        a.query, k_cache, v_cache, a.block_tables, seq_lens.contiguous(),
+        query_start_loc.contiguous(), a.k_scale, a.v_scale, out,
+        a.qk_scale, a.v_mult,
+        a.query.stride(0), a.query.stride(1), out.stride(0), out.stride(1),
+        *a.cache_strides,
+        GROUP=a.group,
+        GROUP_PAD=group_pad,
+        HEAD_DIM=a.head_dim,
+        HEAD_DIM_PAD=a.head_dim_pad,
+        BLOCK_SIZE=a.block_size,
+        BLOCK_Q=block_q,
+        BLOCK_N=PREFILL_BLOCK_N,
+        KV_FMT=a.fmt,
+        FP32_DOT=a.fp32_dot,
+        DOT_PRECISION="ieee" if a.fp32_dot else "tf32",
+        num_warps=4,
+        num_stages=2,
+    )
+    return out
+
+
+def paged_attention_triton(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+    kv_cache_dtype: str = "auto",
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Drop-in for `paged_attention.paged_attention`: the decode kernel when every sequence
+    brings one query token (``max_query_len == 1``), the prefill kernel otherwise."""
+    if max_query_len == 1:
+        return paged_attention_decode(query, k_cache, v_cache, block_tables, seq_lens, scale,
+                                      max_seq_len, kv_cache_dtype, k_scale, v_scale)
+    return paged_attention_prefill(query, k_cache, v_cache, block_tables, seq_lens,
+                                   query_start_loc, scale, max_query_len, kv_cache_dtype,
+                                   k_scale, v_scale)
+
