@@ -51,6 +51,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from appliance import plan
     from appliance.bench import offline
     from appliance.models.demo import add_demo_model_parser
 
@@ -77,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_generate)
 
     add_demo_model_parser(sub)
+    plan.add_parser(sub)
 
     bench = sub.add_parser("bench", help="benchmarks that print tables")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)

@@ -44,6 +44,9 @@ class ModelConfig(_Section):
     max_model_len: NonNegInt = 0
     # When set and `path` holds no model, build this demo model there on first start.
     demo_shape: Literal["", "tiny", "small"] = ""
+    # Reference architecture `appliance plan` reads (templates/models/<name>/config.json) while
+    # `path` holds no model yet, e.g. "llama-2-13b": plan before the weights are on the box.
+    architecture: str = ""
 
 
 class CacheConfig(_Section):

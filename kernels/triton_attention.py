@@ -23,6 +23,7 @@ Design:
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -31,15 +32,32 @@ import triton.language as tl
 from .triton_kv import FMT_AUTO, FMT_MULTIPLIER, _check_cache, _check_scale, _dequant
 from .triton_kv import write_kv_triton as write_kv_triton
 
-__all__ = ["paged_attention_triton", "paged_attention_decode", "paged_attention_prefill",
-           "write_kv_triton"]
+__all__ = ["KernelConfig", "choose_split_size", "default_config", "paged_attention_decode",
+           "paged_attention_prefill", "paged_attention_triton", "write_kv_triton"]
 
 LOG2E = 1.4426950408889634
-DECODE_BLOCK_N = 64  # context tokens per loop iteration (decode)
 PREFILL_BLOCK_M = 64  # query rows (tokens x padded group) per program (prefill)
-PREFILL_BLOCK_N = 64
 MIN_SPLIT_SIZE = 512  # tokens: below this a split's fixed cost outweighs the parallelism
 MAX_SPLITS = 64
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Launch knobs. Defaults were checked offline with ptxas (no spills on sm80 / sm90 for
+    bf16 and FP8 caches, head_dim 128); tune on a GPU with ``python -m appliance.kernels.bench
+    --sweep``."""
+
+    block_n: int = 64  # context tokens per loop iteration
+    num_warps: int = 8
+    num_stages: int = 2
+
+
+def default_config(head_dim: int) -> KernelConfig:
+    if head_dim <= 64:
+        return KernelConfig(block_n=64, num_warps=4)
+    if head_dim <= 128:
+        return KernelConfig(block_n=64, num_warps=8)
+    return KernelConfig(block_n=32, num_warps=8)
 
 
 @triton.jit
@@ -82,58 +100,53 @@ def _decode_kernel(
     split = tl.program_id(2)
     ctx_len = tl.load(seq_lens_ptr + seq)
     start = split * SPLIT_SIZE
-    if start < ctx_len:
-        end = tl.minimum(start + SPLIT_SIZE, ctx_len)
-        offs_g = tl.arange(0, GROUP_PAD)
-        offs_d = tl.arange(0, HEAD_DIM_PAD)
-        offs_n = tl.arange(0, BLOCK_N)
-        heads = kvh * GROUP + offs_g
-        row_mask = (offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :]
-        q = tl.load(q_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
-                    + offs_d[None, :], mask=row_mask, other=0.0)
-        if FP32_DOT:
-            q = q.to(tl.float32)
-        k_scale = qk_scale
-        v_scale = v_mult
-        if KV_FMT != 0:
-            k_scale = k_scale * tl.load(k_scale_ptr + kvh)
-            v_scale = v_scale * tl.load(v_scale_ptr + kvh)
-        bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-        m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-        l_i = tl.zeros([GROUP_PAD], tl.float32)
-        acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
-        for tok in range(start, end, BLOCK_N):
-            pos = tok + offs_n
-            valid = pos < end
-            rows = _tile_offsets(bt_row, pos, valid, kvh, stride_cb, stride_cs, stride_ch,
-                                 BLOCK_SIZE)
-            kv_mask = valid[:, None] & (offs_d < HEAD_DIM)[None, :]
-            k = _load_kv_tile(k_cache_ptr, rows, kv_mask, offs_d, KV_FMT, q.dtype)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * k_scale  # [G, N], log2 units
-            s = tl.where(valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = _load_kv_tile(v_cache_ptr, rows, kv_mask, offs_d, KV_FMT, q.dtype)
-            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
-            m_i = m_new
-        out = acc * (v_scale / l_i)[:, None]
-        if USE_SPLITS:
-            part = seq.to(tl.int64) * stride_pb + heads * stride_ph + split * stride_ps
-            tl.store(part_out_ptr + part[:, None] + offs_d[None, :], out, mask=row_mask)
-            # part_lse is part_out without its last (HEAD_DIM_PAD) dimension.
-            tl.store(part_lse_ptr + part // HEAD_DIM_PAD, m_i + tl.log2(l_i), mask=offs_g < GROUP)
-        else:
-            o = out_ptr + seq.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
-            tl.store(o, out.to(out_ptr.dtype.element_ty), mask=row_mask)
-    elif not USE_SPLITS:  # empty context (a padding entry): write zeros, not NaN
-        offs_g = tl.arange(0, GROUP_PAD)
-        offs_d = tl.arange(0, HEAD_DIM_PAD)
-        row_mask = (offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :]
-        o = (out_ptr + seq.to(tl.int64) * stride_ot + (kvh * GROUP + offs_g)[:, None] * stride_oh
-             + offs_d[None, :])
-        tl.store(o, tl.zeros([GROUP_PAD, HEAD_DIM_PAD], out_ptr.dtype.element_ty), mask=row_mask)
+    if USE_SPLITS:
+        if start >= ctx_len:  # this sequence is shorter: nothing to do
+            return
+    end = tl.minimum(start + SPLIT_SIZE, ctx_len)  # empty (unsplit, ctx_len 0): zeros out
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    offs_n = tl.arange(0, BLOCK_N)
+    heads = kvh * GROUP + offs_g
+    row_mask = (offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    q = tl.load(q_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
+                + offs_d[None, :], mask=row_mask, other=0.0)
+    if FP32_DOT:
+        q = q.to(tl.float32)
+    k_scale = qk_scale
+    v_scale = v_mult
+    if KV_FMT != 0:
+        k_scale = k_scale * tl.load(k_scale_ptr + kvh)
+        v_scale = v_scale * tl.load(v_scale_ptr + kvh)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
+    for tok in range(start, end, BLOCK_N):
+        pos = tok + offs_n
+        valid = pos < end
+        rows = _tile_offsets(bt_row, pos, valid, kvh, stride_cb, stride_cs, stride_ch,
+                             BLOCK_SIZE)
+        kv_mask = valid[:, None] & (offs_d < HEAD_DIM)[None, :]
+        k = _load_kv_tile(k_cache_ptr, rows, kv_mask, offs_d, KV_FMT, q.dtype)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * k_scale  # [G, N], log2 units
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _load_kv_tile(v_cache_ptr, rows, kv_mask, offs_d, KV_FMT, q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    out = acc * (v_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]
+    if USE_SPLITS:
+        part = seq.to(tl.int64) * stride_pb + heads * stride_ph + split * stride_ps
+        tl.store(part_out_ptr + part[:, None] + offs_d[None, :], out, mask=row_mask)
+        # part_lse is part_out without its last (HEAD_DIM_PAD) dimension.
+        tl.store(part_lse_ptr + part // HEAD_DIM_PAD, m_i + tl.log2(l_i), mask=offs_g < GROUP)
+    else:
+        o = out_ptr + seq.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o, out.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
 @triton.jit
@@ -155,7 +168,9 @@ def _decode_reduce_kernel(
     s_mask = offs_s < num_splits
     base = seq.to(tl.int64) * stride_pb + head * stride_ph + offs_s * stride_ps
     lse = tl.load(part_lse_ptr + base // HEAD_DIM_PAD, mask=s_mask, other=float("-inf"))
-    weight = tl.where(s_mask, tl.exp2(lse - tl.max(lse, 0)), 0.0)
+    lse_max = tl.max(lse, 0)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # empty context: no NaN
+    weight = tl.where(s_mask, tl.exp2(lse - lse_max), 0.0)
     parts = tl.load(part_out_ptr + base[:, None] + offs_d[None, :],
                     mask=s_mask[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
     total = tl.sum(weight, 0)
@@ -189,51 +204,52 @@ def _prefill_kernel(
     kvh = tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    if q_tile * BLOCK_Q < q_len:
-        ctx_len = tl.load(seq_lens_ptr + seq)
-        prefix = ctx_len - q_len
-        offs_m = tl.arange(0, BLOCK_Q * GROUP_PAD)
-        offs_d = tl.arange(0, HEAD_DIM_PAD)
-        offs_n = tl.arange(0, BLOCK_N)
-        tok = q_tile * BLOCK_Q + offs_m // GROUP_PAD
-        heads = kvh * GROUP + offs_m % GROUP_PAD
-        row_ok = (tok < q_len) & (offs_m % GROUP_PAD < GROUP)
-        row_mask = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
-        rows = (q_start + tok).to(tl.int64)
-        q = tl.load(q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh
-                    + offs_d[None, :], mask=row_mask, other=0.0)
-        if FP32_DOT:
-            q = q.to(tl.float32)
-        k_scale = qk_scale
-        v_scale = v_mult
-        if KV_FMT != 0:
-            k_scale = k_scale * tl.load(k_scale_ptr + kvh)
-            v_scale = v_scale * tl.load(v_scale_ptr + kvh)
-        q_pos = prefix + tok  # absolute position of each row's token
-        kv_end = tl.minimum(ctx_len, prefix + (q_tile + 1) * BLOCK_Q)
-        bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-        m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
-        acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM_PAD], tl.float32)
-        for tok0 in range(0, kv_end, BLOCK_N):
-            pos = tok0 + offs_n
-            valid = pos < kv_end
-            kv_rows = _tile_offsets(bt_row, pos, valid, kvh, stride_cb, stride_cs, stride_ch,
-                                    BLOCK_SIZE)
-            kv_mask = valid[:, None] & (offs_d < HEAD_DIM)[None, :]
-            k = _load_kv_tile(k_cache_ptr, kv_rows, kv_mask, offs_d, KV_FMT, q.dtype)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * k_scale
-            s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every row sees key 0
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = _load_kv_tile(v_cache_ptr, kv_rows, kv_mask, offs_d, KV_FMT, q.dtype)
-            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
-            m_i = m_new
-        out = acc * (v_scale / l_i)[:, None]
-        o = out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
-        tl.store(o, out.to(out_ptr.dtype.element_ty), mask=row_mask)
+    if q_tile * BLOCK_Q >= q_len:  # this sequence has fewer query tiles
+        return
+    ctx_len = tl.load(seq_lens_ptr + seq)
+    prefix = ctx_len - q_len
+    offs_m = tl.arange(0, BLOCK_Q * GROUP_PAD)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    offs_n = tl.arange(0, BLOCK_N)
+    tok = q_tile * BLOCK_Q + offs_m // GROUP_PAD
+    heads = kvh * GROUP + offs_m % GROUP_PAD
+    row_ok = (tok < q_len) & (offs_m % GROUP_PAD < GROUP)
+    row_mask = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    rows = (q_start + tok).to(tl.int64)
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh
+                + offs_d[None, :], mask=row_mask, other=0.0)
+    if FP32_DOT:
+        q = q.to(tl.float32)
+    k_scale = qk_scale
+    v_scale = v_mult
+    if KV_FMT != 0:
+        k_scale = k_scale * tl.load(k_scale_ptr + kvh)
+        v_scale = v_scale * tl.load(v_scale_ptr + kvh)
+    q_pos = prefix + tok  # absolute position of each row's token
+    kv_end = tl.minimum(ctx_len, prefix + (q_tile + 1) * BLOCK_Q)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
+    acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM_PAD], tl.float32)
+    for tok0 in range(0, kv_end, BLOCK_N):
+        pos = tok0 + offs_n
+        valid = pos < kv_end
+        kv_rows = _tile_offsets(bt_row, pos, valid, kvh, stride_cb, stride_cs, stride_ch,
+                                BLOCK_SIZE)
+        kv_mask = valid[:, None] & (offs_d < HEAD_DIM)[None, :]
+        k = _load_kv_tile(k_cache_ptr, kv_rows, kv_mask, offs_d, KV_FMT, q.dtype)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * k_scale
+        s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every row sees key 0
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _load_kv_tile(v_cache_ptr, kv_rows, kv_mask, offs_d, KV_FMT, q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    out = acc * (v_scale / l_i)[:, None]
+    o = out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+    tl.store(o, out.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
 @functools.cache
@@ -242,17 +258,19 @@ def _num_sms(device_index: int) -> int:
 
 
 def choose_split_size(batch: int, num_kv_heads: int, max_seq_len: int,
-                      device: torch.device) -> int:
-    """Tokens per decode split: split only when (batch x KV heads) cannot fill the GPU."""
+                      device: torch.device, block_n: int = 64) -> int:
+    """Tokens per decode split: split the context only when (batch x KV heads) programs
+    cannot fill the GPU; never below MIN_SPLIT_SIZE tokens. A split size >= max_seq_len means
+    no split (one kernel, no reduction)."""
     if device.type != "cuda":
         return max(max_seq_len, 1)
     programs = batch * num_kv_heads
-    target = 2 * _num_sms(device.index if device.index is not None else 0)
-    if programs >= target or max_seq_len <= 2 * MIN_SPLIT_SIZE:
+    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    if programs >= 2 * sms or max_seq_len <= 2 * MIN_SPLIT_SIZE:
         return max(max_seq_len, 1)
-    splits = min(triton.cdiv(target, programs), MAX_SPLITS)
+    splits = min(triton.cdiv(4 * sms, programs), MAX_SPLITS)  # about 4 programs per SM
     size = max(MIN_SPLIT_SIZE, triton.cdiv(max_seq_len, splits))
-    return triton.cdiv(size, DECODE_BLOCK_N) * DECODE_BLOCK_N
+    return triton.cdiv(size, block_n) * block_n
 
 
 class _Launch:
@@ -270,7 +288,10 @@ class _Launch:
             raise ValueError("num_heads must be a multiple of num_kv_heads")
         self.group = self.num_heads // self.num_kv_heads
         self.query = query if query.stride(2) == 1 else query.contiguous()
-        self.block_tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
+        # int32 metadata: one compiled variant whatever the engine passes (no-op if already so).
+        self.block_tables = block_tables.to(torch.int32)
+        if self.block_tables.stride(1) != 1:
+            self.block_tables = self.block_tables.contiguous()
         if self.fmt == FMT_AUTO:
             self.k_scale = self.v_scale = block_tables  # never read
         else:
@@ -297,6 +318,7 @@ def paged_attention_decode(
     v_scale: torch.Tensor | None = None,
     split_size: int | None = None,
     out: torch.Tensor | None = None,
+    config: KernelConfig | None = None,
 ) -> torch.Tensor:
     """Decode: query row ``i`` ([batch, num_heads, head_dim]) is sequence ``i``'s last token.
 
@@ -305,11 +327,13 @@ def paged_attention_decode(
     """
     a = _Launch(query, k_cache, v_cache, block_tables, kv_cache_dtype, scale, k_scale, v_scale)
     batch = seq_lens.shape[0]
-    out = torch.empty_like(query) if out is None else out
+    out = query.new_empty(query.shape) if out is None else out
     if batch == 0:
         return out
+    cfg = config or default_config(a.head_dim_pad)
     if split_size is None:
-        split_size = choose_split_size(batch, a.num_kv_heads, max_seq_len, query.device)
+        split_size = choose_split_size(batch, a.num_kv_heads, max_seq_len, query.device,
+                                       cfg.block_n)
     split_size = max(int(split_size), 1)
     num_splits = max(triton.cdiv(max_seq_len, split_size), 1)
     use_splits = num_splits > 1
@@ -323,7 +347,7 @@ def paged_attention_decode(
     else:
         part_out = part_lse = out  # never touched
         part_strides = (0, 0, 0)
-    seq_lens = seq_lens.contiguous()
+    seq_lens = seq_lens.to(torch.int32).contiguous()
     _decode_kernel[(batch, a.num_kv_heads, num_splits)](
         a.query, k_cache, v_cache, a.block_tables, seq_lens, a.k_scale, a.v_scale,
         out, part_out, part_lse,
@@ -338,12 +362,12 @@ def paged_attention_decode(
         HEAD_DIM=a.head_dim,
         HEAD_DIM_PAD=a.head_dim_pad,
         BLOCK_SIZE=a.block_size,
-        BLOCK_N=DECODE_BLOCK_N,
+        BLOCK_N=cfg.block_n,
         KV_FMT=a.fmt,
         FP32_DOT=a.fp32_dot,
         DOT_PRECISION="ieee" if a.fp32_dot else "tf32",
-        num_warps=4,
-        num_stages=2,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     if use_splits:
         _decode_reduce_kernel[(batch, a.num_heads)](
@@ -371,19 +395,21 @@ def paged_attention_prefill(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    config: KernelConfig | None = None,
 ) -> torch.Tensor:
     """(Chunked) prefill: ragged query chunks attending causally to prefix + themselves."""
     a = _Launch(query, k_cache, v_cache, block_tables, kv_cache_dtype, scale, k_scale, v_scale)
     batch = seq_lens.shape[0]
-    out = torch.empty_like(query) if out is None else out
+    out = query.new_empty(query.shape) if out is None else out
     if batch == 0 or max_query_len == 0:
         return out
+    cfg = config or default_config(a.head_dim_pad)
     group_pad = triton.next_power_of_2(a.group)
     block_q = max(PREFILL_BLOCK_M // group_pad, 1)  # rows = block_q * group_pad >= 16
     grid = (triton.cdiv(max_query_len, block_q), batch, a.num_kv_heads)
     _prefill_kernel[grid](
-        a.query, k_cache, v_cache, a.block_tables, seq_lens.contiguous(),
-        query_start_loc.contiguous(), a.k_scale, a.v_scale, out,
+        a.query, k_cache, v_cache, a.block_tables, seq_lens.to(torch.int32).contiguous(),
+        query_start_loc.to(torch.int32).contiguous(), a.k_scale, a.v_scale, out,
         a.qk_scale, a.v_mult,
         a.query.stride(0), a.query.stride(1), out.stride(0), out.stride(1),
         *a.cache_strides,
@@ -393,12 +419,12 @@ def paged_attention_prefill(
         HEAD_DIM_PAD=a.head_dim_pad,
         BLOCK_SIZE=a.block_size,
         BLOCK_Q=block_q,
-        BLOCK_N=PREFILL_BLOCK_N,
+        BLOCK_N=cfg.block_n,
         KV_FMT=a.fmt,
         FP32_DOT=a.fp32_dot,
         DOT_PRECISION="ieee" if a.fp32_dot else "tf32",
-        num_warps=4,
-        num_stages=2,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     return out
 

@@ -19,9 +19,10 @@ from appliance.core.request import FinishReason, Request, RequestStatus
 from appliance.core.scheduler import Scheduler
 from appliance.core.scheduler_stats import PreemptionEvent
 from appliance.engine.detokenizer import IncrementalDetokenizer
-from appliance.engine.loader import LoadedModel, load_model
+from appliance.engine.loader import LoadedModel
 from appliance.engine.outputs import CompletionResult, Logprob, RequestOutput
 from appliance.engine.stats import EngineStats, StepHistory, StepRecord
+from appliance.engine.tp import start_model
 from appliance.sampling_params import SamplingParams
 
 log = logging.getLogger("appliance.engine")
@@ -32,7 +33,16 @@ Prompt = str | list[int]
 class Engine:
     def __init__(self, config: ApplianceConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
-        self.loaded = loaded or load_model(config)
+        # An engine closes what it loaded; a LoadedModel passed in (the bench reuses one across
+        # engines) stays its caller's to close.
+        self._owns_model = loaded is None
+        self.loaded = loaded or start_model(config)
+        loaded_tp = getattr(self.loaded.executor, "size", 1)
+        if loaded_tp != config.parallel.tensor_parallel_size:
+            raise ConfigError(
+                f"parallel.tensor_parallel_size {config.parallel.tensor_parallel_size} differs "
+                f"from the loaded model's {loaded_tp}"
+            )
         if self.loaded.block_size != config.cache.block_size:
             raise ConfigError(
                 f"cache.block_size {config.cache.block_size} differs from the loaded KV pool's "
@@ -51,6 +61,8 @@ class Engine:
         )
         self.scheduler = Scheduler(config, self.kv, self.max_model_len)
         self.runner = self.loaded.runner
+        # runner.execute at TP 1; at TP > 1 it also drives the worker ranks (engine/tp.py).
+        self.executor = self.loaded.executor
         self._ids = itertools.count()
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._logprobs: dict[str, list[Logprob]] = {}
@@ -69,6 +81,17 @@ class Engine:
         cls, name_or_path: str | os.PathLike[str] | None = None, overrides: dict[str, Any] | None = None
     ) -> Engine:
         return cls(load_config(name_or_path, overrides))
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers of a model this engine loaded. Idempotent."""
+        if self._owns_model:
+            self.loaded.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # -- requests --------------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt) -> list[int]:
@@ -149,7 +172,7 @@ class Engine:
         started = time.perf_counter()
         sched = self.scheduler
         out = sched.schedule()
-        result = self.runner.execute(out)
+        result = self.executor.execute(out)
         new_tokens = sched.update_from_output(out, result.sampled)
 
         outputs: dict[str, RequestOutput] = {}

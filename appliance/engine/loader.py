@@ -14,9 +14,10 @@ from typing import Any
 import torch
 
 from appliance.config import ApplianceConfig, ConfigError
+from appliance.engine import memory
 from appliance.engine.model_runner import KVCachePool, ModelRunner
 from appliance.kernels.paged_attention import cache_storage_dtype
-from appliance.layers.parallel import tp_size
+from appliance.layers.parallel import tp_rank, tp_size
 from appliance.layers.rotary import RotaryEmbedding
 from appliance.models.hf_files import has_model, iter_safetensors, load_hf_config, load_tokenizer
 from appliance.models.llama import LlamaForCausalLM, ModelArgs
@@ -44,6 +45,19 @@ class LoadedModel:
     block_size: int
     bytes_per_block: int
     phase_times: dict[str, float]
+    # What the engine calls each step (`execute(SchedulerOutput) -> RunnerOutput`): the runner
+    # itself at TP 1, a TPExecutor that drives the worker ranks at TP > 1 (appliance.engine.tp).
+    executor: Any = None
+
+    def __post_init__(self) -> None:
+        if self.executor is None:
+            self.executor = self.runner
+
+    def close(self) -> None:
+        """Stop the worker ranks (TP > 1); nothing to do at TP 1. Idempotent."""
+        close = getattr(self.executor, "close", None)
+        if close is not None:
+            close()
 
 
 def resolve_device(config: ApplianceConfig) -> torch.device:
@@ -51,7 +65,10 @@ def resolve_device(config: ApplianceConfig) -> torch.device:
     if wanted == "cuda" or (wanted == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise ConfigError("hardware.device: 'cuda' asked for but no CUDA device is visible")
-        return torch.device("cuda", 0)
+        # One GPU per tensor-parallel rank; set_device makes NCCL and the kernels use it.
+        device = torch.device("cuda", tp_rank())
+        torch.cuda.set_device(device)
+        return device
     return torch.device("cpu")
 
 
@@ -116,6 +133,10 @@ def load_model(
     say(f"loading weights from {model_dir} ({args.num_layers} layers, {dtype})")
     with torch.device("meta"):
         model = LlamaForCausalLM(args)
+    gpu_used_before = 0
+    if device.type == "cuda":
+        # Before allocating: weights that cannot fit are a message with numbers, not an OOM.
+        gpu_used_before = memory.check_weights_fit(model, dtype, device, config, hf_config)
     model = model.to_empty(device=device).to(dtype)
     # Buffers (rotary tables) are recomputed on the real device: to_empty left them blank.
     fresh = RotaryEmbedding(
@@ -132,10 +153,15 @@ def load_model(
     storage = cache_storage_dtype(cache.kv_cache_dtype, dtype)
     tp = tp_size()
     per_block = kv_bytes_per_block(args, cache.block_size, storage, tp)
+    gpu_plan: memory.GpuMemoryPlan | None = None
     if cache.num_blocks:
         num_blocks = cache.num_blocks
     elif device.type == "cuda":
-        num_blocks = _gpu_blocks(config, per_block, device)
+        gpu_plan = memory.plan_gpu_kv(
+            model, args, config, device, storage, max_len, per_block, gpu_used_before
+        )
+        num_blocks = gpu_plan.num_blocks
+        say(f"memory plan: {gpu_plan.describe()}")
     else:
         num_blocks = int(cache.kv_cache_memory * GiB // per_block)
     needed = -(-max_len // cache.block_size)
@@ -145,6 +171,7 @@ def load_model(
             f"({per_block / 2**20:.2f} MiB each) cannot hold one sequence of max_model_len "
             f"{max_len} ({needed} blocks); raise cache.kv_cache_memory / gpu_memory_utilization "
             "or lower model.max_model_len"
+            + (f" [{gpu_plan.describe()}]" if gpu_plan is not None else "")
         )
     num_swap = int(cache.swap_space * GiB // per_block)
     pool = KVCachePool(
@@ -183,18 +210,3 @@ def load_model(
         phase_times=times,
     )
 
-
-def _gpu_blocks(config: ApplianceConfig, per_block: int, device: torch.device) -> int:
-    """KV pool on a GPU: what `gpu_memory_utilization` leaves after weights and activations."""
-    free, total = torch.cuda.mem_get_info(device)
-    used_by_us = torch.cuda.memory_allocated(device)
-    # Activation reserve: a forward at the largest batch the template allows, estimated from
-    # the hidden size; the exact profile pass runs in the memory planner.
-    reserve = int(0.05 * total)
-    budget = int(total * config.cache.gpu_memory_utilization) - used_by_us - reserve - (total - free - used_by_us)
-    if budget <= 0:
-        raise ConfigError(
-            f"cache.gpu_memory_utilization {config.cache.gpu_memory_utilization}: the weights "
-            f"({used_by_us / GiB:.1f} GiB) leave no room for a KV cache on a {total / GiB:.1f} GiB device"
-        )
-    return budget // per_block

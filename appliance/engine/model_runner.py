@@ -88,6 +88,9 @@ class ModelRunner:
         self.device = device
         self.eos_token_ids = sorted(eos_token_ids)
         self.sampler = Sampler(sampler_seed)
+        # False on tensor-parallel workers: they run the forward (its collectives need every
+        # rank) but only the driver samples.
+        self.samples = True
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         self.kv.swap_out(out.blocks_to_swap_out)
@@ -101,7 +104,10 @@ class ModelRunner:
         if not sampling:
             return RunnerOutput({}, {})
         rows = torch.tensor([last_rows[i] for i, _ in sampling], device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows)).cpu()
+        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        if not self.samples:
+            return RunnerOutput({}, {})
+        logits = logits.cpu()
         tokens, logprobs = self.sampler(logits, [self._sample_request(r) for _, r in sampling])
         sampled = {r.request_id: t for (_, r), t in zip(sampling, tokens, strict=True)}
         lps = {

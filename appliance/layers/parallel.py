@@ -6,6 +6,9 @@ nothing for the parallel layers.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 import torch.distributed as dist
 
@@ -16,6 +19,21 @@ _size = 1
 def set_tensor_parallel(rank: int, size: int) -> None:
     global _rank, _size
     _rank, _size = rank, size
+
+
+@contextmanager
+def tensor_parallel(rank: int, size: int) -> Iterator[None]:
+    """Set the TP state for a block and restore the previous one after it.
+
+    The state is read when layers are built and on every collective, so the TP executor wraps
+    model construction and each forward in this: a TP 1 model in the same process (a test's
+    reference engine) keeps running with identity collectives."""
+    saved = (_rank, _size)
+    set_tensor_parallel(rank, size)
+    try:
+        yield
+    finally:
+        set_tensor_parallel(*saved)
 
 
 def tp_rank() -> int:
@@ -44,3 +62,14 @@ def divide(numerator: int, denominator: int, what: str) -> int:
     if numerator % denominator:
         raise ValueError(f"{what} ({numerator}) is not divisible by tensor_parallel_size ({denominator})")
     return numerator // denominator
+
+
+def agree_min(value: int) -> int:
+    """The smallest `value` over all ranks (KV block counts, fit checks): every rank must take
+    the same decision, or the ones that go on wait forever in the next collective."""
+    if _size == 1:
+        return value
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())

@@ -210,7 +210,14 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face tensors in, each sliced to this rank. Every parameter must be set."""
-        expected = {name for name, _ in self.named_parameters()}
+        expected: set[str] = set()
+        for name, _ in self.named_parameters():
+            module = self.get_submodule(name.rpartition(".")[0])
+            if isinstance(module, MergedColumnLinear):
+                # Each part of a merged projection comes from its own checkpoint tensor.
+                expected.update(f"{name}:{part}" for part, _, _ in module.parts)
+            else:
+                expected.add(name)
         loaded: set[str] = set()
         layers = self.model.layers
         for name, tensor in weights:
@@ -243,7 +250,7 @@ class LlamaForCausalLM(nn.Module):
             if module_name in self._MERGED:
                 merged, part = self._MERGED[module_name]
                 layer.get_submodule(merged).load(part, tensor, is_bias)
-                loaded.add(prefix + merged + "." + kind)
+                loaded.add(f"{prefix}{merged}.{kind}:{part}")
             elif module_name in ("self_attn.o_proj", "mlp.down_proj"):
                 layer.get_submodule(module_name).load(tensor, is_bias)
                 loaded.add(prefix + rest)

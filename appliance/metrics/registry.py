@@ -1,0 +1,160 @@
+"""Prometheus metrics under vLLM v1's names, so dashboards written for vLLM work unchanged.
+
+One CollectorRegistry per app instance (tests run several). Counters are registered without
+`_total` (prometheus_client appends it, as vLLM's exposition has it). Request-level figures are
+observed in the API process as outputs stream by; engine figures (queues, KV blocks, prefix
+cache, preemptions, rejections) come from the core's stats, copied in at each scrape. Engine
+counters restart at zero when the engine is rebuilt (reload); `_CounterMirror` turns their
+totals into increments so the exported counters stay monotonic across reloads.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
+
+from appliance.engine.stats import EngineStats
+
+__all__ = ["CONTENT_TYPE", "Metrics"]
+
+# Buckets as vLLM v1 declares them.
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               7.5, 10.0, 20.0, 40.0, 80.0]
+LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+
+
+class _CounterMirror:
+    """Feeds a labelled Counter from totals that may restart at zero (a rebuilt engine)."""
+
+    def __init__(self, counter: Counter) -> None:
+        self.counter = counter
+        self.last: dict[tuple[str, ...], float] = {}
+
+    def set_total(self, labels: tuple[str, ...], total: float) -> None:
+        prev = self.last.get(labels, 0.0)
+        delta = total - prev if total >= prev else total  # below the last total: a restart
+        if delta > 0:
+            self.counter.labels(*labels).inc(delta)
+        self.last[labels] = total
+
+    def reset(self) -> None:
+        self.last.clear()
+
+
+class Metrics:
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.registry = reg = CollectorRegistry(auto_describe=True)
+        m = ["model_name"]
+        self.running = Gauge("vllm:num_requests_running", "Requests in model execution batches.", m, registry=reg)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be processed.", m, registry=reg)
+        self.swapped = Gauge("appliance_num_requests_swapped", "Requests swapped out to host memory.", m, registry=reg)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", m, registry=reg)
+        # Dropped by vLLM v1 but still queried by the classic dashboards in the field.
+        self.gpu_cache_usage = Gauge("vllm:gpu_cache_usage_perc", "KV-cache usage (deprecated vLLM name).", m, registry=reg)
+        self.kv_blocks = Gauge("appliance_kv_blocks", "KV blocks by state (used, cached, free).", [*m, "state"], registry=reg)
+        self.cache_info = Gauge("vllm:cache_config_info", "Information of the cache configuration.",
+                                [*m, "block_size", "cache_dtype", "enable_prefix_caching",
+                                 "num_gpu_blocks", "num_cpu_blocks", "swap_space_gib"], registry=reg)
+        self.preemptions = Counter("vllm:num_preemptions", "Cumulative number of preemptions.", m, registry=reg)
+        self.preemptions_by = Counter("appliance_preemptions", "Preemptions by mode and priority class.",
+                                      [*m, "mode", "priority_class"], registry=reg)
+        self.rejections = Counter("appliance_requests_rejected", "Requests refused, by reason and priority class.",
+                                  [*m, "reason", "priority_class"], registry=reg)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", m, registry=reg)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.", m, registry=reg)
+        self.request_success = Counter("vllm:request_success", "Count of finished requests.", [*m, "finished_reason"], registry=reg)
+        self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prefix cache queries, in tokens.", m, registry=reg)
+        self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.", m, registry=reg)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token in seconds.", m,
+                              buckets=TTFT_BUCKETS, registry=reg)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Inter-token latency in seconds.", m,
+                             buckets=ITL_BUCKETS, registry=reg)
+        # vLLM v0's name for the same per-token interval; kept for the classic dashboards.
+        self.tpot = Histogram("vllm:time_per_output_token_seconds", "Time per output token in seconds (deprecated vLLM name).",
+                              m, buckets=ITL_BUCKETS, registry=reg)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End to end request latency in seconds.", m,
+                             buckets=LATENCY_BUCKETS, registry=reg)
+        self.queue_time = Histogram("vllm:request_queue_time_seconds", "Time spent in the WAITING phase.", m,
+                                    buckets=LATENCY_BUCKETS, registry=reg)
+        self.iteration_tokens = Histogram("vllm:iteration_tokens_total", "Number of tokens per engine step.", m,
+                                          buckets=TOKEN_BUCKETS, registry=reg)
+        self.batch_size = Histogram("appliance_batch_size", "Sequences per engine step.", m,
+                                    buckets=BATCH_BUCKETS, registry=reg)
+        self._mirrors = {
+            "preemptions": _CounterMirror(self.preemptions),
+            "preemptions_by": _CounterMirror(self.preemptions_by),
+            "rejections": _CounterMirror(self.rejections),
+            "prefix_queries": _CounterMirror(self.prefix_queries),
+            "prefix_hits": _CounterMirror(self.prefix_hits),
+        }
+
+    # -- request level (API process) -------------------------------------------------------------
+    def observe_first_token(self, ttft_s: float, prompt_tokens: int) -> None:
+        self.ttft.labels(self.model_name).observe(ttft_s)
+        self.prompt_tokens.labels(self.model_name).inc(prompt_tokens)
+
+    def observe_tokens(self, n: int, interval_s: float | None) -> None:
+        self.generation_tokens.labels(self.model_name).inc(n)
+        if interval_s is not None:
+            self.itl.labels(self.model_name).observe(interval_s)
+            self.tpot.labels(self.model_name).observe(interval_s)
+
+    def observe_finish(self, reason: str, e2e_s: float, queue_s: float | None) -> None:
+        self.request_success.labels(self.model_name, reason).inc()
+        self.e2e.labels(self.model_name).observe(e2e_s)
+        if queue_s is not None:
+            self.queue_time.labels(self.model_name).observe(queue_s)
+
+    def count_rejection(self, reason: str, priority_class: str) -> None:
+        """Refusals the API decides itself (queue full before tokenization, draining)."""
+        self.rejections.labels(self.model_name, reason, priority_class).inc()
+
+    def observe_steps(self, steps: list[tuple[int, int]]) -> None:
+        it = self.iteration_tokens.labels(self.model_name)
+        bs = self.batch_size.labels(self.model_name)
+        for tokens, seqs in steps:
+            it.observe(tokens)
+            bs.observe(seqs)
+
+    # -- engine level (copied from the core's stats at each scrape) ------------------------------
+    def engine_rebuilt(self, model_name: str, cache: dict[str, Any]) -> None:
+        """A new engine: counters restart at zero there, labels may change."""
+        self.model_name = model_name
+        for mirror in self._mirrors.values():
+            mirror.reset()
+        self.cache_info.clear()
+        labels = {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in cache.items()}
+        self.cache_info.labels(model_name=model_name, **labels).set(1)
+
+    def update_engine(self, s: EngineStats) -> None:
+        name = self.model_name
+        self.running.labels(name).set(s.num_running)
+        self.waiting.labels(name).set(s.num_waiting)
+        self.swapped.labels(name).set(s.num_swapped)
+        self.kv_usage.labels(name).set(s.kv_usage)
+        self.gpu_cache_usage.labels(name).set(s.kv_usage)
+        self.kv_blocks.labels(name, "used").set(s.blocks_used)
+        self.kv_blocks.labels(name, "cached").set(s.blocks_cached)
+        self.kv_blocks.labels(name, "free").set(s.blocks_free)
+        self.kv_blocks.labels(name, "swapped").set(s.swap_blocks_used)
+        mir = self._mirrors
+        mir["preemptions"].set_total((name,), s.counters.preemptions)
+        for key, n in s.counters.preemptions_by.items():
+            mode, _, cls = key.partition("/")
+            mir["preemptions_by"].set_total((name, mode, cls), n)
+        for key, n in s.counters.rejected_by.items():
+            reason, _, cls = key.partition("/")
+            mir["rejections"].set_total((name, reason, cls), n)
+        mir["prefix_queries"].set_total((name,), s.prefix_cache_queries)
+        mir["prefix_hits"].set_total((name,), s.prefix_cache_hits)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,111 @@
+"""Reading Hugging Face model directories without transformers' model classes.
+
+The engine builds its own layers and only needs the config, the tokenizer and the raw tensors.
+Everything here is local-only: the appliance never downloads.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+CONFIG_FILE = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def _dir(model_dir: str | Path) -> Path:
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model directory {path} does not exist")
+    return path
+
+
+def has_model(model_dir: str | Path) -> bool:
+    """True when model_dir holds a config.json and safetensors weights (single or sharded)."""
+    path = Path(model_dir)
+    return (path / CONFIG_FILE).is_file() and (
+        (path / SINGLE_FILE).is_file() or (path / INDEX_FILE).is_file()
+    )
+
+
+def load_hf_config(model_dir: str | Path) -> Any:
+    """The model's `transformers.PretrainedConfig`, from local files only."""
+    from transformers import AutoConfig
+
+    path = _dir(model_dir)
+    if not (path / CONFIG_FILE).is_file():
+        raise FileNotFoundError(f"{path / CONFIG_FILE} not found: not a Hugging Face model dir")
+    return AutoConfig.from_pretrained(str(path), local_files_only=True)
+
+
+def load_tokenizer(model_dir: str | Path) -> Any:
+    """The model's tokenizer via AutoTokenizer, from local files only."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(_dir(model_dir)), local_files_only=True)
+
+
+def rope_parameters(config: Any) -> dict[str, Any]:
+    """RoPE settings as one dict with at least rope_type and rope_theta.
+
+    transformers 5 keeps them in `config.rope_parameters` (theta included); 4.x configs have a
+    top-level `rope_theta` and an optional `rope_scaling` ("type" in older files).
+    """
+    params = getattr(config, "rope_parameters", None)
+    if params:
+        out = dict(params)
+    else:
+        out = dict(getattr(config, "rope_scaling", None) or {})
+    if "rope_type" not in out:
+        out["rope_type"] = out.pop("type", "default")
+    if "rope_theta" not in out:
+        out["rope_theta"] = float(getattr(config, "rope_theta", 10000.0))
+    return out
+
+
+def safetensors_files(model_dir: str | Path) -> list[Path]:
+    """The weight files of a model dir, in load order; raises naming whatever is missing."""
+    path = _dir(model_dir)
+    index = path / INDEX_FILE
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        # First-appearance order keeps shard 1 before shard 2 for the usual sorted maps.
+        files = [path / name for name in dict.fromkeys(weight_map.values())]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index} names shards that are missing: {', '.join(missing)}")
+        return files
+    single = path / SINGLE_FILE
+    if single.is_file():
+        return [single]
+    raise FileNotFoundError(f"no weights in {path}: neither {SINGLE_FILE} nor {INDEX_FILE} exists")
+
+
+def iter_safetensors(
+    model_dir: str | Path, device: str | torch.device = "cpu"
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) for every weight, opening each safetensors file once.
+
+    For a sharded model only the tensors the index maps to a shard are taken from it, so a stray
+    tensor in a shard cannot shadow the one the index points at.
+    """
+    from safetensors import safe_open
+
+    path = _dir(model_dir)
+    files = safetensors_files(path)
+    wanted: dict[str, set[str]] | None = None
+    if (path / INDEX_FILE).is_file():
+        wanted = {}
+        weight_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
+        for name, file in weight_map.items():
+            wanted.setdefault(file, set()).add(name)
+    for file in files:
+        with safe_open(str(file), framework="pt", device=str(device)) as f:
+            for name in f.keys():
+                if wanted is None or name in wanted[file.name]:
+                    yield name, f.get_tensor(name)

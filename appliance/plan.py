@@ -1,0 +1,424 @@
+"""`appliance plan`: what fits on the template's hardware, computed before launch day.
+
+No weights are loaded and no GPU is touched: the numbers come from the model's config.json
+(the model directory's, or a shipped reference architecture's, see `model.architecture`) and
+the template's [hardware], [cache], [scheduler] and [parallel] sections. The engine measures
+the same quantities at start (`appliance.engine.memory`); the plan's weights and KV sizes are
+exact, its activation reserve is an estimate (see `activation_bytes`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from appliance.config import ApplianceConfig, ConfigError, load_config, shipped_template_dir
+
+GiB = 1024**3
+MiB = 1024**2
+KiB = 1024
+TP_SIZES = (1, 2, 4, 8)
+DTYPE_BYTES = {"auto": 2, "bfloat16": 2, "float16": 2, "float32": 4}  # auto = bfloat16
+# CUDA context, cuBLAS workspace and NCCL buffers live outside torch's allocator; the engine
+# measures them at start, the plan assumes this much per GPU (an A10 context alone is ~0.4 GiB).
+RUNTIME_RESERVE_BYTES = int(0.75 * GiB)
+ACTIVATION_METHOD = (
+    "estimate: one forward at scheduler.max_num_batched_tokens tokens; per token the live "
+    "tensors of one layer (residual, norm output, attention output, all-reduce buffer: 4 x "
+    "hidden; this rank's q|k|v; gate|up and silu(gate)*up: 3 x intermediate/TP) in the model "
+    "dtype, plus fp32 logits over the full vocabulary for max_num_seqs rows (x2: gathered "
+    "logits and the sampler's copy); the engine replaces it by a measured profiling pass"
+)
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """The shape numbers of a Llama-family config.json that memory depends on."""
+
+    name: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    max_position_embeddings: int
+
+    @classmethod
+    def from_config_json(cls, cfg: dict[str, Any], name: str = "") -> ArchSpec:
+        heads = int(cfg["num_attention_heads"])
+        model_type = cfg.get("model_type", "llama")
+        return cls(
+            name=name or cfg.get("_name_or_path", "") or model_type,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=int(cfg["hidden_size"]),
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        )
+
+    # -- per-rank shapes: these mirror appliance.models.llama (checked by tests/test_plan.py) --
+    def tp_problem(self, tp: int) -> str:
+        """Why the model cannot be split `tp` ways, or '' when it can."""
+        if self.num_heads % tp:
+            return f"{self.num_heads} attention heads do not divide by {tp}"
+        if self.intermediate_size % tp:
+            return f"intermediate_size {self.intermediate_size} does not divide by {tp}"
+        kv = self.num_kv_heads
+        if (kv >= tp and kv % tp) or (kv < tp and tp % kv):
+            return f"{kv} KV heads can be neither split nor replicated {tp} ways"
+        return ""
+
+    def kv_heads_per_rank(self, tp: int) -> int:
+        # More ranks than KV heads: each rank keeps one (replicated) KV head.
+        return max(1, self.num_kv_heads // tp)
+
+    def params_per_rank(self, tp: int) -> int:
+        h, hd = self.hidden_size, self.head_dim
+        vocab_rows = -(-self.vocab_size // tp)  # vocab-parallel, last shard padded
+        embed = vocab_rows * h * (1 if self.tie_word_embeddings else 2)
+        q = self.num_heads // tp * hd
+        kv = self.kv_heads_per_rank(tp) * hd
+        qkv = h * (q + 2 * kv) + (q + 2 * kv if self.qkv_bias else 0)
+        o = self.num_heads * hd // tp * h
+        inter = self.intermediate_size // tp
+        mlp = 3 * inter * h
+        norms = 2 * h
+        return embed + self.num_layers * (qkv + o + mlp + norms) + h
+
+    def total_params(self) -> int:
+        return self.params_per_rank(1)
+
+    def kv_bytes_per_token(self, tp: int, elem: int) -> int:
+        """K and V of every layer for one token on one rank."""
+        return 2 * self.num_layers * self.kv_heads_per_rank(tp) * self.head_dim * elem
+
+
+def activation_bytes(spec: ArchSpec, tp: int, elem: int, tokens: int, max_num_seqs: int) -> int:
+    """Peak activation of one forward, estimated (see ACTIVATION_METHOD)."""
+    qkv = (spec.num_heads // tp + 2 * spec.kv_heads_per_rank(tp)) * spec.head_dim
+    per_token = elem * (4 * spec.hidden_size + qkv + 3 * (spec.intermediate_size // tp))
+    logits = 2 * 4 * min(max_num_seqs, tokens) * spec.vocab_size
+    return tokens * per_token + logits
+
+
+@dataclass
+class TPPlan:
+    """One device (GPU, or the host for CPU templates) at one tensor_parallel_size."""
+
+    tensor_parallel_size: int
+    fits: bool
+    verdict: str
+    # Memory alone, whatever the GPU count: what an operator with more cards could use.
+    fits_memory: bool = False
+    weight_params: int = 0
+    weights_bytes: int = 0
+    activation_reserve_bytes: int = 0
+    runtime_reserve_bytes: int = 0
+    budget_bytes: int = 0
+    kv_cache_bytes: int = 0
+    kv_bytes_per_token: int = 0
+    block_bytes: int = 0
+    kv_blocks: int = 0
+    kv_tokens: int = 0
+    seqs_at_max_model_len: int = 0
+    seqs_at_typical_seq_len: int = 0
+
+
+@dataclass
+class Plan:
+    template: str
+    architecture: str
+    config_source: str
+    device: str
+    num_gpus: int
+    gpu_name: str
+    gpu_memory_gib: float
+    gpu_memory_utilization: float
+    kv_cache_memory_gib: float
+    dtype_bytes: int
+    kv_elem_bytes: int
+    block_size: int
+    max_model_len: int
+    typical_seq_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    total_params: int
+    activation_method: str
+    chosen: TPPlan
+    options: list[TPPlan] = field(default_factory=list)
+    advice: str = ""
+
+
+# ---------------------------------------------------------------------------------------------
+# Finding the config.json
+
+
+def reference_architectures() -> dict[str, Path]:
+    root = shipped_template_dir() / "models"
+    return {p.parent.name: p for p in sorted(root.glob("*/config.json"))}
+
+
+def _demo_config(shape: str) -> dict[str, Any]:
+    # The demo models are built on first start; their shape table is the one source of truth.
+    from appliance.models.demo import _SHAPES
+
+    s = _SHAPES[shape]
+    return {
+        "model_type": "llama",
+        "vocab_size": s.model_vocab,
+        "hidden_size": s.hidden_size,
+        "intermediate_size": s.intermediate_size,
+        "num_hidden_layers": s.num_hidden_layers,
+        "num_attention_heads": s.num_attention_heads,
+        "num_key_value_heads": s.num_key_value_heads,
+        "tie_word_embeddings": s.tie_word_embeddings,
+        "max_position_embeddings": s.max_position_embeddings,
+    }
+
+
+def find_model_config(config: ApplianceConfig) -> tuple[dict[str, Any], str, str]:
+    """(config.json contents, where it came from, architecture name)."""
+    m = config.model
+    if m.path:
+        path = Path(os.path.expanduser(m.path)) / "config.json"
+        if path.is_file():
+            return json.loads(path.read_text()), str(path), m.name or path.parent.name
+    if m.architecture:
+        known = reference_architectures()
+        if m.architecture not in known:
+            raise ConfigError(
+                f"model.architecture: no reference config for {m.architecture!r}; "
+                f"shipped: {', '.join(known) or 'none'}"
+            )
+        path = known[m.architecture]
+        return json.loads(path.read_text()), str(path), m.architecture
+    if m.demo_shape:
+        return _demo_config(m.demo_shape), f"demo shape {m.demo_shape!r}", f"demo-{m.demo_shape}"
+    raise ConfigError(
+        f"model.path: {m.path!r} holds no config.json and the template names no "
+        "model.architecture to plan with"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The arithmetic
+
+
+def _kv_elem(config: ApplianceConfig, dtype_bytes: int) -> int:
+    return dtype_bytes if config.cache.kv_cache_dtype == "auto" else 1
+
+
+def plan_tp(spec: ArchSpec, config: ApplianceConfig, tp: int, on_gpu: bool) -> TPPlan:
+    problem = spec.tp_problem(tp)
+    if problem:
+        return TPPlan(tp, False, f"cannot split: {problem}")
+    hw, cache, sched = config.hardware, config.cache, config.scheduler
+    elem = DTYPE_BYTES[config.model.dtype]
+    kv_elem = _kv_elem(config, elem)
+    max_len = config.model.max_model_len or spec.max_position_embeddings
+    params = spec.params_per_rank(tp)
+    weights = params * elem
+    per_token = spec.kv_bytes_per_token(tp, kv_elem)
+    block = per_token * cache.block_size
+    p = TPPlan(
+        tp,
+        False,
+        "",
+        weight_params=params,
+        weights_bytes=weights,
+        kv_bytes_per_token=per_token,
+        block_bytes=block,
+    )
+    if on_gpu:
+        p.activation_reserve_bytes = activation_bytes(
+            spec, tp, elem, sched.max_num_batched_tokens, sched.max_num_seqs
+        )
+        p.runtime_reserve_bytes = RUNTIME_RESERVE_BYTES
+        p.budget_bytes = int(hw.gpu_memory_gib * GiB * cache.gpu_memory_utilization)
+        p.kv_cache_bytes = max(
+            0, p.budget_bytes - weights - p.activation_reserve_bytes - p.runtime_reserve_bytes
+        )
+    else:
+        # CPU: the KV pool is its own host allocation (cache.kv_cache_memory per rank).
+        p.kv_cache_bytes = int(cache.kv_cache_memory * GiB)
+    p.kv_blocks = cache.num_blocks or p.kv_cache_bytes // block
+    p.kv_tokens = p.kv_blocks * cache.block_size
+    per_seq = -(-max_len // cache.block_size)
+    p.seqs_at_max_model_len = p.kv_blocks // per_seq
+    p.seqs_at_typical_seq_len = p.kv_blocks // max(1, -(-hw.typical_seq_len // cache.block_size))
+    reserves = weights + p.activation_reserve_bytes + p.runtime_reserve_bytes
+    if on_gpu and reserves >= p.budget_bytes:
+        p.verdict = (
+            f"does not fit: weights {weights / GiB:.2f} GiB + reserves "
+            f"{(reserves - weights) / GiB:.2f} GiB exceed the {p.budget_bytes / GiB:.2f} GiB "
+            f"budget ({hw.gpu_memory_gib:g} GiB x {cache.gpu_memory_utilization:g})"
+        )
+    elif p.kv_blocks < per_seq:
+        p.verdict = (
+            f"does not fit: {p.kv_blocks} KV blocks cannot hold one sequence of max_model_len "
+            f"{max_len} ({per_seq} blocks)"
+        )
+    else:
+        p.fits_memory = True
+        if on_gpu and tp > max(1, hw.num_gpus):
+            p.verdict = f"would fit, but needs {tp} GPUs and the template's hardware has {hw.num_gpus}"
+        else:
+            p.fits = True
+            p.verdict = "fits"
+    return p
+
+
+def make_plan(config: ApplianceConfig, template: str = "") -> Plan:
+    raw, source, arch = find_model_config(config)
+    spec = ArchSpec.from_config_json(raw, arch)
+    hw = config.hardware
+    on_gpu = hw.device == "cuda" or (hw.device == "auto" and hw.num_gpus > 0)
+    if on_gpu and (hw.num_gpus < 1 or hw.gpu_memory_gib <= 0):
+        raise ConfigError(
+            "hardware: planning for GPUs needs hardware.num_gpus and hardware.gpu_memory_gib"
+        )
+    elem = DTYPE_BYTES[config.model.dtype]
+    tp = config.parallel.tensor_parallel_size
+    options = [plan_tp(spec, config, n, on_gpu) for n in TP_SIZES]
+    chosen = next(o for o in options if o.tensor_parallel_size == tp)
+    plan = Plan(
+        template=template,
+        architecture=arch,
+        config_source=source,
+        device="cuda" if on_gpu else "cpu",
+        num_gpus=hw.num_gpus,
+        gpu_name=hw.gpu_name,
+        gpu_memory_gib=hw.gpu_memory_gib,
+        gpu_memory_utilization=config.cache.gpu_memory_utilization,
+        kv_cache_memory_gib=config.cache.kv_cache_memory,
+        dtype_bytes=elem,
+        kv_elem_bytes=_kv_elem(config, elem),
+        block_size=config.cache.block_size,
+        max_model_len=config.model.max_model_len or spec.max_position_embeddings,
+        typical_seq_len=hw.typical_seq_len,
+        max_num_seqs=config.scheduler.max_num_seqs,
+        max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+        total_params=spec.total_params(),
+        activation_method=ACTIVATION_METHOD if on_gpu else "not reserved: host memory",
+        chosen=chosen,
+        options=options,
+    )
+    plan.advice = _advice(plan)
+    return plan
+
+
+def _advice(plan: Plan) -> str:
+    if plan.chosen.fits:
+        return ""
+    fitting = [o for o in plan.options if o.fits]
+    if fitting:
+        o = fitting[0]
+        return (
+            f"tensor_parallel_size {o.tensor_parallel_size} fits: "
+            f"{o.weights_bytes / GiB:.2f} GiB of weights and {o.kv_blocks} KV blocks per device"
+        )
+    more_gpus = [o for o in plan.options if o.fits_memory]
+    if more_gpus:
+        return (
+            f"tensor_parallel_size {more_gpus[0].tensor_parallel_size} would fit, with that many "
+            "GPUs of this kind"
+        )
+    return "no tensor_parallel_size up to 8 fits: lower model.max_model_len or use larger GPUs"
+
+
+# ---------------------------------------------------------------------------------------------
+# Output
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+def render(plan: Plan) -> str:
+    c = plan.chosen
+    lines = [
+        f"plan for {plan.template or 'config'}: {plan.architecture} "
+        f"({plan.total_params / 1e9:.2f}B parameters, {plan.dtype_bytes}-byte weights) "
+        f"from {plan.config_source}",
+    ]
+    if plan.device == "cuda":
+        lines.append(
+            f"hardware: {plan.num_gpus} x {plan.gpu_name or 'GPU'} with {plan.gpu_memory_gib:g} "
+            f"GiB each; gpu_memory_utilization {plan.gpu_memory_utilization:g} -> "
+            f"{_gib(c.budget_bytes)} budget per GPU"
+        )
+    else:
+        lines.append(f"hardware: host CPU; KV pool cache.kv_cache_memory {plan.kv_cache_memory_gib:g} GiB per rank")
+    unit = "per GPU" if plan.device == "cuda" else "per rank"
+    lines.append(f"tensor_parallel_size {c.tensor_parallel_size}, {unit}:")
+    if c.weight_params:
+        rows = [
+            ("weights", _gib(c.weights_bytes), f"{c.weight_params / 1e9:.3f}B parameters x {plan.dtype_bytes} bytes"),
+        ]
+        if plan.device == "cuda":
+            rows += [
+                ("activation reserve", _gib(c.activation_reserve_bytes), f"estimated for {plan.max_num_batched_tokens} tokens a step (see below)"),
+                ("runtime reserve", _gib(c.runtime_reserve_bytes), "CUDA context, cuBLAS and NCCL workspaces (assumed)"),
+            ]
+        rows += [
+            ("KV cache", _gib(c.kv_cache_bytes), "what is left" if plan.device == "cuda" else "cache.kv_cache_memory"),
+            ("KV bytes per token", f"{c.kv_bytes_per_token / KiB:.1f} KiB", f"K+V x layers x KV heads on this rank x head_dim x {plan.kv_elem_bytes} bytes"),
+            ("KV blocks", str(c.kv_blocks), f"{plan.block_size} tokens, {c.block_bytes / MiB:.2f} MiB each: {c.kv_tokens} tokens"),
+            (f"seqs at {plan.max_model_len} tokens", str(c.seqs_at_max_model_len), "model.max_model_len"),
+            (f"seqs at {plan.typical_seq_len} tokens", str(c.seqs_at_typical_seq_len), "hardware.typical_seq_len"),
+        ]
+        for name, value, why in rows:
+            lines.append(f"  {name:<22} {value:>12}   {why}")
+        capped = c.seqs_at_typical_seq_len > plan.max_num_seqs
+        if capped:
+            lines.append(f"  (the scheduler runs at most max_num_seqs = {plan.max_num_seqs} at once)")
+    lines.append(f"verdict: {c.verdict}")
+    if plan.advice:
+        lines.append(f"advice: {plan.advice}")
+    if plan.device == "cuda":
+        lines.append(f"activation reserve: {plan.activation_method}")
+    lines.append("")
+    lines.append(f"  {'TP':>2}  {'weights':>11}  {'KV blocks':>9}  {'seqs@max':>8}  verdict")
+    for o in plan.options:
+        blocks = str(o.kv_blocks) if o.weight_params else "-"
+        seqs = str(o.seqs_at_max_model_len) if o.weight_params else "-"
+        weights = _gib(o.weights_bytes) if o.weight_params else "-"
+        lines.append(f"  {o.tensor_parallel_size:>2}  {weights:>11}  {blocks:>9}  {seqs:>8}  {o.verdict}")
+    return "\n".join(lines)
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="memory plan of a template: what fits per GPU, without loading weights",
+        description="Exit status 0 when the template's configuration fits, 1 when it does not.",
+    )
+    p.add_argument("--template", required=True)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=main)
+
+
+def main(ns: argparse.Namespace) -> int:
+    from appliance.cli import parse_sets
+
+    plan = make_plan(load_config(ns.template, parse_sets(ns.set)), ns.template)
+    if ns.json:
+        print(json.dumps(asdict(plan), indent=2))
+    else:
+        print(render(plan))
+    return 0 if plan.chosen.fits else 1
+

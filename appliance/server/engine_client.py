@@ -1,0 +1,288 @@
+"""The API process's handle on the engine core process.
+
+Spawns `engine_core.core_main`, then speaks length-prefixed msgpack over a socket pair through
+asyncio streams: writes are buffered (never block the event loop) and one reader task
+dispatches every frame: admission results to futures, outputs to per-request sinks, step
+figures to a frame hook (metrics).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing as mp
+import os
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from appliance.config import ApplianceConfig
+from appliance.engine.outputs import RequestOutput
+from appliance.sampling_params import SamplingParams
+from appliance.server import ipc
+from appliance.server.engine_core import core_main
+
+log = logging.getLogger("appliance.client")
+
+# An output, and (on the finishing output only) what the core knows about the request's life.
+Sink = Callable[[RequestOutput, ipc.FinishInfo | None], None]
+
+
+class EngineError(RuntimeError):
+    """The engine core failed to start or died."""
+
+
+class EngineClient:
+    def __init__(
+        self,
+        config: ApplianceConfig,
+        log_level: str = "INFO",
+        on_status: Callable[[str], None] | None = None,
+        on_frame: Callable[[ipc.Frame], None] | None = None,
+        on_death: Callable[[str], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.log_level = log_level
+        self.on_status = on_status or (lambda text: log.info("core: %s", text))
+        self.on_frame = on_frame
+        self.on_death = on_death
+        self.info: ipc.CoreInfo | None = None
+        self.proc: Any = None
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._sinks: dict[str, Sink] = {}
+        self._acks: dict[str, asyncio.Future[ipc.AddResult]] = {}
+        self._replies: dict[int, asyncio.Future[Any]] = {}
+        self._tokens = itertools.count(1)
+        self._closing = False
+        self.dead = False
+        # Requests sent but not yet admitted, and the core's waiting counts, per class.
+        self.in_transit: dict[str, int] = {}
+        self.waiting_by_class: dict[str, int] = {}
+        self._class_of: dict[str, str] = {}
+
+    # -- life cycle ------------------------------------------------------------------------------
+    async def start(self, timeout_s: float = 600.0) -> ipc.CoreInfo:
+        """Spawn the core and wait until it has loaded the model (or failed, raising)."""
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe(duplex=True)
+        self.proc = ctx.Process(
+            target=core_main,
+            args=(child, msgspec.json.encode(self.config), self.log_level),
+            name="appliance-core",
+            daemon=True,
+        )
+        self.proc.start()
+        child.close()
+        sock = socket.socket(fileno=os.dup(parent.fileno()))
+        parent.close()
+        self._reader, self._writer = await asyncio.open_unix_connection(sock=sock)
+        try:
+            info = await asyncio.wait_for(self._wait_ready(), timeout_s)
+        except BaseException:
+            await self._kill()
+            raise
+        self.info = info
+        self._task = asyncio.create_task(self._read_loop(), name="engine-client-reader")
+        return info
+
+    async def _wait_ready(self) -> ipc.CoreInfo:
+        while True:
+            msg = await self._read()
+            if msg is None:
+                code = await asyncio.to_thread(self._join, 5.0)
+                raise EngineError(f"engine core exited during start-up (exit code {code})")
+            if isinstance(msg, ipc.Status):
+                self.on_status(msg.text)
+            elif isinstance(msg, ipc.Failed):
+                raise EngineError(msg.error)
+            elif isinstance(msg, ipc.CoreInfo):
+                return msg
+
+    def _join(self, timeout: float) -> int | None:
+        self.proc.join(timeout)
+        return self.proc.exitcode
+
+    async def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Ask the core to stop, wait for it, and kill it if it does not."""
+        if self.proc is None:
+            return
+        self._closing = True
+        if not self.dead and self._writer is not None:
+            try:
+                self._send(ipc.Shutdown())
+                await self._writer.drain()
+            except (ConnectionError, RuntimeError):
+                pass
+        code = await asyncio.to_thread(self._join, timeout_s)
+        if code is None:
+            log.warning("engine core did not stop within %.0fs: killing it", timeout_s)
+        await self._kill()
+
+    async def _kill(self) -> None:
+        self._closing = True
+        if self.proc is not None and self.proc.is_alive():
+            self.proc.kill()
+            await asyncio.to_thread(self._join, 5.0)
+        if self._writer is not None:
+            self._writer.close()
+        if self._task is not None and self._task is not asyncio.current_task():
+            self._task.cancel()
+        self._fail_all("engine core stopped")
+
+    # -- wire ------------------------------------------------------------------------------------
+    def _send(self, msg: msgspec.Struct) -> None:
+        if self.dead or self._writer is None:
+            raise EngineError("the engine core is not running")
+        self._writer.write(ipc.frame(ipc.encode(msg)))
+
+    async def _read(self) -> ipc.FromCore | None:
+        assert self._reader is not None
+        try:
+            (n,) = ipc.HEADER.unpack(await self._reader.readexactly(ipc.HEADER.size))
+            if n == ipc.LONG_MARKER:
+                (n,) = ipc.LONG_HEADER.unpack(await self._reader.readexactly(ipc.LONG_HEADER.size))
+            data = await self._reader.readexactly(n)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            return None
+        return ipc.decode_from_core(data)
+
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                msg = await self._read()
+                if msg is None:
+                    break
+                if isinstance(msg, ipc.Frame):
+                    self._dispatch(msg)
+                elif isinstance(msg, ipc.StatsReply | ipc.Pong):
+                    fut = self._replies.pop(msg.token, None)
+                    if fut is not None and not fut.done():
+                        fut.set_result(msg)
+                elif isinstance(msg, ipc.Status):
+                    self.on_status(msg.text)
+        except Exception:
+            log.exception("engine client reader failed")
+        if not self._closing:
+            self.dead = True
+            code = self.proc.exitcode if self.proc is not None else None
+            reason = f"engine core died (exit code {code})"
+            log.error(reason)
+            self._fail_all(reason)
+            if self.on_death is not None:
+                self.on_death(reason)
+
+    def _dispatch(self, frame: ipc.Frame) -> None:
+        for res in frame.added:
+            cls = self._class_of.pop(res.request_id, "")
+            self.in_transit[cls] = max(0, self.in_transit.get(cls, 0) - 1)
+            fut = self._acks.pop(res.request_id, None)
+            if res.rejected:
+                self._sinks.pop(res.request_id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(res)
+        self.waiting_by_class = frame.waiting_by_class
+        infos = {f.request_id: f for f in frame.finished}
+        for ro in frame.outputs:
+            if ro.finished:
+                sink = self._sinks.pop(ro.request_id, None)
+            else:
+                sink = self._sinks.get(ro.request_id)
+            if sink is not None:
+                sink(ro, infos.get(ro.request_id))
+        if self.on_frame is not None:
+            self.on_frame(frame)
+
+    def _fail_all(self, reason: str) -> None:
+        for rid, fut in list(self._acks.items()):
+            if not fut.done():
+                fut.set_result(ipc.AddResult(rid, "error", reason))
+        self._acks.clear()
+        for rid, sink in list(self._sinks.items()):
+            sink(
+                RequestOutput(
+                    request_id=rid,
+                    new_token_ids=[],
+                    finished=True,
+                    finish_reason="error",
+                    finish_detail=reason,
+                ),
+                None,
+            )
+        self._sinks.clear()
+        for fut in self._replies.values():
+            if not fut.done():
+                fut.set_exception(EngineError(reason))
+        self._replies.clear()
+
+    # -- requests --------------------------------------------------------------------------------
+    def queued(self, priority_class: str) -> int:
+        """Waiting requests of a class as the core last reported, plus those still in transit."""
+        return self.waiting_by_class.get(priority_class, 0) + self.in_transit.get(priority_class, 0)
+
+    def add(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: str | int | None,
+        priority_class: str,
+        sink: Sink,
+        arrival_time: float | None = None,
+    ) -> asyncio.Future[ipc.AddResult]:
+        """Send a request; the future resolves when the core has admitted or refused it."""
+        fut: asyncio.Future[ipc.AddResult] = asyncio.get_running_loop().create_future()
+        if self.dead:
+            fut.set_result(ipc.AddResult(request_id, "error", "the engine core is not running"))
+            return fut
+        self._acks[request_id] = fut
+        self._sinks[request_id] = sink
+        self._class_of[request_id] = priority_class
+        self.in_transit[priority_class] = self.in_transit.get(priority_class, 0) + 1
+        self._send(
+            ipc.AddRequest(
+                request_id=request_id,
+                prompt_token_ids=prompt_token_ids,
+                params=params,
+                priority=priority,
+                arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            )
+        )
+        return fut
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Abort requests (no-op for ids the core no longer knows); frees their blocks."""
+        for rid in request_ids:
+            self._sinks.pop(rid, None)
+        if request_ids and not self.dead:
+            self._send(ipc.AbortRequests(list(request_ids)))
+
+    @property
+    def num_live(self) -> int:
+        return len(self._sinks)
+
+    async def _ask(self, msg_factory: Callable[[int], msgspec.Struct], timeout_s: float) -> Any:
+        token = next(self._tokens)
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._replies[token] = fut
+        self._send(msg_factory(token))
+        try:
+            return await asyncio.wait_for(fut, timeout_s)
+        finally:
+            self._replies.pop(token, None)
+
+    async def stats(
+        self, history_s: float = 0.0, detail: bool = False, timeout_s: float = 10.0
+    ) -> ipc.StatsReply:
+        return await self._ask(lambda t: ipc.GetStats(t, history_s, detail), timeout_s)
+
+    async def ping(self, timeout_s: float = 10.0) -> float:
+        """Round trip through the core loop (answered between steps); returns seconds."""
+        t = time.perf_counter()
+        await self._ask(ipc.Ping, timeout_s)
+        return time.perf_counter() - t

@@ -1,0 +1,230 @@
+"""The engine core process: loads the model, then loops schedule -> forward -> outputs.
+
+It runs in its own (spawned) process so that the step loop, which holds the GIL for most of a
+step, never stalls the API's event loop. Between steps it drains every pending message (adds,
+aborts, stats requests), so an abort or a new request waits at most one step.
+
+Top-level imports stay light: the API process imports this module only to name the target
+function for `multiprocessing`; torch and the engine are imported inside the child.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from appliance.server import ipc
+
+if TYPE_CHECKING:
+    from appliance.config import ApplianceConfig
+    from appliance.core.request import Request
+    from appliance.engine.llm_engine import Engine
+
+log = logging.getLogger("appliance.core")
+
+# How long the idle loop blocks on the pipe: bounds how late it notices a dead parent.
+IDLE_POLL_S = 1.0
+
+
+def core_main(conn: Connection, config_json: bytes, log_level: str = "INFO") -> None:
+    """Entry point of the core process (multiprocessing target)."""
+    # systemd (KillMode=control-group) and a terminal's Ctrl-C signal the whole group; only the
+    # API process decides when to stop, so the core finishes in-flight work while it drains.
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    try:
+        core = _Core.start(conn, config_json)
+    except Exception as exc:  # report why, the API decides what to do
+        log.exception("engine core failed to start")
+        _send(conn, ipc.Failed(f"{type(exc).__name__}: {exc}"))
+        return
+    try:
+        core.run()
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        pass  # the API process went away: nothing left to serve
+
+
+def _send(conn: Connection, msg: msgspec.Struct) -> None:
+    conn.send_bytes(ipc.encode(msg))
+
+
+class _Core:
+    def __init__(self, conn: Connection, config: ApplianceConfig, engine: Engine) -> None:
+        self.conn = conn
+        self.config = config
+        self.engine = engine
+        # Live requests, kept here to report queue time and preemptions when they finish.
+        self.live: dict[str, Request] = {}
+        self.running = True
+
+    @classmethod
+    def start(cls, conn: Connection, config_json: bytes) -> _Core:
+        t0 = time.perf_counter()
+        from appliance.config import config_from_dict
+        from appliance.engine.llm_engine import Engine
+        from appliance.engine.loader import load_model
+
+        imports = time.perf_counter() - t0
+        config = config_from_dict(msgspec.json.decode(config_json), "reloaded config")
+
+        def progress(text: str) -> None:
+            _send(conn, ipc.Status(text))
+
+        progress(f"imports done in {imports:.2f}s, loading the model")
+        loaded = load_model(config, progress=progress)
+        t = time.perf_counter()
+        engine = Engine(config, loaded=loaded)
+        phases = {"core_imports": imports, **loaded.phase_times}
+        phases["engine_init"] = time.perf_counter() - t
+        _send(
+            conn,
+            ipc.CoreInfo(
+                model_name=engine.model_name,
+                model_dir=str(loaded.model_dir),
+                max_model_len=engine.max_model_len,
+                vocab_size=loaded.args.vocab_size,
+                num_blocks=loaded.num_blocks,
+                num_swap_blocks=loaded.num_swap_blocks,
+                block_size=loaded.block_size,
+                device=str(loaded.device),
+                dtype=str(loaded.dtype).removeprefix("torch."),
+                pid=os.getpid(),
+                phase_times=phases,
+            ),
+        )
+        return cls(conn, config, engine)
+
+    # -- the loop --------------------------------------------------------------------------------
+    def run(self) -> None:
+        engine = self.engine
+        while self.running:
+            out = ipc.Frame()
+            busy = engine.has_unfinished() or bool(engine.scheduler.finished)
+            # Block only when idle; while busy, take what has arrived and step.
+            if self.conn.poll(0 if busy else IDLE_POLL_S):
+                while True:
+                    self._handle(ipc.decode_to_core(self.conn.recv_bytes()), out)
+                    if not self.running or not self.conn.poll(0):
+                        break
+            if not self.running:
+                break
+            if engine.has_unfinished() or engine.scheduler.finished:
+                self._step(out)
+            if out.added or out.outputs or out.steps:
+                out.waiting_by_class = self._waiting_by_class()
+                _send(self.conn, out)
+
+    def _step(self, out: ipc.Frame) -> None:
+        outputs = self.engine.step()
+        rec = self.engine.history.records[-1] if self.engine.history.records else None
+        if rec is not None and rec.num_seqs:
+            out.steps.append((rec.num_scheduled_tokens, rec.num_seqs))
+        out.outputs.extend(outputs)
+        for ro in outputs:
+            if ro.finished:
+                req = self.live.pop(ro.request_id, None)
+                if req is not None:
+                    out.finished.append(_finish_info(req))
+
+    def _handle(self, msg: ipc.ToCore, out: ipc.Frame) -> None:
+        if isinstance(msg, ipc.AddRequest):
+            out.added.append(self._add(msg))
+        elif isinstance(msg, ipc.AbortRequests):
+            for rid in msg.request_ids:
+                self.engine.abort(rid)
+        elif isinstance(msg, ipc.GetStats):
+            _send(self.conn, self._stats(msg))
+        elif isinstance(msg, ipc.Ping):
+            _send(self.conn, ipc.Pong(msg.token))
+        elif isinstance(msg, ipc.Shutdown):
+            self.running = False
+
+    def _add(self, msg: ipc.AddRequest) -> ipc.AddResult:
+        try:
+            req = self.engine.add_request(
+                msg.prompt_token_ids,
+                msg.params,
+                request_id=msg.request_id,
+                priority=msg.priority,
+                stream_text=True,
+                arrival_time=msg.arrival_time,
+            )
+        except ValueError as exc:
+            return ipc.AddResult(msg.request_id, "invalid", str(exc))
+        if req.is_finished:
+            reason = req.finish_reason.value if req.finish_reason else "queue_full"
+            return ipc.AddResult(msg.request_id, reason, req.finish_detail)
+        self.live[msg.request_id] = req
+        return ipc.AddResult(msg.request_id)
+
+    def _waiting_by_class(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for req in self.engine.scheduler.waiting:
+            counts[req.priority_class] = counts.get(req.priority_class, 0) + 1
+        return counts
+
+    # -- figures ---------------------------------------------------------------------------------
+    def _stats(self, msg: ipc.GetStats) -> ipc.StatsReply:
+        engine = self.engine
+        reply = ipc.StatsReply(token=msg.token, engine=engine.stats())
+        if msg.history_s > 0:
+            reply.history = engine.history.since(time.time() - msg.history_s)
+        if msg.detail:
+            reply.preemptions = engine.preemption_log()
+            reply.requests = self._live_requests()
+            reply.queues = self._queues()
+        return reply
+
+    def _live_requests(self) -> list[ipc.LiveRequest]:
+        now = time.monotonic()
+        kv = self.engine.kv
+        return [
+            ipc.LiveRequest(
+                request_id=req.request_id,
+                priority_class=req.priority_class,
+                priority=req.priority,
+                status=req.status.value,
+                prompt_tokens=req.num_prompt_tokens,
+                output_tokens=req.num_output_tokens,
+                blocks_held=kv.num_blocks_held(req.request_id),
+                age_s=now - req.arrival_time,
+                num_preemptions=req.num_preemptions,
+            )
+            for req in self.engine.scheduler.requests.values()
+        ]
+
+    def _queues(self) -> list[ipc.QueueInfo]:
+        now = time.monotonic()
+        sched = self.engine.scheduler
+        cfg = self.config
+        out = []
+        for name, cls in sorted(cfg.priority_classes.items(), key=lambda kv: kv[1].priority):
+            waiting = [r for r in sched.waiting if r.priority_class == name]
+            oldest = max((now - r.arrival_time for r in waiting), default=0.0)
+            out.append(
+                ipc.QueueInfo(
+                    priority_class=name,
+                    waiting=len(waiting),
+                    oldest_wait_s=oldest,
+                    queue_timeout_s=cls.queue_timeout_s or cfg.scheduler.queue_timeout_s,
+                    max_waiting_requests=cls.max_waiting_requests
+                    or cfg.scheduler.max_waiting_requests,
+                )
+            )
+        return out
+
+
+def _finish_info(req: Any) -> ipc.FinishInfo:
+    queued = (
+        req.first_scheduled_time - req.arrival_time
+        if req.first_scheduled_time is not None
+        else None
+    )
+    return ipc.FinishInfo(req.request_id, queued, req.num_preemptions, req.time_preempted)

@@ -1,0 +1,222 @@
+"""One API request in the engine: its `n` x prompts sub-requests, their outputs, its life.
+
+Outputs arrive through a sink the engine client calls from its reader task; the sink updates
+the choice's state and the request-level metrics right away (so TTFT and inter-token times are
+measured when the tokens reach this process, whatever the consumer does), and queues an event
+for a streaming consumer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from appliance.engine.outputs import Logprob, RequestOutput
+from appliance.sampling_params import SamplingParams
+from appliance.server import ipc
+from appliance.server.errors import APIError
+
+if TYPE_CHECKING:
+    from appliance.server.state import ServerState
+
+# Engine finish reasons that mean "refused, try later" rather than an answer.
+RETRYABLE = ("queue_full", "queue_timeout")
+
+
+@dataclass(eq=False)
+class Choice:
+    index: int
+    request_id: str
+    prompt_token_ids: list[int]
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Logprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    finish_detail: str = ""
+    num_cached_tokens: int = 0
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    queue_time_s: float | None = None
+
+
+class Generation:
+    def __init__(
+        self,
+        state: ServerState,
+        request_id: str,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        n: int,
+        priority: str | int | None,
+        priority_class: str,
+        arrival: float,
+        stream: bool,
+    ) -> None:
+        self.state = state
+        self.request_id = request_id
+        self.params = params
+        self.priority = priority
+        self.priority_class = priority_class
+        self.arrival = arrival
+        self.stream = stream
+        self.choices = [
+            Choice(p_idx * n + i, f"{request_id}-{p_idx * n + i}", prompt)
+            for p_idx, prompt in enumerate(prompts)
+            for i in range(n)
+        ]
+        self.n = n
+        self.pending = len(self.choices)
+        self.events: asyncio.Queue[tuple[Choice, RequestOutput] | None] = asyncio.Queue()
+        self.done = asyncio.Event()
+        self.aborted = False
+
+    # -- submission ------------------------------------------------------------------------------
+    def _params_for(self, choice: Choice) -> SamplingParams:
+        offset = choice.index % self.n
+        if self.params.seed is None or offset == 0:
+            return self.params
+        # Distinct but reproducible samples for n > 1: seed, seed + 1, ...
+        p = SamplingParams(**{f: getattr(self.params, f) for f in self.params.__struct_fields__})
+        p.seed = self.params.seed + offset
+        return p
+
+    async def submit(self) -> None:
+        """Hand every sub-request to the engine; raises APIError when any is refused."""
+        client = self.state.client
+        if client is None or client.dead:
+            raise APIError(503, "the engine is not running", code="not_ready")
+        self.state.inflight.add(self)
+        futures = [
+            client.add(
+                ch.request_id,
+                ch.prompt_token_ids,
+                self._params_for(ch),
+                self.priority,
+                self.priority_class,
+                self._sink_for(ch),
+                self.arrival,
+            )
+            for ch in self.choices
+        ]
+        results = await asyncio.gather(*futures)
+        refused = next((r for r in results if r.rejected), None)
+        if refused is not None:
+            self.abort(refused.rejected, count=False)
+            self.close()
+            raise self._refusal(refused.rejected, refused.detail)
+
+    def _refusal(self, reason: str, detail: str) -> APIError:
+        retry = str(self.state.config.server.retry_after_s)
+        if reason in RETRYABLE:
+            return APIError(
+                429,
+                f"{reason.replace('_', ' ')} for priority class {self.priority_class!r}: {detail}",
+                code=reason,
+                headers={"Retry-After": retry},
+            )
+        if reason == "invalid":
+            field_name, sep, _ = detail.partition(":")
+            param = field_name if sep and field_name.isidentifier() else None
+            return APIError(400, detail, param=param)
+        return APIError(503, f"engine unavailable: {detail}", code="engine_error",
+                        headers={"Retry-After": retry})
+
+    # -- outputs ---------------------------------------------------------------------------------
+    def _sink_for(self, ch: Choice):  # noqa: ANN202 - a closure the client calls
+        def sink(ro: RequestOutput, info: ipc.FinishInfo | None) -> None:
+            self._on_output(ch, ro, info)
+
+        return sink
+
+    def _on_output(self, ch: Choice, ro: RequestOutput, info: ipc.FinishInfo | None) -> None:
+        if ch.finish_reason is not None:
+            return  # aborted here already
+        now = time.monotonic()
+        metrics = self.state.metrics
+        if ro.new_token_ids:
+            if ch.first_token_at is None:
+                ch.first_token_at = now
+                metrics.observe_first_token(now - self.arrival, ro.num_prompt_tokens)
+                interval = None
+            else:
+                interval = now - (ch.last_token_at or now)
+            ch.last_token_at = now
+            metrics.observe_tokens(len(ro.new_token_ids), interval)
+            ch.token_ids.extend(ro.new_token_ids)
+            ch.logprobs.extend(ro.new_logprobs)
+        ch.text += ro.new_text
+        ch.num_cached_tokens = ro.num_cached_tokens
+        if ro.finished:
+            ch.finish_reason = ro.finish_reason or "stop"
+            ch.finish_detail = ro.finish_detail
+            if info is not None:
+                ch.queue_time_s = info.queue_time_s
+            metrics.observe_finish(ch.finish_reason, now - self.arrival, ch.queue_time_s)
+        if self.stream:
+            self.events.put_nowait((ch, ro))
+        if ro.finished:
+            self._one_finished()
+
+    def _one_finished(self) -> None:
+        self.pending -= 1
+        if self.pending == 0:
+            self.done.set()
+            self.events.put_nowait(None)
+
+    def abort(self, reason: str = "abort", count: bool = True) -> None:
+        """Stop every unfinished sub-request (client gone, drain timeout, admin); frees blocks."""
+        if self.done.is_set():
+            return
+        self.aborted = True
+        open_ids = [ch.request_id for ch in self.choices if ch.finish_reason is None]
+        client = self.state.client
+        if client is not None and not client.dead:
+            client.abort(open_ids)
+        now = time.monotonic()
+        for ch in self.choices:
+            if ch.finish_reason is None:
+                ch.finish_reason = "abort"
+                ch.finish_detail = reason
+                if count:
+                    self.state.metrics.observe_finish("abort", now - self.arrival, None)
+                self._one_finished()
+
+    def close(self) -> None:
+        self.state.inflight.discard(self)
+
+    # -- results ---------------------------------------------------------------------------------
+    async def next_event(self) -> tuple[Choice, RequestOutput] | None:
+        return await self.events.get()
+
+    def failure(self) -> APIError | None:
+        """The error to answer with when a choice ended without an answer (non-streaming, or
+        before a stream's first byte)."""
+        for ch in self.choices:
+            if ch.finish_reason in RETRYABLE:
+                return self._refusal(ch.finish_reason, ch.finish_detail)
+            if ch.finish_reason == "error":
+                return APIError(500, f"generation failed: {ch.finish_detail}", code="engine_error")
+        return None
+
+    @property
+    def prompt_tokens(self) -> int:
+        # Each distinct prompt counts once, however many samples were drawn from it.
+        return sum(len(ch.prompt_token_ids) for ch in self.choices[:: self.n])
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(ch.token_ids) for ch in self.choices)
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(ch.num_cached_tokens for ch in self.choices[:: self.n])
+
+    def first_token_s(self) -> float | None:
+        times = [ch.first_token_at for ch in self.choices if ch.first_token_at is not None]
+        return min(times) - self.arrival if times else None
+
+    def queue_time_s(self) -> float | None:
+        times = [ch.queue_time_s for ch in self.choices if ch.queue_time_s is not None]
+        return min(times) if times else None

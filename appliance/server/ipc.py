@@ -1,0 +1,170 @@
+"""Messages between the API process and the engine core process.
+
+Small msgspec Structs, msgpack-encoded, one frame per message: a 4-byte big-endian signed
+length, then the payload. That is the framing of `multiprocessing.Connection.send_bytes`, so
+the core side uses a plain `Connection` while the API side reads the same socket with asyncio
+streams (never blocking the event loop).
+"""
+
+from __future__ import annotations
+
+import struct
+
+import msgspec
+
+from appliance.core.scheduler_stats import PreemptionEvent
+from appliance.engine.outputs import RequestOutput
+from appliance.engine.stats import EngineStats, StepRecord
+from appliance.sampling_params import SamplingParams
+
+HEADER = struct.Struct("!i")
+# Connection.send_bytes switches to an 8-byte length after this marker for > 2 GiB payloads.
+LONG_MARKER = -1
+LONG_HEADER = struct.Struct("!Q")
+
+
+# -- API -> core ---------------------------------------------------------------------------------
+class AddRequest(msgspec.Struct, tag="add", kw_only=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    # A class name or an integer; the core resolves it exactly as Engine.add_request does.
+    priority: str | int | None = None
+    # time.monotonic() at HTTP arrival: CLOCK_MONOTONIC is system-wide on Linux, so queue
+    # timeouts count from when the client asked, not from when the core read the message.
+    arrival_time: float
+
+
+class AbortRequests(msgspec.Struct, tag="abort"):
+    request_ids: list[str]
+
+
+class GetStats(msgspec.Struct, tag="stats"):
+    token: int
+    # Seconds of step history to include (0: none, for a metrics scrape).
+    history_s: float = 0.0
+    detail: bool = False
+
+
+class Ping(msgspec.Struct, tag="ping"):
+    token: int
+
+
+class Shutdown(msgspec.Struct, tag="shutdown"):
+    pass
+
+
+ToCore = AddRequest | AbortRequests | GetStats | Ping | Shutdown
+
+
+# -- core -> API ---------------------------------------------------------------------------------
+class Status(msgspec.Struct, tag="status"):
+    """A loading phase (forwarded to the log and to systemd's STATUS=)."""
+
+    text: str
+
+
+class CoreInfo(msgspec.Struct, tag="ready", kw_only=True):
+    model_name: str
+    model_dir: str
+    max_model_len: int
+    vocab_size: int
+    num_blocks: int
+    num_swap_blocks: int
+    block_size: int
+    device: str
+    dtype: str
+    pid: int
+    # Seconds per start-up phase, from the loader, plus the core's own imports.
+    phase_times: dict[str, float]
+
+
+class Failed(msgspec.Struct, tag="failed"):
+    error: str
+
+
+class AddResult(msgspec.Struct, array_like=True):
+    request_id: str
+    # "" = queued; "queue_full" = refused by admission control; "invalid" = bad input.
+    rejected: str = ""
+    detail: str = ""
+
+
+class FinishInfo(msgspec.Struct, array_like=True):
+    request_id: str
+    # From arrival to first scheduled (None: never scheduled).
+    queue_time_s: float | None
+    num_preemptions: int
+    time_preempted_s: float
+
+
+class Frame(msgspec.Struct, tag="frame", kw_only=True):
+    """What one turn of the core loop produced."""
+
+    added: list[AddResult] = []
+    outputs: list[RequestOutput] = []
+    finished: list[FinishInfo] = []
+    # (scheduled tokens, sequences) per step, for the per-step histograms.
+    steps: list[tuple[int, int]] = []
+    # Waiting requests per priority class after this turn (the API's cheap queue-full check).
+    waiting_by_class: dict[str, int] = {}
+
+
+class LiveRequest(msgspec.Struct, kw_only=True):
+    request_id: str
+    priority_class: str
+    priority: int
+    status: str
+    prompt_tokens: int
+    output_tokens: int
+    blocks_held: int
+    age_s: float
+    num_preemptions: int
+
+
+class QueueInfo(msgspec.Struct, kw_only=True):
+    priority_class: str
+    waiting: int
+    oldest_wait_s: float
+    # 0 = no timeout for this class.
+    queue_timeout_s: float
+    max_waiting_requests: int
+
+
+class StatsReply(msgspec.Struct, tag="stats_reply", kw_only=True):
+    token: int
+    engine: EngineStats
+    history: list[StepRecord] = []
+    preemptions: list[PreemptionEvent] = []
+    requests: list[LiveRequest] = []
+    queues: list[QueueInfo] = []
+
+
+class Pong(msgspec.Struct, tag="pong"):
+    token: int
+
+
+FromCore = Status | CoreInfo | Failed | Frame | StatsReply | Pong
+
+_encoder = msgspec.msgpack.Encoder()
+_to_core = msgspec.msgpack.Decoder(ToCore)
+_from_core = msgspec.msgpack.Decoder(FromCore)
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_to_core(data: bytes) -> ToCore:
+    return _to_core.decode(data)
+
+
+def decode_from_core(data: bytes) -> FromCore:
+    return _from_core.decode(data)
+
+
+def frame(payload: bytes) -> bytes:
+    """Length-prefixed bytes, exactly as Connection.send_bytes writes them."""
+    if len(payload) > 0x7FFFFFFF:
+        return HEADER.pack(LONG_MARKER) + LONG_HEADER.pack(len(payload)) + payload
+    return HEADER.pack(len(payload)) + payload

@@ -1,0 +1,248 @@
+"""What the server knows at run time, and its life cycle: start the engine, drain, reload, stop.
+
+Phases: starting (engine loading) -> ready <-> reloading; ready -> draining -> stopped; failed
+when the engine cannot be started. Only `ready` takes new generation requests; everything else
+answers 503, which is what a load balancer needs to route around this box.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from appliance.config import ApplianceConfig, ConfigError, load_config, resolve_template
+from appliance.metrics import Metrics
+from appliance.server import ipc, sdnotify
+from appliance.server.auth import AuthKeys
+from appliance.server.engine_client import EngineClient, EngineError
+from appliance.server.reqlog import RequestLog
+
+if TYPE_CHECKING:
+    from appliance.server.generate import Generation
+
+log = logging.getLogger("appliance.server")
+
+
+def model_name_of(config: ApplianceConfig) -> str:
+    """The served name before the engine is up (the loader uses the same rule)."""
+    return config.model.name or Path(os.path.expanduser(config.model.path)).name or "model"
+
+
+@dataclass
+class ServerState:
+    config: ApplianceConfig
+    # The template as given (name or path) and the overrides, for /admin/config and SIGHUP.
+    template: str | None
+    overrides: dict[str, Any]
+    auth: AuthKeys
+    metrics: Metrics
+    log_level: str = "INFO"
+    phase: str = "starting"
+    phase_detail: str = ""
+    client: EngineClient | None = None
+    info: ipc.CoreInfo | None = None
+    tokenizer: Any = None
+    inflight: set[Generation] = field(default_factory=set)
+    request_log: RequestLog = field(default_factory=RequestLog)
+    started_at: float = field(default_factory=time.monotonic)
+    ready_after_s: float | None = None
+    startup_phases: dict[str, float] = field(default_factory=dict)
+    last_reload: dict[str, Any] = field(default_factory=dict)
+    # Set when the engine dies or a stop is requested; the daemon waits on it.
+    stop_event: asyncio.Event = field(default_factory=asyncio.Event)
+    exit_code: int = 0
+    _ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
+    _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    @classmethod
+    def create(
+        cls, config: ApplianceConfig, template: str | None, overrides: dict[str, Any], log_level: str = "INFO"
+    ) -> ServerState:
+        return cls(config, template, dict(overrides), AuthKeys.from_config(config.server),
+                   Metrics(model_name_of(config)), log_level)
+
+    # -- identity --------------------------------------------------------------------------------
+    @property
+    def ready(self) -> bool:
+        return self.phase == "ready"
+
+    @property
+    def model_name(self) -> str:
+        return self.info.model_name if self.info else model_name_of(self.config)
+
+    @property
+    def template_path(self) -> str:
+        if self.template is None:
+            return ""
+        try:
+            return str(resolve_template(self.template))
+        except ConfigError:
+            return str(self.template)
+
+    def next_id(self, prefix: str) -> str:
+        return f"{prefix}-{os.getpid():x}{next(self._ids):06d}"
+
+    def set_phase(self, phase: str, detail: str = "") -> None:
+        self.phase, self.phase_detail = phase, detail
+        log.info("phase: %s%s", phase, f" ({detail})" if detail else "")
+
+    # -- engine ----------------------------------------------------------------------------------
+    def _status(self, text: str) -> None:
+        log.info("engine: %s", text)
+        sdnotify.notify(f"STATUS={text}")
+
+    def _on_frame(self, frame: ipc.Frame) -> None:
+        if frame.steps:
+            self.metrics.observe_steps(frame.steps)
+
+    def _on_death(self, reason: str) -> None:
+        if self.phase in ("ready", "draining"):
+            self.set_phase("failed", reason)
+            self.exit_code = 1
+            self.stop_event.set()
+
+    async def start_engine(self, config: ApplianceConfig) -> None:
+        """Start a core for `config`, load the tokenizer; raises EngineError/ConfigError."""
+        t0 = time.monotonic()
+        client = EngineClient(config, self.log_level, self._status, self._on_frame, self._on_death)
+        # The tokenizer's imports (transformers, ~2 s) overlap the core's model load.
+        warm = asyncio.create_task(asyncio.to_thread(_import_tokenizer_deps))
+        try:
+            info = await client.start()
+        except BaseException:
+            warm.cancel()
+            raise
+        t_core = time.monotonic() - t0
+        t = time.monotonic()
+        await warm
+        from appliance.models.hf_files import load_tokenizer
+
+        try:
+            tokenizer = await asyncio.to_thread(load_tokenizer, info.model_dir)
+        except Exception:
+            await client.shutdown()
+            raise
+        self.client, self.info, self.tokenizer, self.config = client, info, tokenizer, config
+        self.startup_phases = {
+            **{f"core.{k}": v for k, v in info.phase_times.items()},
+            "core_total": t_core,
+            "api_tokenizer": time.monotonic() - t,
+        }
+        cache = config.cache
+        self.metrics.engine_rebuilt(
+            info.model_name,
+            {
+                "block_size": info.block_size,
+                "cache_dtype": cache.kv_cache_dtype,
+                "enable_prefix_caching": cache.enable_prefix_caching,
+                "num_gpu_blocks": info.num_blocks,
+                "num_cpu_blocks": info.num_swap_blocks,
+                "swap_space_gib": cache.swap_space,
+            },
+        )
+
+    async def stop_engine(self) -> None:
+        client, self.client = self.client, None
+        if client is not None:
+            await client.shutdown()
+
+    # -- draining --------------------------------------------------------------------------------
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no generation is in flight; False (after aborting them) on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while self.inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if not self.inflight:
+            return True
+        log.warning("drain timeout (%.0fs): aborting %d requests", timeout_s, len(self.inflight))
+        for gen in list(self.inflight):
+            gen.abort("drain timeout")
+        await asyncio.sleep(0.1)  # let the streams write their last chunk
+        return False
+
+    async def drain_and_stop(self) -> None:
+        """SIGTERM: refuse new work (503), let in-flight requests finish, stop the engine."""
+        if self.phase in ("draining", "stopped"):
+            return
+        self.set_phase("draining", f"{len(self.inflight)} requests in flight")
+        sdnotify.notify("STOPPING=1")
+        await self.wait_idle(self.config.server.drain_timeout_s)
+        await self.stop_engine()
+        self.set_phase("stopped")
+        self.stop_event.set()
+
+    # -- reload ----------------------------------------------------------------------------------
+    async def reload(self, template: str | None, overrides: dict[str, Any]) -> dict[str, Any]:
+        """Validate, drain, rebuild the engine, resume. Raises ConfigError (nothing changed) or
+        EngineError (the previous engine was restored). Returns a summary."""
+        new = load_config(template, overrides)  # ConfigError: nothing touched yet
+        _check_model_path(new)
+        if new.server.host != self.config.server.host or new.server.port != self.config.server.port:
+            log.warning("reload: server.host/port changes apply at the next start only")
+        new_auth = AuthKeys.from_config(new.server)
+        if self._lock.locked():
+            raise ConfigError("a reload is already in progress")
+        async with self._lock:
+            return await self._swap(new, new_auth, template, overrides)
+
+    async def _swap(
+        self, new: ApplianceConfig, new_auth: AuthKeys, template: str | None, overrides: dict[str, Any]
+    ) -> dict[str, Any]:
+        old_config, old_template, old_overrides = self.config, self.template, self.overrides
+        sdnotify.notify("RELOADING=1")
+        self.set_phase("reloading", f"draining {len(self.inflight)} requests")
+        t0 = time.monotonic()
+        await self.wait_idle(old_config.server.drain_timeout_s)
+        # Stop first, then start: two copies of the weights may not fit (GPU memory).
+        await self.stop_engine()
+        try:
+            await self.start_engine(new)
+        except (EngineError, ConfigError, OSError) as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+            log.error("reload failed (%s); restoring the previous engine", reason)
+            try:
+                await self.start_engine(old_config)
+            except Exception as again:
+                self.set_phase("failed", f"restoring the previous engine failed too: {again}")
+                self.exit_code = 1
+                self.stop_event.set()
+                raise
+            self._finish_reload(old_config, old_template, old_overrides)
+            self.last_reload = {"ok": False, "error": reason, "time": time.time()}
+            raise EngineError(f"reload failed, previous configuration restored: {reason}") from exc
+        self.auth = new_auth
+        self._finish_reload(new, template, overrides)
+        self.last_reload = {
+            "ok": True,
+            "template": template,
+            "overrides": overrides,
+            "seconds": time.monotonic() - t0,
+            "time": time.time(),
+        }
+        return self.last_reload
+
+    def _finish_reload(self, config: ApplianceConfig, template: str | None, overrides: dict[str, Any]) -> None:
+        self.config, self.template, self.overrides = config, template, dict(overrides)
+        self.set_phase("ready")
+        sdnotify.notify("READY=1")
+        sdnotify.notify(f"STATUS=serving {self.model_name}")
+
+
+def _import_tokenizer_deps() -> None:
+    import appliance.models.hf_files  # noqa: F401
+    import transformers  # noqa: F401
+
+
+def _check_model_path(config: ApplianceConfig) -> None:
+    """Refuse before draining anything when the new model cannot be found."""
+    if not config.model.path:
+        raise ConfigError("model.path: no model directory given")
+    path = Path(os.path.expanduser(config.model.path))
+    if not (path / "config.json").is_file() and not config.model.demo_shape:
+        raise ConfigError(f"model.path: {str(path)!r} holds no Hugging Face model (config.json)")

@@ -1,0 +1,59 @@
+"""Templates validate into Structs; unknown keys and bad values are errors naming them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from appliance.config import ConfigError, list_templates, load_config
+
+
+def test_every_shipped_template_validates() -> None:
+    templates = list_templates()
+    assert "cpu-demo" in templates
+    for name in templates:
+        load_config(name)
+
+
+def test_unknown_key_is_named(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[cache]\nblock_sise = 16\n")
+    with pytest.raises(ConfigError, match=r"block_sise.*\$\.cache"):
+        load_config(bad)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "pattern"),
+    [
+        ("scheduler.max_num_seqs", 0, r"max_num_seqs"),
+        ("cache.block_size", 1000, r">= 1|<= 256"),
+        ("cache.gpu_memory_utilization", 1.5, r"gpu_memory_utilization"),
+        ("cache.kv_cache_dtype", "fp4", r"kv_cache_dtype"),
+        ("scheduler.policy", "random", r"policy"),
+        ("parallel.tensor_parallel_size", 3, r"tensor_parallel_size"),
+    ],
+)
+def test_bad_values_name_the_field(key: str, value: object, pattern: str) -> None:
+    with pytest.raises(ConfigError, match=pattern):
+        load_config("cpu-demo", {key: value})
+
+
+def test_overrides_parse_like_the_cli() -> None:
+    cfg = load_config("cpu-demo", {"cache.block_size": "32", "cache.enable_prefix_caching": "false"})
+    assert cfg.cache.block_size == 32
+    assert cfg.cache.enable_prefix_caching is False
+
+
+def test_unknown_template_lists_available() -> None:
+    with pytest.raises(ConfigError, match="cpu-demo"):
+        load_config("no-such-template")
+
+
+def test_priority_classes() -> None:
+    cfg = load_config("cpu-demo")
+    assert cfg.priority_of("realtime") < cfg.priority_of("batch")
+    assert cfg.priority_of(3) == 3
+    assert cfg.class_of(cfg.priority_of("batch")) == "batch"
+    with pytest.raises(ConfigError, match="unknown class 'vip'"):
+        cfg.priority_of("vip")
