@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from appliance.server import ipc
+from appliance.server.admin_schema import LiveRequest, QueueInfo
 
 if TYPE_CHECKING:
     from appliance.config import ApplianceConfig
@@ -182,11 +183,11 @@ class _Core:
             reply.queues = self._queues()
         return reply
 
-    def _live_requests(self) -> list[ipc.LiveRequest]:
+    def _live_requests(self) -> list[LiveRequest]:
         now = time.monotonic()
         kv = self.engine.kv
         return [
-            ipc.LiveRequest(
+            LiveRequest(
                 request_id=req.request_id,
                 priority_class=req.priority_class,
                 priority=req.priority,
@@ -200,7 +201,7 @@ class _Core:
             for req in self.engine.scheduler.requests.values()
         ]
 
-    def _queues(self) -> list[ipc.QueueInfo]:
+    def _queues(self) -> list[QueueInfo]:
         now = time.monotonic()
         sched = self.engine.scheduler
         cfg = self.config
@@ -209,7 +210,7 @@ class _Core:
             waiting = [r for r in sched.waiting if r.priority_class == name]
             oldest = max((now - r.arrival_time for r in waiting), default=0.0)
             out.append(
-                ipc.QueueInfo(
+                QueueInfo(
                     priority_class=name,
                     waiting=len(waiting),
                     oldest_wait_s=oldest,

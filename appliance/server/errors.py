@@ -47,6 +47,16 @@ class APIError(Exception):
         self.code = code if code is not None else _CODES.get(status)
         self.type = type or _TYPES.get(status, "invalid_request_error")
         self.headers = headers or {}
+        # Set once the request's JSON line has been written (so the handler does not repeat it).
+        self.logged = False
+
+
+class ClientGone(APIError):
+    """The client disconnected before the answer was ready (nginx's 499)."""
+
+    def __init__(self) -> None:
+        super().__init__(499, "client disconnected", code="client_closed_request")
+        self.logged = True
 
 
 class ErrorInfo(msgspec.Struct):
@@ -104,7 +114,7 @@ def to_api_error(exc: Exception) -> APIError:
 def exception_handler(request: Request[Any, Any, Any], exc: Exception) -> Response[bytes]:
     err = to_api_error(exc)
     logger = getattr(request.app.state, "request_log", None)
-    if logger is not None and request.url.path.startswith(("/v1/", "/tokenize", "/detokenize")):
+    if logger is not None and not err.logged and request.url.path.startswith(("/v1/", "/tokenize", "/detokenize")):
         logger.error_line(request, err)
     return Response(
         content=error_body(err),

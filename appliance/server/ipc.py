@@ -15,6 +15,7 @@ import msgspec
 from appliance.core.scheduler_stats import PreemptionEvent
 from appliance.engine.outputs import RequestOutput
 from appliance.engine.stats import EngineStats, StepRecord
+from appliance.server.admin_schema import LiveRequest, QueueInfo
 from appliance.sampling_params import SamplingParams
 
 HEADER = struct.Struct("!i")
@@ -108,27 +109,6 @@ class Frame(msgspec.Struct, tag="frame", kw_only=True):
     steps: list[tuple[int, int]] = []
     # Waiting requests per priority class after this turn (the API's cheap queue-full check).
     waiting_by_class: dict[str, int] = {}
-
-
-class LiveRequest(msgspec.Struct, kw_only=True):
-    request_id: str
-    priority_class: str
-    priority: int
-    status: str
-    prompt_tokens: int
-    output_tokens: int
-    blocks_held: int
-    age_s: float
-    num_preemptions: int
-
-
-class QueueInfo(msgspec.Struct, kw_only=True):
-    priority_class: str
-    waiting: int
-    oldest_wait_s: float
-    # 0 = no timeout for this class.
-    queue_timeout_s: float
-    max_waiting_requests: int
 
 
 class StatsReply(msgspec.Struct, tag="stats_reply", kw_only=True):

@@ -54,6 +54,7 @@ class ServerState:
     ready_after_s: float | None = None
     startup_phases: dict[str, float] = field(default_factory=dict)
     last_reload: dict[str, Any] = field(default_factory=dict)
+    engine_generation: int = 0
     # Set when the engine dies or a stop is requested; the daemon waits on it.
     stop_event: asyncio.Event = field(default_factory=asyncio.Event)
     exit_code: int = 0
@@ -129,6 +130,7 @@ class ServerState:
             await client.shutdown()
             raise
         self.client, self.info, self.tokenizer, self.config = client, info, tokenizer, config
+        self.engine_generation += 1
         self.startup_phases = {
             **{f"core.{k}": v for k, v in info.phase_times.items()},
             "core_total": t_core,

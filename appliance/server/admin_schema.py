@@ -1,0 +1,113 @@
+"""The schema of `GET /admin/stats`: what the console (and any script) can rely on.
+
+Decode a response with `msgspec.json.decode(body, type=AdminStats)`. Importing this module pulls
+in neither torch nor Litestar. Times: `time` fields are Unix seconds (time.time()); ages and
+durations are seconds. Counters restart at zero when the engine is rebuilt (/admin/reload);
+`server.engine_generation` tells a client that this happened.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from appliance.core.scheduler_stats import PreemptionEvent
+from appliance.engine.stats import EngineStats, StepRecord
+
+__all__ = [
+    "AdminStats",
+    "ConfigRef",
+    "EngineStats",
+    "LiveRequest",
+    "PreemptionEvent",
+    "QueueInfo",
+    "ServerInfo",
+    "StepRecord",
+]
+
+
+class LiveRequest(msgspec.Struct, kw_only=True):
+    """A request the engine holds (waiting, running, preempted or swapped)."""
+
+    # The engine's id: the API request id plus "-<choice index>" (e.g. "cmpl-1a000012-0").
+    request_id: str
+    priority_class: str
+    # Lower is more urgent.
+    priority: int
+    # waiting | running | preempted | swapped
+    status: str
+    prompt_tokens: int
+    output_tokens: int
+    # KV blocks on the device (a swapped request holds host swap blocks instead).
+    blocks_held: int
+    # Seconds since the request arrived at the API.
+    age_s: float
+    num_preemptions: int
+
+
+class QueueInfo(msgspec.Struct, kw_only=True):
+    """One priority class's waiting queue against its admission limits."""
+
+    priority_class: str
+    waiting: int
+    # Age of the oldest waiting request (0 when none waits); compare with queue_timeout_s.
+    oldest_wait_s: float
+    # 0 = no timeout for this class.
+    queue_timeout_s: float
+    # 0 = unlimited.
+    max_waiting_requests: int
+
+
+class ConfigRef(msgspec.Struct, kw_only=True):
+    """Which template the engine runs (GET /admin/config has the full values)."""
+
+    # As given to `appliance up --template` or /admin/reload (a name or a path); None = defaults.
+    template: str | None
+    # The file it resolved to ("" for defaults).
+    path: str
+    # The --set / reload overrides applied on top, dotted keys.
+    overrides: dict[str, Any]
+    description: str
+
+
+class ServerInfo(msgspec.Struct, kw_only=True):
+    # starting | ready | draining | reloading | stopped | failed
+    phase: str
+    phase_detail: str
+    pid: int
+    # The engine core process (None while none runs).
+    core_pid: int | None
+    uptime_s: float
+    # Seconds from process start to the first READY (None: not yet).
+    ready_after_s: float | None
+    # Seconds per start-up phase of the running engine ("core.load_weights", ...).
+    startup_phases: dict[str, float]
+    # HTTP generation requests in flight and served since start.
+    requests_in_flight: int
+    requests_served: int
+    # Increments at every engine (re)build.
+    engine_generation: int
+    # The last /admin/reload or SIGHUP: {"ok", "time", "seconds" | "error", ...}; {} if none.
+    last_reload: dict[str, Any]
+
+
+class AdminStats(msgspec.Struct, kw_only=True):
+    time: float
+    model_name: str
+    model_dir: str
+    max_model_len: int
+    device: str
+    dtype: str
+    config: ConfigRef
+    server: ServerInfo
+    # None while no engine runs (starting, reloading, failed).
+    engine: EngineStats | None
+    # Engine steps of the last `history_s` seconds, oldest first.
+    history: list[StepRecord]
+    history_s: float
+    # Recent preemptions, oldest first (bounded log).
+    preemptions: list[PreemptionEvent]
+    requests: list[LiveRequest]
+    # One entry per priority class, most urgent first.
+    queues: list[QueueInfo]

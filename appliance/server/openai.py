@@ -1,0 +1,284 @@
+"""The OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models, and
+vLLM's /tokenize and /detokenize.
+
+Bodies are decoded here with msgspec (not through Litestar's `data:` injection) so that a
+schema error becomes one OpenAI-style 400 naming the field, and so that the body is only read
+after the API key and readiness checks (guards) have passed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+import msgspec
+from litestar import Request, Response, Router, get, post
+from litestar.connection import ASGIConnection
+from litestar.handlers.base import BaseRouteHandler
+from litestar.response import Stream
+
+from appliance.server import prepare as prep
+from appliance.server import schemas as s
+from appliance.server.auth import api_key_guard
+from appliance.server.errors import APIError, ClientGone, bad_request, from_validation
+from appliance.server.format import (
+    StreamFormatter,
+    TokenText,
+    chat_response,
+    completion_response,
+    error_event,
+)
+from appliance.server.generate import RETRYABLE, Generation
+from appliance.server.state import ServerState
+
+T = TypeVar("T")
+JSON = "application/json"
+_decoders: dict[type, msgspec.json.Decoder[Any]] = {}
+
+
+def _state(request: Request[Any, Any, Any]) -> ServerState:
+    return request.app.state.server
+
+
+def ready_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
+    state: ServerState = connection.app.state.server
+    if not state.ready:
+        raise APIError(
+            503,
+            f"the server is {state.phase}; retry later",
+            code=state.phase,
+            headers={"Retry-After": str(state.config.server.retry_after_s)},
+        )
+
+
+async def decode_body(request: Request[Any, Any, Any], schema: type[T]) -> T:
+    raw = await request.body()
+    dec = _decoders.get(schema) or _decoders.setdefault(schema, msgspec.json.Decoder(schema))
+    try:
+        return dec.decode(raw)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise from_validation(exc) from None
+
+
+def _json(obj: Any, headers: dict[str, str] | None = None) -> Response[bytes]:
+    return Response(content=msgspec.json.encode(obj), media_type=JSON, headers=headers or {})
+
+
+async def _until_disconnect(request: Request[Any, Any, Any]) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def race_disconnect(request: Request[Any, Any, Any], aw: Awaitable[T]) -> T:
+    """Await `aw` unless the client goes away first (then ClientGone). Only used while no
+    response has started: once streaming, Litestar's Stream listens for the disconnect."""
+    task = asyncio.ensure_future(aw)
+    watcher = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        raise ClientGone
+    return task.result()
+
+
+# -- generation ----------------------------------------------------------------------------------
+async def _generate(request: Request[Any, Any, Any], chat: bool) -> Response[Any]:
+    arrival = time.monotonic()
+    state = _state(request)
+    body: prep.Body = await decode_body(request, s.ChatCompletionRequest if chat else s.CompletionRequest)
+    prep.check_model(state, body.model)
+    prep.refuse_unsupported(body)
+    priority_class = prep.resolve_priority(state, body.priority)
+    prep.check_queue(state, priority_class)  # before tokenizing: shedding load stays cheap
+    if isinstance(body, s.ChatCompletionRequest):
+        prompts = [prep.chat_prompt(state, body.messages, body.add_generation_prompt)]
+        name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        k = (body.top_logprobs or 0) if body.logprobs else None
+        if body.top_logprobs is not None and not body.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+        prompt_param = "messages"
+    else:
+        prompts = prep.completion_prompts(state, body.prompt)
+        name, asked, k, prompt_param = "max_tokens", body.max_tokens, body.logprobs, "prompt"
+    max_tokens = prep.resolve_max_tokens(state, prompts, asked, name, prompt_param)
+    params = prep.sampling_params(body, max_tokens, k)
+    rid = state.next_id("chatcmpl" if chat else "cmpl")
+    gen = Generation(state, rid, prompts, params, body.n, body.priority, priority_class, arrival, body.stream)
+    await gen.submit()
+    ctx = _LogContext(state, gen, request.url.path, body.stream)
+    text_of = _token_text(state)
+    created = int(time.time())
+    if body.stream:
+        return await _stream(request, gen, ctx, StreamFormatter(
+            gen, chat, state.model_name, created, k,
+            bool(body.stream_options and body.stream_options.include_usage), text_of,
+        ))
+    try:
+        await race_disconnect(request, gen.done.wait())
+    except ClientGone:
+        gen.abort("client disconnected")
+        ctx.finish(499)
+        raise
+    finally:
+        gen.close()
+    err = gen.failure()
+    if err is not None:
+        ctx.finish(err.status)
+        err.logged = True
+        raise err
+    ctx.finish(200)
+    build = chat_response if chat else completion_response
+    return _json(build(gen, state.model_name, created, k, text_of), {"x-request-id": rid})
+
+
+def _token_text(state: ServerState) -> TokenText:
+    cached = getattr(state, "_token_text", None)
+    if cached is None or cached.tokenizer is not state.tokenizer:
+        cached = TokenText(state.tokenizer)
+        state._token_text = cached  # type: ignore[attr-defined]
+    return cached
+
+
+async def _stream(
+    request: Request[Any, Any, Any], gen: Generation, ctx: _LogContext, fmt: StreamFormatter
+) -> Response[Any]:
+    # Wait for the first output before the status line, so that a request refused while
+    # queued (queue timeout) still gets a real 429 that a gateway can act on.
+    try:
+        first = await race_disconnect(request, gen.next_event())
+    except ClientGone:
+        gen.abort("client disconnected")
+        gen.close()
+        ctx.finish(499)
+        raise
+    if first is not None and first[1].finished and not first[0].token_ids:
+        err = gen.failure()
+        if err is not None:
+            gen.abort(first[0].finish_reason or "abort")
+            gen.close()
+            ctx.finish(err.status)
+            err.logged = True
+            raise err
+    return Stream(
+        _sse_body(gen, ctx, fmt, first),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "x-request-id": gen.request_id},
+    )
+
+
+async def _sse_body(gen: Generation, ctx: _LogContext, fmt: StreamFormatter, first: Any) -> AsyncIterator[bytes]:
+    status = 499
+    try:
+        parts = fmt.opening()
+        event = first
+        while event is not None:
+            ch, ro = event
+            if ro.finished and ch.finish_reason in (*RETRYABLE, "error") and not ch.token_ids:
+                err = gen.failure()
+                if err is not None:
+                    parts.append(error_event(err))
+            else:
+                chunk = fmt.chunk(ch, ro)
+                if chunk is not None:
+                    parts.append(chunk)
+            if gen.events.empty() and parts:
+                # One write per batch of outputs that arrived together (one engine step).
+                yield b"".join(parts)
+                parts = []
+            event = await gen.next_event()
+        yield b"".join(parts + fmt.closing())
+        status = 200
+    finally:
+        if not gen.done.is_set():
+            gen.abort("client disconnected")  # frees the request's KV blocks in the engine
+        gen.close()
+        ctx.finish(status)
+
+
+class _LogContext:
+    def __init__(self, state: ServerState, gen: Generation, endpoint: str, stream: bool) -> None:
+        self.state, self.gen, self.endpoint, self.stream = state, gen, endpoint, stream
+
+    def finish(self, status: int) -> None:
+        gen = self.gen
+        ttft = gen.first_token_s()
+        queued = gen.queue_time_s()
+        self.state.request_log.line(
+            id=gen.request_id,
+            endpoint=self.endpoint,
+            status=status,
+            priority_class=gen.priority_class,
+            stream=self.stream,
+            n=len(gen.choices),
+            prompt_tokens=gen.prompt_tokens,
+            completion_tokens=gen.completion_tokens,
+            cached_tokens=gen.cached_tokens,
+            finish_reason=sorted({ch.finish_reason or "none" for ch in gen.choices}),
+            ttft_ms=None if ttft is None else round(ttft * 1000, 1),
+            queue_ms=None if queued is None else round(queued * 1000, 1),
+            latency_ms=round((time.monotonic() - gen.arrival) * 1000, 1),
+        )
+
+
+@post("/v1/completions", status_code=200)
+async def completions(request: Request[Any, Any, Any]) -> Response[Any]:
+    return await _generate(request, chat=False)
+
+
+@post("/v1/chat/completions", status_code=200)
+async def chat_completions(request: Request[Any, Any, Any]) -> Response[Any]:
+    return await _generate(request, chat=True)
+
+
+@get("/v1/models")
+async def models(request: Request[Any, Any, Any]) -> Response[bytes]:
+    state = _state(request)
+    info = state.info
+    card = s.ModelCard(
+        id=state.model_name,
+        created=int(time.time() - (time.monotonic() - state.started_at)),
+        root=info.model_dir if info else "",
+        max_model_len=info.max_model_len if info else 0,
+    )
+    return _json(s.ModelList([card]))
+
+
+@post("/tokenize", status_code=200)
+async def tokenize(request: Request[Any, Any, Any]) -> Response[bytes]:
+    state = _state(request)
+    body = await decode_body(request, s.TokenizeRequest)
+    prep.check_model(state, body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise bad_request("give exactly one of prompt or messages", param="prompt")
+    if body.messages is not None:
+        ids = prep.chat_prompt(state, body.messages, body.add_generation_prompt)
+    else:
+        ids = list(state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
+    limit = state.info.max_model_len if state.info else 0
+    return _json(s.TokenizeResponse(len(ids), limit, ids))
+
+
+@post("/detokenize", status_code=200)
+async def detokenize(request: Request[Any, Any, Any]) -> Response[bytes]:
+    state = _state(request)
+    body = await decode_body(request, s.DetokenizeRequest)
+    prep.check_model(state, body.model)
+    vocab = state.info.vocab_size if state.info else 0
+    bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise bad_request(f"tokens: id {bad} is outside the vocabulary [0, {vocab})", param="tokens")
+    return _json(s.DetokenizeResponse(state.tokenizer.decode(body.tokens)))
+
+
+def router() -> Router:
+    return Router(
+        path="/",
+        route_handlers=[completions, chat_completions, models, tokenize, detokenize],
+        guards=[api_key_guard, ready_guard],
+    )
