@@ -46,13 +46,28 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     engine = Engine.from_template(ns.template, overrides)
     params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, seed=ns.seed)
     for result in engine.generate(ns.prompt, params):
-        print(json.dumps({"text": result.text, "finish_reason": result.finish_reason, "tokens": len(result.token_ids)}))
+        print(
+            json.dumps(
+                {
+                    "text": result.text,
+                    "finish_reason": result.finish_reason,
+                    "tokens": len(result.token_ids),
+                }
+            )
+        )
     return 0
+
+
+def cmd_up(ns: argparse.Namespace) -> int:
+    # Imported here: the server stack is not needed by the other commands.
+    from appliance.server.daemon import cmd_up as run
+
+    return run(ns)
 
 
 def build_parser() -> argparse.ArgumentParser:
     from appliance import plan
-    from appliance.bench import offline
+    from appliance.bench import offline, serve
     from appliance.models.demo import add_demo_model_parser
 
     parser = argparse.ArgumentParser(prog="appliance", description="LLM inference appliance")
@@ -78,11 +93,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_generate)
 
     add_demo_model_parser(sub)
+    p = sub.add_parser("up", help="serve the OpenAI-compatible API (the appliance daemon)")
+    p.add_argument("--template", required=True, help="template name or path to a .toml")
+    p.add_argument("--model", help="model directory (overrides model.path)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--host", help="overrides server.host")
+    p.add_argument("--port", type=int, help="overrides server.port")
+    p.set_defaults(func=cmd_up)
     plan.add_parser(sub)
 
     bench = sub.add_parser("bench", help="benchmarks that print tables")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     offline.add_parser(bench_sub)
+    serve.add_parser(bench_sub)
     return parser
 
 

@@ -198,15 +198,21 @@ def test_random_operations_keep_invariants(ops: list[tuple[str, int, int]]) -> N
     for op, idx, n in ops:
         if op in ("add", "add_prefix"):
             counter += 1
-            tokens = (shared_prefix if op == "add_prefix" else []) + [counter * 100 + i for i in range(n)]
+            tokens = (shared_prefix if op == "add_prefix" else []) + [
+                counter * 100 + i for i in range(n)
+            ]
             req = make_request(f"r{counter}", tokens)
             hits, hit_tokens = kv.get_computed_blocks(req)
             if kv.allocate_slots(req, req.num_tokens - hit_tokens, hits):
                 req.num_computed_tokens = req.num_tokens
                 kv.cache_blocks(req)
                 live[req.request_id] = req
-                if op == "add_prefix" and len(live) > 1 and any(
-                    r.token_ids[:12] == shared_prefix and r is not req for r in live.values()
+                if (
+                    op == "add_prefix"
+                    and len(live) > 1
+                    and any(
+                        r.token_ids[:12] == shared_prefix and r is not req for r in live.values()
+                    )
                 ):
                     # A repeated prefix in use by another request is always a hit.
                     assert hit_tokens >= 8

@@ -40,7 +40,9 @@ def test_bad_values_name_the_field(key: str, value: object, pattern: str) -> Non
 
 
 def test_overrides_parse_like_the_cli() -> None:
-    cfg = load_config("cpu-demo", {"cache.block_size": "32", "cache.enable_prefix_caching": "false"})
+    cfg = load_config(
+        "cpu-demo", {"cache.block_size": "32", "cache.enable_prefix_caching": "false"}
+    )
     assert cfg.cache.block_size == 32
     assert cfg.cache.enable_prefix_caching is False
 

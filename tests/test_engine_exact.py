@@ -75,7 +75,9 @@ def check_against_hf(engine: Engine, model_dir: Path, prompts: list[list[int]]) 
 
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 @pytest.mark.parametrize("prefix_caching", [True, False])
-def test_greedy_matches_transformers(tiny_model_dir: Path, block_size: int, prefix_caching: bool) -> None:
+def test_greedy_matches_transformers(
+    tiny_model_dir: Path, block_size: int, prefix_caching: bool
+) -> None:
     engine = engine_for(
         tiny_model_dir,
         cache__block_size=block_size,
@@ -133,11 +135,15 @@ def test_long_prompt_chunked_beside_decodes(tiny_long_model_dir: Path) -> None:
     assert long_req.output_token_ids == expected
 
 
-def test_greedy_matches_transformers_llama3_rope_scaling(tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_greedy_matches_transformers_llama3_rope_scaling(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
     from appliance.models.demo import build_demo_model
 
     model_dir = build_demo_model("tiny", tmp_path_factory.mktemp("tiny-llama3"), arch="llama3")
     engine = engine_for(model_dir)
-    assert engine.loaded.args.rope_scaling and engine.loaded.args.rope_scaling["rope_type"] == "llama3"
+    assert (
+        engine.loaded.args.rope_scaling and engine.loaded.args.rope_scaling["rope_type"] == "llama3"
+    )
     prompts = make_prompts(engine.loaded.args.vocab_size, LENGTHS)
     check_against_hf(engine, model_dir, prompts)

@@ -32,7 +32,9 @@ def workload(vocab: int, n: int = 6, seed: int = 3) -> list[tuple[list[int], Sam
     for i in range(n):
         prompt = [rng.randrange(10, vocab) for _ in range(rng.randrange(20, 60))]
         if i % 2:
-            params = SamplingParams(max_tokens=60, temperature=0.8, top_p=0.9, seed=100 + i, ignore_eos=True)
+            params = SamplingParams(
+                max_tokens=60, temperature=0.8, top_p=0.9, seed=100 + i, ignore_eos=True
+            )
         else:
             params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
         out.append((prompt, params))
@@ -76,7 +78,9 @@ def test_preempted_outputs_equal_unpreempted_runs(
     assert usage.used == 0 and usage.swap_blocks_used == 0
 
 
-def test_swap_pool_full_falls_back_to_recompute(tiny_model_dir: Path, alone_outputs: list[list[int]]) -> None:
+def test_swap_pool_full_falls_back_to_recompute(
+    tiny_model_dir: Path, alone_outputs: list[list[int]]
+) -> None:
     engine = engine_for(
         tiny_model_dir,
         cache__num_blocks=16,

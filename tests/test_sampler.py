@@ -28,7 +28,9 @@ def test_top_k_and_top_p_restrict_support() -> None:
     torch.manual_seed(0)
     logits = torch.randn(1, 100)
     masked = _apply_top_k_top_p(logits.clone(), torch.tensor([5]), torch.tensor([1.0]))
-    assert set(torch.isfinite(masked[0]).nonzero().view(-1).tolist()) == set(logits[0].topk(5).indices.tolist())
+    assert set(torch.isfinite(masked[0]).nonzero().view(-1).tolist()) == set(
+        logits[0].topk(5).indices.tolist()
+    )
     probs = torch.softmax(logits, -1)[0]
     order = probs.argsort(descending=True)
     cum = probs[order].cumsum(0)
@@ -45,9 +47,16 @@ def test_seeded_rows_reproduce_whatever_the_batch() -> None:
     logits = torch.randn(1, 1000)
     alone, _ = Sampler(seed=1)(logits.clone(), [req(temperature=1.0, seed=42)])
     batch_logits = torch.cat([torch.randn(3, 1000), logits])
-    batched, _ = Sampler(seed=2)(batch_logits, [req(temperature=1.0)] * 3 + [req(temperature=1.0, seed=42)])
+    batched, _ = Sampler(seed=2)(
+        batch_logits, [req(temperature=1.0)] * 3 + [req(temperature=1.0, seed=42)]
+    )
     assert batched[3] == alone[0]
-    draws = {Sampler()(logits.clone(), [SampleRequest(SamplingParams(temperature=1.0, seed=42), i, [])])[0][0] for i in range(20)}
+    draws = {
+        Sampler()(logits.clone(), [SampleRequest(SamplingParams(temperature=1.0, seed=42), i, [])])[
+            0
+        ][0]
+        for i in range(20)
+    }
     assert len(draws) > 1  # different positions draw differently
 
 

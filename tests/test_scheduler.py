@@ -22,7 +22,15 @@ def make(overrides: dict | None = None, num_blocks: int = 64, swap: int = 0) -> 
     return Scheduler(cfg, kv, max_model_len=4096)
 
 
-def req(rid: str, n: int, max_tokens: int = 8, priority: int = 0, arrival: float | None = None, base: int = 0, cls: str = "") -> Request:
+def req(
+    rid: str,
+    n: int,
+    max_tokens: int = 8,
+    priority: int = 0,
+    arrival: float | None = None,
+    base: int = 0,
+    cls: str = "",
+) -> Request:
     return Request(
         rid,
         [base + i for i in range(n)],
@@ -93,7 +101,9 @@ def test_priorities_order_admission() -> None:
     s = make({"scheduler.policy": "priority", "scheduler.max_num_seqs": 1})
     t = time.monotonic()
     for rid, prio, arr in [("0", 2, 1), ("1", 1, 3), ("2", 1, 2), ("3", 0, 4)]:
-        s.add_request(req(rid, 4, max_tokens=1, priority=prio, arrival=t + arr, base=int(rid) * 100))
+        s.add_request(
+            req(rid, 4, max_tokens=1, priority=prio, arrival=t + arr, base=int(rid) * 100)
+        )
     order = []
     for out in run_all(s):
         order += [r.request_id for r in out.scheduled]
@@ -104,7 +114,9 @@ def test_fcfs_ignores_priority() -> None:
     s = make({"scheduler.policy": "fcfs", "scheduler.max_num_seqs": 1})
     t = time.monotonic()
     for rid, prio, arr in [("0", 2, 1), ("1", 1, 3), ("2", 1, 2), ("3", 0, 4)]:
-        s.add_request(req(rid, 4, max_tokens=1, priority=prio, arrival=t + arr, base=int(rid) * 100))
+        s.add_request(
+            req(rid, 4, max_tokens=1, priority=prio, arrival=t + arr, base=int(rid) * 100)
+        )
     order = [r.request_id for out in run_all(s) for r in out.scheduled]
     assert order == ["0", "2", "1", "3"]
 
@@ -147,7 +159,12 @@ def test_stop_conditions_and_no_trailing_tokens() -> None:
     run_all(s)
     assert r.output_token_ids == [1] and r.finish_reason is FinishReason.STOP
     s2 = make()
-    r2 = Request("minimum", [1, 2, 3], SamplingParams(max_tokens=10, min_tokens=3), eos_token_ids=frozenset({1}))
+    r2 = Request(
+        "minimum",
+        [1, 2, 3],
+        SamplingParams(max_tokens=10, min_tokens=3),
+        eos_token_ids=frozenset({1}),
+    )
     s2.add_request(r2)
     run_all(s2)
     assert r2.num_output_tokens == 3 and r2.finish_reason is FinishReason.STOP

@@ -31,7 +31,9 @@ def copy_bandwidth(device: torch.device, mib: int = 512, repeats: int = 5) -> fl
     return 2 * src.numel() * src.element_size() / seconds
 
 
-def matmul_flops(device: torch.device, dtype: torch.dtype, size: int = 2048, repeats: int = 3) -> float:
+def matmul_flops(
+    device: torch.device, dtype: torch.dtype, size: int = 2048, repeats: int = 3
+) -> float:
     a = torch.randn(size, size, device=device).to(dtype)
     b = torch.randn(size, size, device=device).to(dtype)
     seconds = _timed(lambda: a @ b, repeats)

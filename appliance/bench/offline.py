@@ -10,11 +10,13 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from appliance.bench import mixed
 from appliance.bench.hardware import copy_bandwidth, matmul_flops
 from appliance.config import load_config, parse_override_value
 from appliance.engine.llm_engine import Engine
-from appliance.engine.loader import LoadedModel, load_model
+from appliance.engine.loader import LoadedModel
 from appliance.engine.stats import StepRecord
+from appliance.engine.tp import start_model
 from appliance.sampling_params import SamplingParams
 
 MODES = {
@@ -126,6 +128,13 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--profile",
+        choices=["uniform", "mixed"],
+        default="uniform",
+        help="uniform: equal requests per scheduling mode; mixed: real-time + batch, fcfs vs priority",
+    )
+    mixed.add_arguments(p)
     p.set_defaults(func=main)
 
 
@@ -134,9 +143,15 @@ def main(ns: argparse.Namespace) -> int:
     for item in ns.set:
         key, _, value = item.partition("=")
         overrides[key] = parse_override_value(value)
-    overrides.setdefault("scheduler.max_num_batched_tokens", max(2048, ns.prompt_len))
+    # Mixed: small chunks keep real-time decodes flowing beside 1,500-token prompts.
+    default_budget = 512 if ns.profile == "mixed" else max(2048, ns.prompt_len)
+    overrides.setdefault("scheduler.max_num_batched_tokens", default_budget)
     config = load_config(ns.template, overrides)
-    loaded = load_model(config)
+    # TP > 1 starts the worker ranks once; every mode's engine reuses them, and the
+    # executor's atexit hook stops them when the bench exits.
+    loaded = start_model(config)
+    if ns.profile == "mixed":
+        return mixed.run_mixed(ns, loaded, overrides)
     rates = Rates(copy_bandwidth(loaded.device), matmul_flops(loaded.device, loaded.dtype))
     prompts = make_prompts(loaded.args.vocab_size, ns.num_requests, ns.prompt_len, ns.seed)
     modes = list(MODES) if ns.policy == "all" else [ns.policy]

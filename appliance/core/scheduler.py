@@ -369,8 +369,10 @@ class _StepBuilder:
                 if not self._make_room(req, "max_num_seqs"):
                     self._bound("max_num_seqs")
                     break
-            admitted = self._admit_swapped(req) if req.status is RequestStatus.SWAPPED else (
-                self._admit_waiting(req)
+            admitted = (
+                self._admit_swapped(req)
+                if req.status is RequestStatus.SWAPPED
+                else (self._admit_waiting(req))
             )
             if not admitted:
                 self._bound("kv_blocks")
@@ -382,9 +384,7 @@ class _StepBuilder:
         s = self.s
         if not s.by_priority or (cause == "kv_pressure" and not s.arrival_preemption_allowed()):
             return False
-        victims = [
-            r for r in s.running if r.priority > req.priority and not s.is_protected(r)
-        ]
+        victims = [r for r in s.running if r.priority > req.priority and not s.is_protected(r)]
         if not victims:
             return False
         self._preempt(max(victims, key=s._victim_key), cause)
@@ -431,7 +431,9 @@ class _StepBuilder:
         if self.s.is_protected(req):
             params = req.sampling_params
             final = min(req.num_prompt_tokens + params.max_tokens, self.s.max_model_len)
-            return max(chunk, final - num_hits * self.kv.block_size - 1)
+            # A reservation the whole pool cannot hold would never be admitted: fall back.
+            if -(-final // self.kv.block_size) <= self.kv.pool.num_blocks:
+                return max(chunk, final - num_hits * self.kv.block_size - 1)
         return chunk
 
     def _start(self, req: Request, hits: list) -> bool:

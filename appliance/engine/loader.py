@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,8 +15,9 @@ import torch
 
 from appliance.config import ApplianceConfig, ConfigError
 from appliance.engine import memory
+from appliance.engine.kv_quant import configure_kv_cache
 from appliance.engine.model_runner import KVCachePool, ModelRunner
-from appliance.kernels.paged_attention import cache_storage_dtype
+from appliance.kernels import get_attention_backend
 from appliance.layers.parallel import tp_rank, tp_size
 from appliance.layers.rotary import RotaryEmbedding
 from appliance.models.hf_files import has_model, iter_safetensors, load_hf_config, load_tokenizer
@@ -91,9 +92,14 @@ def resolve_model_dir(config: ApplianceConfig, progress: Callable[[str], None]) 
     raise ConfigError(f"model.path: {str(path)!r} holds no Hugging Face model (config.json + safetensors)")
 
 
-def kv_bytes_per_block(args: ModelArgs, block_size: int, storage: torch.dtype, tp: int) -> int:
-    elem = torch.empty((), dtype=storage).element_size()
-    return 2 * args.num_layers * block_size * args.kv_heads_per_rank(tp) * args.head_dim * elem
+def kv_bytes_per_block(
+    args: ModelArgs, block_size: int, storage: torch.dtype | Sequence[torch.dtype], tp: int
+) -> int:
+    """Bytes of one block over all layers; `storage` is one dtype or one per layer (mixed
+    precision), so FP8 layers count 1 byte an element and 16-bit layers 2."""
+    per_layer = [storage] * args.num_layers if isinstance(storage, torch.dtype) else list(storage)
+    elems = block_size * args.kv_heads_per_rank(tp) * args.head_dim
+    return sum(2 * elems * dt.itemsize for dt in per_layer)
 
 
 def _eos_ids(hf_config: Any, tokenizer: Any) -> frozenset[int]:
@@ -146,11 +152,20 @@ def load_model(
         layer.self_attn.rotary.cos, layer.self_attn.rotary.sin = fresh.cos, fresh.sin
     model.load_weights((name, tensor.to(dtype)) for name, tensor in iter_safetensors(model_dir))
     model.eval()
+    # Triton kernels on CUDA, the torch reference elsewhere (the same signatures).
+    write_kv, attend = get_attention_backend(device)
+    for attn in model.attention_layers():
+        attn.set_backend(write_kv, attend)
     times["load_weights"] = time.perf_counter() - t
 
     t = time.perf_counter()
+    # Per-layer KV storage (kv_cache_keep_16bit layers stay in the model dtype) and, when any
+    # layer is quantized, its per-head scales from a calibration forward (engine/kv_quant.py).
+    storage, _ = configure_kv_cache(model, tokenizer, config.cache, dtype, device, max_len)
+    times["calibrate_kv"] = time.perf_counter() - t
+
+    t = time.perf_counter()
     cache = config.cache
-    storage = cache_storage_dtype(cache.kv_cache_dtype, dtype)
     tp = tp_size()
     per_block = kv_bytes_per_block(args, cache.block_size, storage, tp)
     gpu_plan: memory.GpuMemoryPlan | None = None

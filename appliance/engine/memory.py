@@ -9,6 +9,7 @@ alone would leave the others waiting in the next collective.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,24 +115,12 @@ def _suggest_tp(hf_config: Any, elem: int, available: int, tp: int) -> str:
     return "; no tensor_parallel_size up to 8 makes them fit"
 
 
-def profile_activation_peak(
-    model: LlamaForCausalLM,
-    args: ModelArgs,
-    config: ApplianceConfig,
-    device: torch.device,
-    storage: torch.dtype,
-    max_model_len: int,
-) -> int:
-    """Peak bytes allocated above the weights by the two extreme steps the scheduler can make:
-    a full token budget of prefill (sequences of min(budget, max_model_len) tokens) and a
-    decode of max_num_seqs sequences (the most sampled rows, so the largest logits)."""
+def profile_batches(config: ApplianceConfig, max_model_len: int) -> list[SchedulerOutput]:
+    """The two extreme steps the scheduler can make: a full token budget of prefill (sequences
+    of min(budget, max_model_len) tokens) and a decode of max_num_seqs sequences (the most
+    sampled rows, so the largest logits). Every sequence writes and reads KV block 0: the
+    profile needs the shapes, not the values."""
     sched, bs = config.scheduler, config.cache.block_size
-    # One KV block serves every sequence: the profile only needs the shapes, not the values.
-    pool = KVCachePool(
-        args.num_layers, 1, 0, bs, args.kv_heads_per_rank(tp_size()), args.head_dim, storage,
-        device,
-    )
-    runner = ModelRunner(model, pool, bs, device, frozenset())
     greedy = SamplingParams(max_tokens=1, temperature=0.0)
 
     def request(i: int, n: int) -> ScheduledRequest:
@@ -149,15 +138,47 @@ def profile_activation_peak(
     seq = min(budget, max_model_len)
     prefill = [request(i, min(seq, budget - i * seq)) for i in range(math.ceil(budget / seq))]
     decode = [request(i, 1) for i in range(min(sched.max_num_seqs, budget))]
+    return [
+        SchedulerOutput(scheduled=batch, num_scheduled_tokens=sum(len(r.token_ids) for r in batch))
+        for batch in (prefill[: sched.max_num_seqs], decode)
+    ]
+
+
+def run_profile(
+    model: LlamaForCausalLM,
+    args: ModelArgs,
+    config: ApplianceConfig,
+    device: torch.device,
+    storage: torch.dtype | Sequence[torch.dtype],
+    max_model_len: int,
+) -> None:
+    """Run the profiling steps through a real runner over a one-block KV pool."""
+    bs = config.cache.block_size
+    pool = KVCachePool(
+        args.num_layers, 1, 0, bs, args.kv_heads_per_rank(tp_size()), args.head_dim, storage,
+        device,
+    )
+    runner = ModelRunner(model, pool, bs, device, frozenset())
+    for step in profile_batches(config, max_model_len):
+        runner.execute(step)
+
+
+def profile_activation_peak(
+    model: LlamaForCausalLM,
+    args: ModelArgs,
+    config: ApplianceConfig,
+    device: torch.device,
+    storage: torch.dtype | Sequence[torch.dtype],
+    max_model_len: int,
+) -> int:
+    """Peak bytes allocated above the weights by the profiling steps (its one-block pool, a few
+    MiB, included: conservative)."""
     torch.cuda.synchronize(device)
-    base = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
-    for batch in (prefill[: sched.max_num_seqs], decode):
-        tokens = sum(len(r.token_ids) for r in batch)
-        runner.execute(SchedulerOutput(scheduled=batch, num_scheduled_tokens=tokens))
+    base = torch.cuda.memory_allocated(device)
+    run_profile(model, args, config, device, storage, max_model_len)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - base
-    del runner, pool
     torch.cuda.empty_cache()
     return peak
 
@@ -167,7 +188,7 @@ def plan_gpu_kv(
     args: ModelArgs,
     config: ApplianceConfig,
     device: torch.device,
-    storage: torch.dtype,
+    storage: torch.dtype | Sequence[torch.dtype],
     max_model_len: int,
     block_bytes: int,
     used_before: int,

@@ -6,6 +6,7 @@ then prefill chunks, so attention runs as at most two batched calls per layer.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -33,22 +34,29 @@ class KVCachePool:
         block_size: int,
         num_kv_heads: int,
         head_dim: int,
-        dtype: torch.dtype,
+        dtype: torch.dtype | Sequence[torch.dtype],
         device: torch.device,
     ) -> None:
+        # One storage dtype per layer (or one for all): with kv_cache_keep_16bit some layers keep
+        # the model dtype while the rest store FP8/INT8 bytes. Zeros, never empty: the torch
+        # attention multiplies masked-out V rows by zero weights, and 0 * NaN garbage is NaN.
+        dtypes = [dtype] * num_layers if isinstance(dtype, torch.dtype) else list(dtype)
+        if len(dtypes) != num_layers:
+            raise ValueError(f"KVCachePool: {len(dtypes)} dtypes for {num_layers} layers")
+        self.dtypes = dtypes
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.device_caches = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(num_layers)
+            (torch.zeros(shape, dtype=dt, device=device), torch.zeros(shape, dtype=dt, device=device))
+            for dt in dtypes
         ]
         swap_shape = (num_swap_blocks, block_size, num_kv_heads, head_dim)
         pin = device.type == "cuda"
         self.host_caches = [
             (
-                torch.zeros(swap_shape, dtype=dtype, pin_memory=pin),
-                torch.zeros(swap_shape, dtype=dtype, pin_memory=pin),
+                torch.zeros(swap_shape, dtype=dt, pin_memory=pin),
+                torch.zeros(swap_shape, dtype=dt, pin_memory=pin),
             )
-            for _ in range(num_layers if num_swap_blocks else 0)
+            for dt in (dtypes if num_swap_blocks else [])
         ]
 
     def swap_out(self, mapping: list[tuple[int, int]]) -> None:

@@ -70,7 +70,14 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         spec = self.spec
         self.write_kv(
-            k, v, k_cache, v_cache, meta.slot_mapping, spec.kv_cache_dtype, spec.k_scale, spec.v_scale
+            k,
+            v,
+            k_cache,
+            v_cache,
+            meta.slot_mapping,
+            spec.kv_cache_dtype,
+            spec.k_scale,
+            spec.v_scale,
         )
         outputs = []
         start = 0

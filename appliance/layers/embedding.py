@@ -33,7 +33,9 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(nn.Module):
-    def __init__(self, vocab_size: int, hidden_size: int, tied: VocabParallelEmbedding | None) -> None:
+    def __init__(
+        self, vocab_size: int, hidden_size: int, tied: VocabParallelEmbedding | None
+    ) -> None:
         super().__init__()
         self.vocab_size = vocab_size
         self.tied = tied

@@ -60,7 +60,9 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
 
 def divide(numerator: int, denominator: int, what: str) -> int:
     if numerator % denominator:
-        raise ValueError(f"{what} ({numerator}) is not divisible by tensor_parallel_size ({denominator})")
+        raise ValueError(
+            f"{what} ({numerator}) is not divisible by tensor_parallel_size ({denominator})"
+        )
     return numerator // denominator
 
 
@@ -69,7 +71,9 @@ def agree_min(value: int) -> int:
     the same decision, or the ones that go on wait forever in the next collective."""
     if _size == 1:
         return value
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    device = (
+        torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    )
     t = torch.tensor([value], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return int(t.item())

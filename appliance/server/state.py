@@ -55,6 +55,7 @@ class ServerState:
     startup_phases: dict[str, float] = field(default_factory=dict)
     last_reload: dict[str, Any] = field(default_factory=dict)
     engine_generation: int = 0
+    start_task: asyncio.Task[None] | None = None
     # Set when the engine dies or a stop is requested; the daemon waits on it.
     stop_event: asyncio.Event = field(default_factory=asyncio.Event)
     exit_code: int = 0
@@ -112,30 +113,31 @@ class ServerState:
         """Start a core for `config`, load the tokenizer; raises EngineError/ConfigError."""
         t0 = time.monotonic()
         client = EngineClient(config, self.log_level, self._status, self._on_frame, self._on_death)
-        # The tokenizer's imports (transformers, ~2 s) overlap the core's model load.
-        warm = asyncio.create_task(asyncio.to_thread(_import_tokenizer_deps))
+        # The tokenizer loads here while the core loads the weights (the model directory is
+        # usually there already; a demo model built on first start is read afterwards).
+        expected_dir = Path(os.path.expanduser(config.model.path))
+        early = asyncio.create_task(asyncio.to_thread(_load_tokenizer_if_present, expected_dir))
         try:
             info = await client.start()
         except BaseException:
-            warm.cancel()
+            early.cancel()
             raise
         t_core = time.monotonic() - t0
         t = time.monotonic()
-        await warm
-        from appliance.models.hf_files import load_tokenizer
-
         try:
-            tokenizer = await asyncio.to_thread(load_tokenizer, info.model_dir)
+            tokenizer = await early
+            if tokenizer is None or Path(info.model_dir) != expected_dir:
+                tokenizer = await asyncio.to_thread(_load_tokenizer, Path(info.model_dir))
         except Exception:
             await client.shutdown()
             raise
-        self.client, self.info, self.tokenizer, self.config = client, info, tokenizer, config
-        self.engine_generation += 1
-        self.startup_phases = {
+        self.startup_phases.update({
             **{f"core.{k}": v for k, v in info.phase_times.items()},
             "core_total": t_core,
-            "api_tokenizer": time.monotonic() - t,
-        }
+            "api_tokenizer_wait": time.monotonic() - t,
+        })
+        self.client, self.info, self.tokenizer, self.config = client, info, tokenizer, config
+        self.engine_generation += 1
         cache = config.cache
         self.metrics.engine_rebuilt(
             info.model_name,
@@ -172,12 +174,13 @@ class ServerState:
         """SIGTERM: refuse new work (503), let in-flight requests finish, stop the engine."""
         if self.phase in ("draining", "stopped"):
             return
-        self.set_phase("draining", f"{len(self.inflight)} requests in flight")
-        sdnotify.notify("STOPPING=1")
-        await self.wait_idle(self.config.server.drain_timeout_s)
-        await self.stop_engine()
-        self.set_phase("stopped")
-        self.stop_event.set()
+        async with self._lock:  # a reload in progress completes first
+            self.set_phase("draining", f"{len(self.inflight)} requests in flight")
+            sdnotify.notify("STOPPING=1")
+            await self.wait_idle(self.config.server.drain_timeout_s)
+            await self.stop_engine()
+            self.set_phase("stopped")
+            self.stop_event.set()
 
     # -- reload ----------------------------------------------------------------------------------
     async def reload(self, template: str | None, overrides: dict[str, Any]) -> dict[str, Any]:
@@ -236,9 +239,19 @@ class ServerState:
         sdnotify.notify(f"STATUS=serving {self.model_name}")
 
 
-def _import_tokenizer_deps() -> None:
-    import appliance.models.hf_files  # noqa: F401
-    import transformers  # noqa: F401
+def _load_tokenizer(model_dir: Path) -> Any:
+    from appliance.models.hf_files import load_tokenizer
+
+    return load_tokenizer(model_dir)
+
+
+def _load_tokenizer_if_present(model_dir: Path) -> Any:
+    if not (model_dir / "config.json").is_file():
+        return None
+    try:
+        return _load_tokenizer(model_dir)
+    except Exception:  # the core reports the real problem; retried after it is up
+        return None
 
 
 def _check_model_path(config: ApplianceConfig) -> None:

@@ -1,0 +1,290 @@
+"""`appliance bench serve`: a load generator for any OpenAI-compatible server.
+
+Streams /v1/completions with httpx under burst or Poisson arrivals and reports request and
+token throughput, TTFT / TPOT / end-to-end percentiles (overall and per priority class),
+goodput under an SLO, and errors by status, as a table and as JSON.
+
+`--offline` replays the very same requests (same token ids, lengths, classes and arrival times)
+through an in-process engine, with no HTTP and no IPC: the reference the served numbers are
+compared with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from appliance.bench.workload import PROFILES, Item, make_workload
+
+
+@dataclass
+class Result:
+    index: int
+    priority_class: str
+    prompt_tokens: int
+    output_tokens: int = 0
+    status: int | str = 0
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and self.e2e_s is not None
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.ttft_s is None or self.e2e_s is None or self.output_tokens < 2:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
+
+
+@dataclass
+class SLO:
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    e2e_ms: float | None = None
+
+    def met(self, r: Result) -> bool:
+        if not r.ok:
+            return False
+        checks = [
+            (self.ttft_ms, r.ttft_s),
+            (self.tpot_ms, r.tpot_s),
+            (self.e2e_ms, r.e2e_s),
+        ]
+        return all(limit is None or (v is not None and v * 1000 <= limit) for limit, v in checks)
+
+
+# -- HTTP ----------------------------------------------------------------------------------------
+async def _one(client: Any, url: str, item: Item, ns: argparse.Namespace, t0: float) -> Result:
+    res = Result(item.index, item.priority_class, len(item.prompt))
+    await asyncio.sleep(max(0.0, t0 + item.arrival_s - time.perf_counter()))
+    start = t0 + item.arrival_s  # latency counts from the scheduled arrival
+    body: dict[str, Any] = {
+        "model": ns.model,
+        "prompt": item.prompt if ns.prompt_format == "tokens" else item.text,
+        "max_tokens": item.output_len,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": not ns.allow_eos,
+    }
+    if not ns.no_priority:
+        body["priority"] = item.priority_class
+    try:
+        async with client.stream("POST", url, json=body) as resp:
+            res.status = resp.status_code
+            if resp.status_code != 200:
+                await resp.aread()
+                return res
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    res.status = f"stream_error:{chunk['error'].get('code')}"
+                    return res
+                if chunk.get("choices") and res.ttft_s is None:
+                    res.ttft_s = time.perf_counter() - start
+                if chunk.get("usage"):
+                    res.output_tokens = chunk["usage"]["completion_tokens"]
+            res.e2e_s = time.perf_counter() - start
+    except Exception as exc:  # connection refused, reset, timeout: an error class of its own
+        res.status = type(exc).__name__
+    return res
+
+
+async def run_http(items: list[Item], ns: argparse.Namespace) -> tuple[list[Result], float]:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {ns.api_key}"} if ns.api_key else {}
+    limits = httpx.Limits(max_connections=ns.max_connections, max_keepalive_connections=ns.max_connections)
+    url = ns.url.rstrip("/") + "/v1/completions"
+    async with httpx.AsyncClient(headers=headers, limits=limits, timeout=httpx.Timeout(ns.timeout)) as client:
+        if ns.model is None:
+            models = (await client.get(ns.url.rstrip("/") + "/v1/models")).json()
+            ns.model = models["data"][0]["id"]
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(_one(client, url, it, ns, t0) for it in items))
+        return list(results), time.perf_counter() - t0
+
+
+# -- in-process reference ------------------------------------------------------------------------
+def run_offline(items: list[Item], ns: argparse.Namespace) -> tuple[list[Result], float]:
+    from appliance.config import load_config, parse_override_value
+    from appliance.engine.llm_engine import Engine
+    from appliance.sampling_params import SamplingParams
+
+    overrides: dict[str, Any] = {}
+    if ns.model_dir:
+        overrides["model.path"] = ns.model_dir
+    for s in ns.set:
+        key, _, value = s.partition("=")
+        overrides[key] = parse_override_value(value)
+    engine = Engine(load_config(ns.template, overrides))
+    results = {it.index: Result(it.index, it.priority_class, len(it.prompt)) for it in items}
+    pending = sorted(items, key=lambda it: it.arrival_s)
+    arrival = {}
+    t0 = time.perf_counter()
+    while pending or engine.has_unfinished():
+        now = time.perf_counter() - t0
+        while pending and pending[0].arrival_s <= now:
+            it = pending.pop(0)
+            params = SamplingParams(max_tokens=it.output_len, temperature=0.0, ignore_eos=not ns.allow_eos)
+            prio = None if ns.no_priority else it.priority_class
+            rid = str(it.index)
+            arrival[rid] = t0 + it.arrival_s
+            req = engine.add_request(it.prompt, params, request_id=rid, priority=prio)
+            if req.is_finished:
+                results[it.index].status = 429
+        if not engine.has_unfinished():
+            if pending:
+                time.sleep(max(0.0, pending[0].arrival_s - (time.perf_counter() - t0)))
+            continue
+        for out in engine.step():
+            r = results[int(out.request_id)]
+            t = time.perf_counter() - arrival[out.request_id]
+            if out.new_token_ids and r.ttft_s is None:
+                r.ttft_s = t
+            r.output_tokens += len(out.new_token_ids)
+            if out.finished:
+                r.status = 200 if out.finish_reason in ("stop", "length") else out.finish_reason or "?"
+                r.e2e_s = t
+    return list(results.values()), time.perf_counter() - t0
+
+
+# -- report --------------------------------------------------------------------------------------
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    v = sorted(values)
+    return v[min(len(v) - 1, max(0, round(q / 100 * (len(v) - 1))))]
+
+
+@dataclass
+class Summary:
+    requests: int
+    ok: int
+    seconds: float
+    request_throughput: float
+    output_token_throughput: float
+    total_token_throughput: float
+    goodput: float
+    ttft_ms: dict[str, float | None] = field(default_factory=dict)
+    tpot_ms: dict[str, float | None] = field(default_factory=dict)
+    e2e_s: dict[str, float | None] = field(default_factory=dict)
+
+
+def _dist(values: list[float], scale: float) -> dict[str, float | None]:
+    out: dict[str, float | None] = {}
+    for q in (50, 90, 99):
+        p = pct(values, q)
+        out[f"p{q}"] = None if p is None else round(p * scale, 2)
+    return out
+
+
+def summarize(results: list[Result], seconds: float, slo: SLO) -> Summary:
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(r.prompt_tokens for r in ok)
+    return Summary(
+        requests=len(results),
+        ok=len(ok),
+        seconds=round(seconds, 2),
+        request_throughput=round(len(ok) / seconds, 3),
+        output_token_throughput=round(out_tokens / seconds, 1),
+        total_token_throughput=round((out_tokens + in_tokens) / seconds, 1),
+        goodput=round(sum(1 for r in ok if slo.met(r)) / seconds, 3),
+        ttft_ms=_dist([r.ttft_s for r in ok if r.ttft_s is not None], 1000),
+        tpot_ms=_dist([t for r in ok if (t := r.tpot_s) is not None], 1000),
+        e2e_s=_dist([r.e2e_s for r in ok if r.e2e_s is not None], 1),
+    )
+
+
+def errors_by_status(results: list[Result]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for r in results:
+        if not r.ok:
+            out[str(r.status)] = out.get(str(r.status), 0) + 1
+    return out
+
+
+def print_table(title: str, overall: Summary, per_class: dict[str, Summary], errors: dict[str, int]) -> None:
+    print(title)
+    head = f"{'':<10} {'reqs':>5} {'ok':>5} {'req/s':>7} {'out tok/s':>10} {'tot tok/s':>10} {'goodput/s':>10}"
+    print(head)
+    print("-" * len(head))
+    for name, s in [("all", overall), *per_class.items()]:
+        print(f"{name:<10} {s.requests:>5} {s.ok:>5} {s.request_throughput:>7.2f} "
+              f"{s.output_token_throughput:>10.1f} {s.total_token_throughput:>10.1f} {s.goodput:>10.2f}")
+    head = f"{'':<10} {'TTFT p50':>9} {'p90':>8} {'p99':>8} ms | {'TPOT p50':>9} {'p99':>7} ms | {'E2E p50':>8} {'p99':>7} s"
+    print()
+    print(head)
+    print("-" * len(head))
+
+    def f(v: float | None, w: int) -> str:
+        return f"{v:>{w}.1f}" if v is not None else f"{'-':>{w}}"
+
+    for name, s in [("all", overall), *per_class.items()]:
+        print(f"{name:<10} {f(s.ttft_ms['p50'], 9)} {f(s.ttft_ms['p90'], 8)} {f(s.ttft_ms['p99'], 8)}    | "
+              f"{f(s.tpot_ms['p50'], 9)} {f(s.tpot_ms['p99'], 7)}    | {f(s.e2e_s['p50'], 8)} {f(s.e2e_s['p99'], 7)}")
+    print(f"\nerrors by status: {errors or 'none'}")
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("serve", help="load-test an OpenAI-compatible server (or --offline)")
+    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--model", default=None, help="model name (default: the first of /v1/models)")
+    p.add_argument("--profile", choices=sorted(PROFILES), default="mixed")
+    p.add_argument("--arrival", choices=["burst", "poisson"], default="poisson")
+    p.add_argument("--rate", type=float, default=2.0, help="requests/s for Poisson arrivals")
+    p.add_argument("--num-requests", type=int, default=100)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vocab", type=int, default=8000, help="token ids are drawn from [16, vocab)")
+    p.add_argument("--prompt-format", choices=["tokens", "text"], default="tokens")
+    p.add_argument("--slo-ttft-ms", type=float)
+    p.add_argument("--slo-tpot-ms", type=float)
+    p.add_argument("--slo-e2e-ms", type=float)
+    p.add_argument("--no-priority", action="store_true", help="do not send the priority extra")
+    p.add_argument("--allow-eos", action="store_true", help="let requests stop at EOS")
+    p.add_argument("--max-connections", type=int, default=1024)
+    p.add_argument("--timeout", type=float, default=3600.0)
+    p.add_argument("--offline", action="store_true", help="replay in-process (no server)")
+    p.add_argument("--template", default="cpu-demo", help="--offline: engine template")
+    p.add_argument("--model-dir", default=None, help="--offline: model directory")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=main)
+
+
+def main(ns: argparse.Namespace) -> int:
+    items = make_workload(ns.profile, ns.num_requests, ns.arrival, ns.rate, ns.seed, ns.vocab)
+    if ns.offline:
+        results, seconds = run_offline(items, ns)
+        source = f"offline ({ns.template})"
+    else:
+        results, seconds = asyncio.run(run_http(items, ns))
+        source = ns.url
+    slo = SLO(ns.slo_ttft_ms, ns.slo_tpot_ms, ns.slo_e2e_ms)
+    overall = summarize(results, seconds, slo)
+    classes = sorted({r.priority_class for r in results})
+    per_class = {c: summarize([r for r in results if r.priority_class == c], seconds, slo) for c in classes}
+    errors = errors_by_status(results)
+    if ns.json:
+        print(json.dumps({
+            "source": source, "profile": ns.profile, "arrival": ns.arrival, "rate": ns.rate,
+            "num_requests": ns.num_requests, "seed": ns.seed, "slo": asdict(slo),
+            "summary": asdict(overall), "per_class": {c: asdict(s) for c, s in per_class.items()},
+            "errors": errors,
+        }))
+        return 0
+    arrival = "burst" if ns.arrival == "burst" else f"poisson {ns.rate:g} req/s"
+    print_table(f"bench serve: {source}, profile {ns.profile}, {ns.num_requests} requests, {arrival}",
+                overall, per_class, errors)
+    return 0
+

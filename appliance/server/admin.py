@@ -1,0 +1,126 @@
+"""/admin/*: the console's view of the engine and the operator's levers (reload, abort).
+Guarded by the admin token (loopback only when none is configured)."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import msgspec
+from litestar import Request, Response, Router, get, post
+
+from appliance.config import ConfigError, config_to_toml_dict
+from appliance.server.admin_schema import AdminStats, ConfigRef, ServerInfo
+from appliance.server.auth import admin_guard
+from appliance.server.engine_client import EngineError
+from appliance.server.errors import APIError, bad_request
+from appliance.server.openai import decode_body
+from appliance.server.state import ServerState
+
+MAX_HISTORY_S = 600.0
+
+
+class ReloadRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    # A template name or path; None reloads the running template (re-read from disk).
+    template: str | None = None
+    # Dotted keys, as `appliance up --set`: {"scheduler.max_num_seqs": 32}.
+    overrides: dict[str, Any] | None = None
+
+
+def _state(request: Request[Any, Any, Any]) -> ServerState:
+    return request.app.state.server
+
+
+def _json(obj: Any, status: int = 200) -> Response[bytes]:
+    return Response(content=msgspec.json.encode(obj), status_code=status, media_type="application/json")
+
+
+def _config_ref(state: ServerState) -> ConfigRef:
+    return ConfigRef(
+        template=state.template,
+        path=state.template_path,
+        overrides=state.overrides,
+        description=state.config.description,
+    )
+
+
+@get("/admin/stats")
+async def stats(request: Request[Any, Any, Any], history_s: float = 60.0) -> Response[bytes]:
+    state = _state(request)
+    history_s = min(max(history_s, 0.0), MAX_HISTORY_S)
+    reply = None
+    client = state.client
+    if client is not None and not client.dead:
+        try:
+            reply = await client.stats(history_s=history_s, detail=True)
+        except (TimeoutError, EngineError):
+            reply = None
+    info = state.info
+    body = AdminStats(
+        time=time.time(),
+        model_name=state.model_name,
+        model_dir=info.model_dir if info else "",
+        max_model_len=info.max_model_len if info else 0,
+        device=info.device if info else "",
+        dtype=info.dtype if info else "",
+        config=_config_ref(state),
+        server=ServerInfo(
+            phase=state.phase,
+            phase_detail=state.phase_detail,
+            pid=os.getpid(),
+            core_pid=info.pid if info and client is not None else None,
+            uptime_s=time.monotonic() - state.started_at,
+            ready_after_s=state.ready_after_s,
+            startup_phases=state.startup_phases,
+            requests_in_flight=len(state.inflight),
+            requests_served=state.request_log.count,
+            engine_generation=state.engine_generation,
+            last_reload=state.last_reload,
+        ),
+        engine=reply.engine if reply else None,
+        history=reply.history if reply else [],
+        history_s=history_s,
+        preemptions=reply.preemptions if reply else [],
+        requests=reply.requests if reply else [],
+        queues=reply.queues if reply else [],
+    )
+    return _json(body)
+
+
+@get("/admin/config")
+async def config(request: Request[Any, Any, Any]) -> Response[bytes]:
+    state = _state(request)
+    return _json({**msgspec.to_builtins(_config_ref(state)), "config": config_to_toml_dict(state.config)})
+
+
+@post("/admin/reload", status_code=200)
+async def reload(request: Request[Any, Any, Any]) -> Response[bytes]:
+    state = _state(request)
+    body = await decode_body(request, ReloadRequest)
+    if state.phase not in ("ready", "reloading"):
+        raise APIError(503, f"cannot reload while {state.phase}", code=state.phase)
+    template = body.template if body.template is not None else state.template
+    try:
+        result = await state.reload(template, body.overrides or {})
+    except ConfigError as exc:
+        raise bad_request(f"reload refused, nothing changed: {exc}", param="template") from None
+    except EngineError as exc:
+        raise APIError(500, str(exc), code="reload_failed") from None
+    return _json({**result, "config": config_to_toml_dict(state.config)})
+
+
+@post("/admin/abort/{request_id:str}", status_code=200)
+async def abort(request: Request[Any, Any, Any], request_id: str) -> Response[bytes]:
+    """Abort an API request (all its choices) or one engine request ("<id>-<choice>")."""
+    state = _state(request)
+    for gen in list(state.inflight):
+        ids = [ch.request_id for ch in gen.choices]
+        if request_id == gen.request_id or request_id in ids:
+            gen.abort("aborted by the operator")
+            return _json({"aborted": ids})
+    raise APIError(404, f"no request {request_id!r} in flight", param="request_id")
+
+
+def router() -> Router:
+    return Router(path="/", route_handlers=[stats, config, reload, abort], guards=[admin_guard])

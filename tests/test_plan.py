@@ -1,0 +1,154 @@
+"""`appliance plan`: offline memory plans for every shipped template. 13b-a10 does not fit one
+A10 at TP 1 and fits two at TP 2, with block counts that match the hand calculation below; the
+plan's per-rank parameter counts equal the real model's, built on the meta device."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from appliance import plan as plan_cmd
+from appliance.config import load_config, shipped_template_dir
+from appliance.layers.parallel import tensor_parallel
+from appliance.models.llama import LlamaForCausalLM, ModelArgs
+from appliance.plan import ArchSpec, make_plan, reference_architectures
+
+GiB = 1024**3
+
+
+def main(argv: list[str]) -> int:
+    """`appliance plan ...` through the subcommand's own parser (the registration in
+    appliance.cli is checked separately)."""
+    parser = argparse.ArgumentParser(prog="appliance")
+    plan_cmd.add_parser(parser.add_subparsers(dest="command", required=True))
+    ns = parser.parse_args(argv)
+    return int(ns.func(ns))
+
+
+def shipped_templates() -> list[str]:
+    return sorted(p.stem for p in shipped_template_dir().glob("*.toml"))
+
+
+def plan_json(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict]:
+    rc = main(["plan", *args, "--json"])
+    return rc, json.loads(capsys.readouterr().out)
+
+
+def test_13b_on_a10_needs_tp2_hand_calculation(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, plan = plan_json(capsys, "--template", "13b-a10")
+    assert rc == 0
+    by_tp = {o["tensor_parallel_size"]: o for o in plan["options"]}
+
+    # Llama-2-13B: hidden 5120, 40 layers, 40 heads (= KV heads) of 128, MLP 13824, vocab 32000.
+    # TP 1: all of it on one card, in 16-bit.
+    params_1 = 2 * 32000 * 5120 + 40 * (4 * 5120 * 5120 + 3 * 5120 * 13824 + 2 * 5120) + 5120
+    assert params_1 == 13_015_864_320
+    weights_1 = 2 * params_1  # 24.24 GiB
+    budget = int(22.49 * GiB * 0.90)  # an A10 shows 22.49 GiB; gpu_memory_utilization 0.90
+    assert weights_1 > budget  # 24.24 GiB of weights > 20.24 GiB: does not fit, whatever KV
+    assert by_tp[1]["weights_bytes"] == weights_1
+    assert not by_tp[1]["fits"] and by_tp[1]["kv_blocks"] == 0
+    assert "does not fit" in by_tp[1]["verdict"]
+    # 800 KiB of KV per token at TP 1: K and V x 40 layers x 40 heads x 128 x 2 bytes.
+    assert by_tp[1]["kv_bytes_per_token"] == 2 * 40 * 40 * 128 * 2 == 800 * 1024
+
+    # TP 2: vocab rows, heads and MLP columns halved; norms replicated.
+    params_2 = (
+        2 * 16000 * 5120  # embedding + LM head, vocab-parallel
+        + 40 * (3 * 5120 * 2560 + 2560 * 5120 + 2 * 5120 * 6912 + 6912 * 5120 + 2 * 5120)
+        + 5120
+    )
+    weights_2 = 2 * params_2  # 12.12 GiB
+    # Activation reserve: 8192 tokens x 2 bytes x (4 x hidden + q|k|v of 20+20+20 heads x 128
+    # + 3 x 6912), plus 256 rows x 32000 fp32 logits, twice.
+    activation = 8192 * 2 * (4 * 5120 + 60 * 128 + 3 * 6912) + 2 * 4 * 256 * 32000
+    runtime = int(0.75 * GiB)
+    block = 16 * (2 * 40 * 20 * 128 * 2)  # 16 tokens x 400 KiB
+    blocks = (budget - weights_2 - activation - runtime) // block
+    assert blocks == 1075  # 17200 tokens: 4 sequences of 4096, 16 of 1024
+    chosen = plan["chosen"]
+    assert chosen["tensor_parallel_size"] == 2 and chosen["fits"]
+    assert chosen["weights_bytes"] == weights_2
+    assert chosen["activation_reserve_bytes"] == activation
+    assert chosen["kv_blocks"] == blocks
+    assert chosen["seqs_at_max_model_len"] == blocks // (4096 // 16) == 4
+    assert chosen["seqs_at_typical_seq_len"] == blocks // (1024 // 16) == 16
+
+
+def test_tp1_on_13b_a10_says_it_does_not_fit_and_what_would(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    rc = main(["plan", "--template", "13b-a10", "--set", "parallel.tensor_parallel_size=1"])
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert "verdict: does not fit: weights 24.24 GiB" in out
+    assert "advice: tensor_parallel_size 2 fits" in out
+
+
+@pytest.mark.parametrize("template", shipped_templates())
+def test_every_shipped_template_plans_offline(
+    template: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc = main(["plan", "--template", template])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "verdict: fits" in text
+    rc, plan = plan_json(capsys, "--template", template)
+    assert rc == 0 and plan["chosen"]["fits"] and plan["chosen"]["kv_blocks"] > 0
+
+
+def test_34b_on_four_a10s() -> None:
+    plan = make_plan(load_config("34b-a10x4"))
+    by_tp = {o.tensor_parallel_size: o for o in plan.options}
+    assert not by_tp[1].fits and not by_tp[2].fits and by_tp[4].fits
+    # GQA: 8 KV heads over 4 ranks = 2 per GPU: 2 x 48 layers x 2 x 128 x 2 bytes = 48 KiB.
+    assert by_tp[4].kv_bytes_per_token == 48 * 1024
+    assert plan.chosen.seqs_at_max_model_len >= 1
+
+
+def test_reference_architectures_are_shipped() -> None:
+    assert {"llama-2-7b", "llama-2-13b", "codellama-34b"} <= set(reference_architectures())
+
+
+def _meta_params(cfg: dict, tp: int) -> int:
+    args = ModelArgs.from_hf(LlamaConfig(**cfg))
+    total = 0
+    for rank in range(tp):
+        with tensor_parallel(rank, tp), torch.device("meta"):
+            model = LlamaForCausalLM(args)
+        count = sum(p.numel() for p in model.parameters())
+        total = total or count
+        assert count == total, "ranks of one TP size hold equal shards"
+    return total
+
+
+@pytest.mark.parametrize(
+    "arch, tps",
+    [("llama-2-13b", (1, 2, 4, 8)), ("codellama-34b", (1, 4, 8)), ("llama-2-7b", (1, 2))],
+)
+def test_plan_params_equal_the_real_models_shards(arch: str, tps: tuple[int, ...]) -> None:
+    """The plan's arithmetic against the model the engine builds (on the meta device)."""
+    cfg = json.loads(Path(reference_architectures()[arch]).read_text())
+    spec = ArchSpec.from_config_json(cfg)
+    for tp in tps:
+        assert spec.params_per_rank(tp) == _meta_params(cfg, tp), (arch, tp)
+
+
+def test_plan_params_with_replicated_kv_heads(tiny_model_dir: Path) -> None:
+    """Tiny (2 KV heads) at TP 4: each rank holds one replicated KV head."""
+    cfg = json.loads((tiny_model_dir / "config.json").read_text())
+    spec = ArchSpec.from_config_json(cfg)
+    assert spec.kv_heads_per_rank(4) == 1
+    assert spec.params_per_rank(4) == _meta_params(cfg, 4)
+
+
+def test_plan_is_an_appliance_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
+    from appliance.cli import main as cli_main
+
+    assert cli_main(["plan", "--template", "13b-a100", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["chosen"]["fits"]
