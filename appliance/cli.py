@@ -65,9 +65,40 @@ def cmd_up(ns: argparse.Namespace) -> int:
     return run(ns)
 
 
+def _add_up_parser(sub: Any) -> None:
+    p = sub.add_parser("up", help="serve the OpenAI-compatible API (the appliance daemon)")
+    p.add_argument("--template", required=True, help="template name or path to a .toml")
+    p.add_argument("--model", help="model directory (overrides model.path)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--host", help="overrides server.host")
+    p.add_argument("--port", type=int, help="overrides server.port")
+    p.set_defaults(func=cmd_up)
+
+
+def _up_only_parser() -> argparse.ArgumentParser:
+    """`appliance up` alone: the full parser imports every command's module (torch among
+    them, seconds), which would delay the daemon's time to /ready."""
+    parser = argparse.ArgumentParser(prog="appliance", description="LLM inference appliance")
+    parser.add_argument("--log-level", default="INFO")
+    _add_up_parser(parser.add_subparsers(dest="command", required=True))
+    return parser
+
+
+def _command_of(argv: list[str]) -> str | None:
+    rest = list(argv)
+    while rest:
+        arg = rest.pop(0)
+        if arg == "--log-level":
+            rest = rest[1:]
+        elif not arg.startswith("-"):
+            return arg
+    return None
+
+
 def build_parser() -> argparse.ArgumentParser:
-    from appliance import plan
+    from appliance import kv_eval, plan, router
     from appliance.bench import offline, serve
+    from appliance.console import cli as console_cli
     from appliance.models.demo import add_demo_model_parser
 
     parser = argparse.ArgumentParser(prog="appliance", description="LLM inference appliance")
@@ -93,14 +124,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_generate)
 
     add_demo_model_parser(sub)
-    p = sub.add_parser("up", help="serve the OpenAI-compatible API (the appliance daemon)")
-    p.add_argument("--template", required=True, help="template name or path to a .toml")
-    p.add_argument("--model", help="model directory (overrides model.path)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--host", help="overrides server.host")
-    p.add_argument("--port", type=int, help="overrides server.port")
-    p.set_defaults(func=cmd_up)
+    _add_up_parser(sub)
     plan.add_parser(sub)
+    console_cli.add_parser(sub)
+    router.add_parser(sub)
+    kv_eval.add_parser(sub)
 
     bench = sub.add_parser("bench", help="benchmarks that print tables")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
@@ -110,7 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = _up_only_parser() if _command_of(argv) == "up" else build_parser()
     ns = parser.parse_args(argv)
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     try:

@@ -101,9 +101,11 @@ class ArchSpec:
     def total_params(self) -> int:
         return self.params_per_rank(1)
 
-    def kv_bytes_per_token(self, tp: int, elem: int) -> int:
-        """K and V of every layer for one token on one rank."""
-        return 2 * self.num_layers * self.kv_heads_per_rank(tp) * self.head_dim * elem
+    def kv_bytes_per_token(self, tp: int, elem: int | list[int]) -> int:
+        """K and V of every layer for one token on one rank; `elem` is bytes per element, one
+        for all layers or one per layer (kv_cache_keep_16bit keeps some layers 16-bit)."""
+        per_layer = [elem] * self.num_layers if isinstance(elem, int) else elem
+        return sum(2 * self.kv_heads_per_rank(tp) * self.head_dim * e for e in per_layer)
 
 
 def activation_bytes(spec: ArchSpec, tp: int, elem: int, tokens: int, max_num_seqs: int) -> int:
@@ -150,6 +152,7 @@ class Plan:
     kv_cache_memory_gib: float
     dtype_bytes: int
     kv_elem_bytes: int
+    kv_keep_16bit: list[int]
     block_size: int
     max_model_len: int
     typical_seq_len: int
@@ -221,13 +224,20 @@ def _kv_elem(config: ApplianceConfig, dtype_bytes: int) -> int:
     return dtype_bytes if config.cache.kv_cache_dtype == "auto" else 1
 
 
+def _kv_elems(config: ApplianceConfig, dtype_bytes: int, num_layers: int) -> list[int]:
+    """Bytes per KV element of each layer, as the loader stores them (engine/kv_quant.py)."""
+    keep = set(config.cache.kv_cache_keep_16bit)
+    quantized = _kv_elem(config, dtype_bytes)
+    return [dtype_bytes if i in keep else quantized for i in range(num_layers)]
+
+
 def plan_tp(spec: ArchSpec, config: ApplianceConfig, tp: int, on_gpu: bool) -> TPPlan:
     problem = spec.tp_problem(tp)
     if problem:
         return TPPlan(tp, False, f"cannot split: {problem}")
     hw, cache, sched = config.hardware, config.cache, config.scheduler
     elem = DTYPE_BYTES[config.model.dtype]
-    kv_elem = _kv_elem(config, elem)
+    kv_elem = _kv_elems(config, elem, spec.num_layers)
     max_len = config.model.max_model_len or spec.max_position_embeddings
     params = spec.params_per_rank(tp)
     weights = params * elem
@@ -306,6 +316,7 @@ def make_plan(config: ApplianceConfig, template: str = "") -> Plan:
         kv_cache_memory_gib=config.cache.kv_cache_memory,
         dtype_bytes=elem,
         kv_elem_bytes=_kv_elem(config, elem),
+        kv_keep_16bit=list(config.cache.kv_cache_keep_16bit),
         block_size=config.cache.block_size,
         max_model_len=config.model.max_model_len or spec.max_position_embeddings,
         typical_seq_len=hw.typical_seq_len,
@@ -375,7 +386,7 @@ def render(plan: Plan) -> str:
             ]
         rows += [
             ("KV cache", _gib(c.kv_cache_bytes), "what is left" if plan.device == "cuda" else "cache.kv_cache_memory"),
-            ("KV bytes per token", f"{c.kv_bytes_per_token / KiB:.1f} KiB", f"K+V x layers x KV heads on this rank x head_dim x {plan.kv_elem_bytes} bytes"),
+            ("KV bytes per token", f"{c.kv_bytes_per_token / KiB:.1f} KiB", f"K+V x layers x KV heads on this rank x head_dim x {plan.kv_elem_bytes} byte(s)" + (" (16-bit layers: cache.kv_cache_keep_16bit)" if plan.kv_keep_16bit else "")),
             ("KV blocks", str(c.kv_blocks), f"{plan.block_size} tokens, {c.block_bytes / MiB:.2f} MiB each: {c.kv_tokens} tokens"),
             (f"seqs at {plan.max_model_len} tokens", str(c.seqs_at_max_model_len), "model.max_model_len"),
             (f"seqs at {plan.typical_seq_len} tokens", str(c.seqs_at_typical_seq_len), "hardware.typical_seq_len"),

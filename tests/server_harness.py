@@ -3,6 +3,7 @@ with the tiny demo model and a template written per test module."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -23,9 +24,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def write_template(path: Path, model_dir: Path, extra: str = "", scheduler: str = "") -> Path:
-    """A small CPU template for the tiny model; `extra` appends TOML tables, `scheduler` lines
-    go into [scheduler]."""
+def write_template(path: Path, model_dir: Path, extra: str = "",
+                   scheduler: dict[str, Any] | None = None) -> Path:
+    """A small CPU template for the tiny model; `extra` appends TOML tables, `scheduler`
+    overrides keys of [scheduler]."""
+    sched = {"max_num_seqs": 16, "max_num_batched_tokens": 512, **(scheduler or {})}
+    sched_lines = "\n".join(f"{k} = {json.dumps(v)}" for k, v in sched.items())
     path.write_text(
         f"""
 description = "server tests: tiny model"
@@ -38,9 +42,7 @@ max_model_len = 512
 kv_cache_memory = 0.02
 swap_space = 0.01
 [scheduler]
-max_num_seqs = 16
-max_num_batched_tokens = 512
-{scheduler}
+{sched_lines}
 [hardware]
 device = "cpu"
 {extra}

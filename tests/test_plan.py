@@ -152,3 +152,31 @@ def test_plan_is_an_appliance_subcommand(capsys: pytest.CaptureFixture[str]) -> 
 
     assert cli_main(["plan", "--template", "13b-a100", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["chosen"]["fits"]
+
+
+@pytest.mark.parametrize(
+    "kv_dtype, keep", [("auto", []), ("fp8_e4m3", []), ("fp8_e4m3", [0, 3]), ("int8", [1])]
+)
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_plan_kv_bytes_equal_the_loaders(kv_dtype: str, keep: list[int], tp: int) -> None:
+    """KV bytes per token as the plan counts them = what the loader allocates per block / 16,
+    including 16-bit layers kept beside quantized ones."""
+    from appliance.engine.kv_quant import layer_kv_dtypes, storage_dtypes
+    from appliance.engine.loader import kv_bytes_per_block
+    from appliance.models.demo import _SHAPES
+
+    s = _SHAPES["tiny"]
+    cfg = {
+        "vocab_size": s.model_vocab,
+        "hidden_size": s.hidden_size,
+        "intermediate_size": s.intermediate_size,
+        "num_hidden_layers": s.num_hidden_layers,
+        "num_attention_heads": s.num_attention_heads,
+        "num_key_value_heads": s.num_key_value_heads,
+    }
+    config = load_config(None, {"cache.kv_cache_dtype": kv_dtype, "cache.kv_cache_keep_16bit": keep})
+    args = ModelArgs.from_hf(LlamaConfig(**cfg))
+    storage = storage_dtypes(layer_kv_dtypes(config.cache, args.num_layers), torch.bfloat16)
+    loader_bytes = kv_bytes_per_block(args, 16, storage, tp) // 16
+    tp_plan = plan_cmd.plan_tp(ArchSpec.from_config_json(cfg), config, tp, on_gpu=False)
+    assert tp_plan.kv_bytes_per_token == loader_bytes

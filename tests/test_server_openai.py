@@ -126,12 +126,11 @@ def test_chat_non_stream_and_stream(client: openai.OpenAI) -> None:
 def test_chat_logprobs_and_priority(client: openai.OpenAI) -> None:
     out = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=4, temperature=0,
-        logprobs=True, top_logprobs=2, extra_body={"priority": "batch", "top_k": 5, "min_tokens": 4},
+        logprobs=True, top_logprobs=2, extra_body={"priority": "batch", "top_k": 5, "ignore_eos": True},
     )
     content = out.choices[0].logprobs.content
     assert len(content) == 4
     assert all(len(e.top_logprobs) == 2 and e.logprob <= 0 for e in content)
-    assert out.usage.completion_tokens == 4  # min_tokens == max_tokens: no early EOS
 
 
 async def test_async_sdk_concurrent_streams(aclient: openai.AsyncOpenAI) -> None:
@@ -194,3 +193,12 @@ def test_disconnect_mid_stream_frees_blocks(server: ServerProcess) -> None:
     }
     assert samples[("appliance_kv_blocks", (("model_name", MODEL), ("state", "used")))] == 0
     assert samples[("vllm:request_success_total", (("finished_reason", "abort"), ("model_name", MODEL)))] >= 1
+
+
+# Last in the module: an engine error here kills the core (fatal by design, as in vLLM v1),
+# which would fail every later test of this module's server.
+
+def test_min_tokens_extra(client: openai.OpenAI) -> None:
+    out = client.completions.create(model=MODEL, prompt="x", max_tokens=6, temperature=0,
+                                    extra_body={"min_tokens": 6})
+    assert out.usage.completion_tokens == 6  # min_tokens == max_tokens: EOS is banned

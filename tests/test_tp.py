@@ -13,6 +13,7 @@ import shutil
 import signal
 import threading
 import time
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import pytest
@@ -165,3 +166,45 @@ def test_refused_start_does_not_hang_and_frees_the_workers(tiny_model_dir: Path)
     assert not [c for c in multiprocessing.active_children() if c.name.startswith("appliance-tp")]
     with engine_for(tiny_model_dir, 2) as engine:
         assert len(engine.generate([[5, 6, 7]], greedy(4))[0].token_ids) == 4
+
+
+def _daemonic_driver(model_dir: str, conn: Connection) -> None:
+    """Runs in a daemonic process, as the server's engine core does: start a TP 2 engine,
+    report its tokens and worker pids, then wait to be killed."""
+    torch.set_num_threads(1)
+    engine = engine_for(Path(model_dir), 2)
+    tokens = engine.generate([[5, 6, 7, 8]], greedy(8))[0].token_ids
+    conn.send((tokens, [w.process.pid for w in engine.executor.workers]))
+    time.sleep(600)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0); it is gone for our purposes.
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
+def test_tp_engine_in_a_daemonic_process_and_no_orphans(tiny_model_dir: Path) -> None:
+    """The engine core is a daemonic process; TP must start there, and a SIGKILLed driver
+    must not leave its workers behind."""
+    with engine_for(tiny_model_dir, 1) as ref:
+        expected = ref.generate([[5, 6, 7, 8]], greedy(8))[0].token_ids
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    driver = ctx.Process(target=_daemonic_driver, args=(str(tiny_model_dir), child), daemon=True)
+    driver.start()
+    try:
+        assert parent.poll(120), "the daemonic driver did not start its TP engine"
+        tokens, pids = parent.recv()
+        assert tokens == expected
+        assert pids and all(_alive(pid) for pid in pids)
+    finally:
+        driver.kill()
+        driver.join(10)
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in pids), "workers outlived their killed driver"

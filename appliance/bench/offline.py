@@ -14,9 +14,8 @@ from appliance.bench import mixed
 from appliance.bench.hardware import copy_bandwidth, matmul_flops
 from appliance.config import load_config, parse_override_value
 from appliance.engine.llm_engine import Engine
-from appliance.engine.loader import LoadedModel
+from appliance.engine.loader import LoadedModel, load_model
 from appliance.engine.stats import StepRecord
-from appliance.engine.tp import start_model
 from appliance.sampling_params import SamplingParams
 
 MODES = {
@@ -40,6 +39,8 @@ class ModeResult:
     peak_slot_utilisation: float
     peak_kv_usage: float
     steps: int
+    # Most sequences running at once: what the KV pool (or max_num_seqs) let the engine hold.
+    peak_running: int = 0
 
 
 @dataclass
@@ -113,7 +114,20 @@ def run_mode(
         peak_slot_utilisation=stats.slot_utilisation_at_peak,
         peak_kv_usage=max((r.kv_usage for r in records), default=0.0),
         steps=len(records),
+        peak_running=max((r.num_running for r in records), default=0),
     )
+
+
+def kv_summary(loaded: LoadedModel, config: Any, seq_len: int) -> dict[str, Any]:
+    """The KV pool's format and size, and how many requests of seq_len tokens it holds."""
+    blocks_per_seq = -(-seq_len // loaded.block_size)
+    return {
+        "kv_cache_dtype": config.cache.kv_cache_dtype,
+        "kv_cache_keep_16bit": list(config.cache.kv_cache_keep_16bit),
+        "num_blocks": loaded.num_blocks,
+        "bytes_per_block": loaded.bytes_per_block,
+        "seqs_that_fit": loaded.num_blocks // blocks_per_seq,
+    }
 
 
 def add_parser(sub: Any) -> None:
@@ -147,9 +161,7 @@ def main(ns: argparse.Namespace) -> int:
     default_budget = 512 if ns.profile == "mixed" else max(2048, ns.prompt_len)
     overrides.setdefault("scheduler.max_num_batched_tokens", default_budget)
     config = load_config(ns.template, overrides)
-    # TP > 1 starts the worker ranks once; every mode's engine reuses them, and the
-    # executor's atexit hook stops them when the bench exits.
-    loaded = start_model(config)
+    loaded = load_model(config)
     if ns.profile == "mixed":
         return mixed.run_mixed(ns, loaded, overrides)
     rates = Rates(copy_bandwidth(loaded.device), matmul_flops(loaded.device, loaded.dtype))
@@ -165,6 +177,7 @@ def main(ns: argparse.Namespace) -> int:
                 {
                     "model": str(loaded.model_dir),
                     "rates": asdict(rates),
+                    "kv": kv_summary(loaded, config, ns.prompt_len + ns.output_len),
                     "results": [asdict(r) for r in results],
                 }
             )
@@ -178,7 +191,14 @@ def main(ns: argparse.Namespace) -> int:
         f"measured: copy bandwidth {rates.copy_bytes_per_s / 1e9:.1f} GB/s, "
         f"matmul {rates.matmul_flops_per_s / 1e9:.0f} GFLOP/s"
     )
-    header = f"{'mode':<14} {'out tok/s':>10} {'bound tok/s':>12} {'% bound':>8} {'vs 1-at-a-time':>15} {'mean batch':>11} {'slot util@peak':>15} {'time s':>8}"
+    kv = kv_summary(loaded, config, ns.prompt_len + ns.output_len)
+    keep = f", 16-bit layers {kv['kv_cache_keep_16bit']}" if kv["kv_cache_keep_16bit"] else ""
+    print(
+        f"KV cache {kv['kv_cache_dtype']}{keep}: {kv['num_blocks']} blocks of "
+        f"{kv['bytes_per_block'] / 1024:.0f} KiB, room for {kv['seqs_that_fit']} requests of "
+        f"{ns.prompt_len + ns.output_len} tokens"
+    )
+    header = f"{'mode':<14} {'out tok/s':>10} {'bound tok/s':>12} {'% bound':>8} {'vs 1-at-a-time':>15} {'mean batch':>11} {'peak seqs':>10} {'slot util@peak':>15} {'time s':>8}"
     print(header)
     print("-" * len(header))
     base = next((r.output_tokens_per_s for r in results if r.mode == "one-at-a-time"), None)
@@ -187,6 +207,6 @@ def main(ns: argparse.Namespace) -> int:
         print(
             f"{r.mode:<14} {r.output_tokens_per_s:>10.1f} {r.bound_tokens_per_s:>12.1f} "
             f"{100 * r.share_of_bound:>7.1f}% {speedup:>15} {r.mean_batch:>11.1f} "
-            f"{100 * r.peak_slot_utilisation:>14.1f}% {r.seconds:>8.1f}"
+            f"{r.peak_running:>10} {100 * r.peak_slot_utilisation:>14.1f}% {r.seconds:>8.1f}"
         )
     return 0

@@ -19,10 +19,9 @@ from appliance.core.request import FinishReason, Request, RequestStatus
 from appliance.core.scheduler import Scheduler
 from appliance.core.scheduler_stats import PreemptionEvent
 from appliance.engine.detokenizer import IncrementalDetokenizer
-from appliance.engine.loader import LoadedModel
+from appliance.engine.loader import LoadedModel, load_model
 from appliance.engine.outputs import CompletionResult, Logprob, RequestOutput
 from appliance.engine.stats import EngineStats, StepHistory, StepRecord
-from appliance.engine.tp import start_model
 from appliance.sampling_params import SamplingParams
 
 log = logging.getLogger("appliance.engine")
@@ -36,7 +35,7 @@ class Engine:
         # An engine closes what it loaded; a LoadedModel passed in (the bench reuses one across
         # engines) stays its caller's to close.
         self._owns_model = loaded is None
-        self.loaded = loaded or start_model(config)
+        self.loaded = loaded or load_model(config)
         loaded_tp = getattr(self.loaded.executor, "size", 1)
         if loaded_tp != config.parallel.tensor_parallel_size:
             raise ConfigError(

@@ -116,6 +116,12 @@ def load_model(
     config: ApplianceConfig, progress: Callable[[str], None] | None = None
 ) -> LoadedModel:
     say = progress or (lambda msg: log.info(msg))
+    if config.parallel.tensor_parallel_size > 1 and tp_size() == 1:
+        # This process becomes rank 0 of a tensor-parallel group: the executor spawns the other
+        # ranks and calls back in here under each rank's TP state (appliance.engine.tp).
+        from appliance.engine.tp import TPExecutor
+
+        return TPExecutor.start(config, progress).loaded
     times: dict[str, float] = {}
     t0 = time.perf_counter()
     device = resolve_device(config)

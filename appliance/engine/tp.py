@@ -3,7 +3,8 @@
 The scheduler and the block manager run once, in the driver. Each step the driver sends the
 SchedulerOutput (swap mappings included) to every worker (msgpack over a pipe), then all ranks
 run the same forward: the all-reduces inside the layers need every rank. Only the driver
-samples. Rank r uses GPU r with NCCL, or the CPU with gloo.
+samples. Rank r uses GPU r with NCCL, or the CPU with gloo. `load_model` starts this when
+`parallel.tensor_parallel_size` > 1; `LoadedModel.close()` (`Engine.close()`) or exit stops it.
 
 A worker that dies ends the engine within a second or so: a monitor thread waits on the worker
 processes' sentinels, records which rank died and how, and kills the other workers, which makes
@@ -22,7 +23,8 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
@@ -66,16 +68,6 @@ class TPWorkerError(RuntimeError):
     """A tensor-parallel worker died or failed: the engine cannot take another step."""
 
 
-def start_model(
-    config: ApplianceConfig, progress: Callable[[str], None] | None = None
-) -> LoadedModel:
-    """Load the model as the config's tensor_parallel_size asks: in this process at TP 1,
-    across this process and N-1 spawned workers at TP > 1. `LoadedModel.close()` stops them."""
-    if config.parallel.tensor_parallel_size == 1:
-        return load_model(config, progress)
-    return TPExecutor.start(config, progress).loaded
-
-
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -87,6 +79,23 @@ def _cpus() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
+
+
+@contextmanager
+def _children_allowed() -> Iterator[None]:
+    """Lift the daemon flag of this process while spawning. The server's engine core runs as a
+    daemonic process, and multiprocessing refuses children there so that none is orphaned when
+    it is killed. Ours cannot be: a worker exits when its command pipe reaches EOF or its parent
+    pid changes (tp_worker.py), so the rule's reason does not apply."""
+    me = mp.current_process()
+    daemonic = bool(me.daemon)
+    if daemonic:
+        me.daemon = False
+    try:
+        yield
+    finally:
+        if daemonic:
+            me.daemon = True
 
 
 @dataclass
@@ -157,23 +166,8 @@ class TPExecutor:
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         ctx = mp.get_context("spawn")
         say(f"tensor parallel {self.size}: starting {self.size - 1} worker processes ({self.backend})")
-        for rank in range(1, self.size):
-            cmd_recv, cmd_send = ctx.Pipe(duplex=False)
-            rep_recv, rep_send = ctx.Pipe(duplex=False)
-            args = WorkerArgs(
-                rank, self.size, init_method, self.backend, COLLECTIVE_TIMEOUT_S, threads, config
-            )
-            proc = ctx.Process(
-                target=worker_main,
-                args=(args, cmd_recv, rep_send),
-                name=f"appliance-tp{rank}",
-                daemon=True,
-            )
-            proc.start()
-            # The child holds its own ends; closing ours lets EOF reach whoever is left.
-            cmd_recv.close()
-            rep_send.close()
-            self.workers.append(_Worker(rank, proc, cmd_send, rep_recv))
+        with _children_allowed():
+            self._spawn(ctx, config, init_method, threads)
         self._monitor = threading.Thread(target=self._watch, name="appliance-tp-monitor", daemon=True)
         self._monitor.start()
         for w in self.workers:
@@ -201,6 +195,25 @@ class TPExecutor:
         self.loaded = loaded
         self.runner = loaded.runner
         say(f"tensor parallel {self.size}: all ranks ready")
+
+    def _spawn(self, ctx: Any, config: ApplianceConfig, init_method: str, threads: int) -> None:
+        for rank in range(1, self.size):
+            cmd_recv, cmd_send = ctx.Pipe(duplex=False)
+            rep_recv, rep_send = ctx.Pipe(duplex=False)
+            args = WorkerArgs(
+                rank, self.size, init_method, self.backend, COLLECTIVE_TIMEOUT_S, threads, config
+            )
+            proc = ctx.Process(
+                target=worker_main,
+                args=(args, cmd_recv, rep_send),
+                name=f"appliance-tp{rank}",
+                daemon=True,
+            )
+            proc.start()
+            # The child holds its own ends; closing ours lets EOF reach whoever is left.
+            cmd_recv.close()
+            rep_send.close()
+            self.workers.append(_Worker(rank, proc, cmd_send, rep_recv))
 
     def _await_report(self, w: _Worker, kind: type[_R], timeout: float) -> _R:
         """Wait for a worker's next report, failing fast if it reports an error or dies."""

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import datetime
 import os
+import threading
+import time
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -65,6 +67,15 @@ Report = Hello | Ready | Failed
 report_decoder = msgspec.msgpack.Decoder(Report)
 
 
+def _exit_with_parent(parent: int) -> None:
+    """A driver killed while this rank loads or waits to join the group must not leave it
+    behind (the command pipe's EOF covers the idle case; this covers the rest)."""
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != parent:
+            os._exit(1)
+
+
 def worker_main(args: WorkerArgs, commands: Connection, reports: Connection) -> None:
     """Entry point of a spawned worker. Any failure is reported (with its traceback) and ends
     the process, which the driver's monitor notices."""
@@ -75,6 +86,9 @@ def worker_main(args: WorkerArgs, commands: Connection, reports: Connection) -> 
     from appliance.layers.parallel import set_tensor_parallel
 
     encoder = msgspec.msgpack.Encoder()
+    threading.Thread(
+        target=_exit_with_parent, args=(os.getppid(),), name="parent-watch", daemon=True
+    ).start()
     try:
         if args.backend == "gloo":
             torch.set_num_threads(args.num_threads)

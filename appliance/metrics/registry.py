@@ -132,7 +132,8 @@ class Metrics:
             mirror.reset()
         self.cache_info.clear()
         labels = {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in cache.items()}
-        self.cache_info.labels(model_name=model_name, **labels).set(1)
+        names = [n for n in self.cache_info._labelnames if n != "model_name"]
+        self.cache_info.labels(model_name=model_name, **{n: labels.get(n, "") for n in names}).set(1)
 
     def update_engine(self, s: EngineStats) -> None:
         name = self.model_name

@@ -299,6 +299,10 @@ def add_demo_model_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-position-embeddings", type=int, default=None)
     p.add_argument("--shard-size", default=None, help='e.g. "2MB": save sharded weights')
+    p.add_argument(
+        "--train-steps", type=int, default=0,
+        help="then train briefly on the shipped corpus (appliance.models.train_demo)",
+    )
     p.set_defaults(func=demo_model_command)
     return p
 
@@ -318,4 +322,8 @@ def demo_model_command(args: argparse.Namespace) -> int:
         shard_size=getattr(args, "shard_size", None),
         progress=progress,
     )
+    if getattr(args, "train_steps", 0):
+        from appliance.models.train_demo import train_demo_model
+
+        train_demo_model(args.out, args.train_steps, seed=args.seed, progress=progress)
     return 0

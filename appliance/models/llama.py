@@ -19,6 +19,7 @@ from appliance.layers.linear import MergedColumnLinear, RowParallelLinear
 from appliance.layers.norm import RMSNorm
 from appliance.layers.parallel import divide, tp_rank, tp_size
 from appliance.layers.rotary import RotaryEmbedding
+from appliance.models.hf_files import rope_parameters
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -50,10 +51,9 @@ class ModelArgs:
                 f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
             )
         heads = config.num_attention_heads
-        rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
-        rope = dict(rope) if rope else None
-        theta = (rope or {}).get("rope_theta") or getattr(config, "rope_theta", 10000.0)
-        if rope is not None and rope.get("rope_type", rope.get("type")) == "default":
+        rope: dict[str, Any] | None = rope_parameters(config)
+        theta = rope.pop("rope_theta")
+        if rope["rope_type"] == "default":
             rope = None
         act = getattr(config, "hidden_act", "silu")
         if act != "silu":

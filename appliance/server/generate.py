@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from appliance.engine.outputs import Logprob, RequestOutput
 from appliance.sampling_params import SamplingParams
 from appliance.server import ipc
+from appliance.server.engine_client import EngineError
 from appliance.server.errors import APIError
 
 if TYPE_CHECKING:
@@ -88,18 +89,23 @@ class Generation:
         if client is None or client.dead:
             raise APIError(503, "the engine is not running", code="not_ready")
         self.state.inflight.add(self)
-        futures = [
-            client.add(
-                ch.request_id,
-                ch.prompt_token_ids,
-                self._params_for(ch),
-                self.priority,
-                self.priority_class,
-                self._sink_for(ch),
-                self.arrival,
-            )
-            for ch in self.choices
-        ]
+        try:
+            futures = [
+                client.add(
+                    ch.request_id,
+                    ch.prompt_token_ids,
+                    self._params_for(ch),
+                    self.priority,
+                    self.priority_class,
+                    self._sink_for(ch),
+                    self.arrival,
+                )
+                for ch in self.choices
+            ]
+        except EngineError as exc:  # the core went away between the guard and here
+            self.abort("engine gone", count=False)
+            self.close()
+            raise APIError(503, f"engine unavailable: {exc}", code="engine_error") from None
         results = await asyncio.gather(*futures)
         refused = next((r for r in results if r.rejected), None)
         if refused is not None:

@@ -109,8 +109,9 @@ class ServerState:
             self.exit_code = 1
             self.stop_event.set()
 
-    async def start_engine(self, config: ApplianceConfig) -> None:
-        """Start a core for `config`, load the tokenizer; raises EngineError/ConfigError."""
+    async def start_engine(self, config: ApplianceConfig, replace: bool = False) -> None:
+        """Start a core for `config` and load the tokenizer; raises EngineError/ConfigError.
+        With `replace`, the running core keeps going until the new one is up, then stops."""
         t0 = time.monotonic()
         client = EngineClient(config, self.log_level, self._status, self._on_frame, self._on_death)
         # The tokenizer loads here while the core loads the weights (the model directory is
@@ -136,8 +137,11 @@ class ServerState:
             "core_total": t_core,
             "api_tokenizer_wait": time.monotonic() - t,
         })
+        old = self.client if replace else None
         self.client, self.info, self.tokenizer, self.config = client, info, tokenizer, config
         self.engine_generation += 1
+        if old is not None:
+            await old.shutdown()
         cache = config.cache
         self.metrics.engine_rebuilt(
             info.model_name,
@@ -204,15 +208,20 @@ class ServerState:
         self.set_phase("reloading", f"draining {len(self.inflight)} requests")
         t0 = time.monotonic()
         await self.wait_idle(old_config.server.drain_timeout_s)
-        # Stop first, then start: two copies of the weights may not fit (GPU memory).
-        await self.stop_engine()
+        # On the CPU the new engine loads beside the idle old one, which simply stays when the
+        # new one fails. On a GPU two copies of the weights may not fit: stop first, and
+        # restart the previous configuration on failure.
+        overlap = old_config.hardware.device == "cpu" and new.hardware.device == "cpu"
+        if not overlap:
+            await self.stop_engine()
         try:
-            await self.start_engine(new)
+            await self.start_engine(new, replace=overlap)
         except (EngineError, ConfigError, OSError) as exc:
             reason = f"{type(exc).__name__}: {exc}"
-            log.error("reload failed (%s); restoring the previous engine", reason)
+            log.error("reload failed (%s); keeping the previous engine", reason)
             try:
-                await self.start_engine(old_config)
+                if not overlap:
+                    await self.start_engine(old_config)
             except Exception as again:
                 self.set_phase("failed", f"restoring the previous engine failed too: {again}")
                 self.exit_code = 1

@@ -1,0 +1,434 @@
+"""The Textual console driven by its pilot against a real `appliance up` (tiny demo model, a
+16-block KV pool so a few long requests force preemptions): the figures on screen match
+/admin/stats, preemption counters move on screen under load, requests can be aborted,
+templates can be applied, rolled back and refused, and a server that is down, a wrong admin
+token and a box without a GPU each get a clear message rather than a traceback."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pynvml
+import pytest
+from appliance.console import figures
+from appliance.console.app import ConsoleApp
+from appliance.console.blockmap import cells_from_counts, cells_from_states
+from appliance.console.dialogs import ConfirmScreen, HelpScreen
+from appliance.console.screenshots import svg_text
+from server_harness import ServerProcess, free_port
+from textual.widgets import DataTable
+
+from appliance.server.admin_schema import StepRecord
+
+TOKEN = "console-test-token"
+POLL_S = 0.25  # faster than an operator's 1 s: the tests wait on polls
+
+TEMPLATE = """\
+description = "{description}"
+[model]
+path = "{model}"
+name = "tiny"
+dtype = "float32"
+max_model_len = 256
+[cache]
+num_blocks = 16
+swap_space = 0.01
+[scheduler]
+policy = "priority"
+max_num_seqs = {max_num_seqs}
+max_num_batched_tokens = 512
+[priority_classes]
+realtime = {{ priority = 0, queue_timeout_s = 30.0 }}
+interactive = {{ priority = 5 }}
+batch = {{ priority = 10, queue_timeout_s = 120.0 }}
+[hardware]
+device = "cpu"
+[server]
+admin_token_file = "{token}"
+"""
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    d = tmp_path_factory.mktemp("console")
+    (d / "admin").write_text(TOKEN + "\n")
+    tdir = d / "templates"
+    tdir.mkdir()
+
+    def template(name: str, description: str, max_num_seqs: int, model: Path | str) -> None:
+        (tdir / f"{name}.toml").write_text(TEMPLATE.format(
+            description=description, model=model, max_num_seqs=max_num_seqs, token=d / "admin"))
+
+    template("tiny-a", "console tests A", 16, tiny_model_dir)
+    template("tiny-b", "console tests B: fewer sequences", 8, tiny_model_dir)
+    template("tiny-broken", "a model that is not there", 16, d / "no-such-model")
+    env = {"APPLIANCE_TEMPLATE_DIR": str(tdir)}
+    # The console lists templates in this process: it must see the same operator directory.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("APPLIANCE_TEMPLATE_DIR", str(tdir))
+        srv = ServerProcess(Path("tiny-a"), d / "log.txt", env=env).start()
+        try:
+            yield srv
+        finally:
+            assert srv.stop() == 0, srv.log()
+
+
+def admin_stats(srv: ServerProcess) -> dict[str, Any]:
+    return srv.get("/admin/stats", params={"history_s": 0},
+                   headers={"Authorization": f"Bearer {TOKEN}"}).json()
+
+
+def admin_config(srv: ServerProcess) -> dict[str, Any]:
+    return srv.get("/admin/config", headers={"Authorization": f"Bearer {TOKEN}"}).json()
+
+
+def screen_text(app: ConsoleApp) -> str:
+    """What the terminal shows, read back out of Textual's SVG export."""
+    return "\n".join(svg_text(app.export_screenshot()))
+
+
+def flat(text: str) -> str:
+    """Words in screen order, whatever the wrapping: for messages longer than a line."""
+    return " ".join(re.sub(r"[│╭╮╰╯─]", " ", text).split())
+
+
+async def until(pilot: Any, predicate: Callable[[], Any], timeout_s: float = 30.0, what: str = "") -> Any:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        value = predicate()
+        if value:
+            return value
+        await pilot.pause(0.1)
+    raise AssertionError(f"not met in {timeout_s}s: {what}\n{screen_text(pilot.app)}")
+
+
+async def polled(app: ConsoleApp, pilot: Any, n: int = 1) -> None:
+    target = app.polls + n
+    await until(pilot, lambda: app.polls >= target, what=f"{n} polls")
+    await pilot.pause(0.05)  # the watchers run after the poll completes
+
+
+def no_nvml(monkeypatch: pytest.MonkeyPatch) -> None:
+    def fail() -> None:
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
+
+    monkeypatch.setattr(pynvml, "nvmlInit", fail)
+
+
+def console(srv: ServerProcess, **kw: Any) -> ConsoleApp:
+    return ConsoleApp(srv.url, kw.pop("token", TOKEN), poll_s=POLL_S, **kw)
+
+
+def long_prompt(seed: int) -> list[int]:
+    # 127 tokens: 8 blocks of 16 and one slot left; the second generated token needs a 9th
+    # block, so two such requests overflow the 16-block pool and one is preempted.
+    return [(seed * 131 + i * 17) % 4000 + 10 for i in range(127)]
+
+
+# -- the dashboard -----------------------------------------------------------------------------
+
+
+async def test_dashboard_numbers_match_admin_stats(server: ServerProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    no_nvml(monkeypatch)
+    # One finished request leaves cached blocks and token totals to compare.
+    server.post("/v1/completions", json={"model": "tiny", "prompt": long_prompt(1), "max_tokens": 4,
+                                         "ignore_eos": True})
+    app = console(server)
+    async with app.run_test(size=(160, 48)) as pilot:
+        await polled(app, pilot, 2)
+        ref = admin_stats(server)
+        await polled(app, pilot, 1)
+        text = screen_text(app)
+    e = ref["engine"]
+    assert e["blocks_cached"] > 0
+    assert f"used {e['blocks_used']} ▒ cached {e['blocks_cached']} · free {e['blocks_free']} / {e['num_blocks']}" in text
+    assert f"{e['kv_usage'] * 100:3.0f}% used" in text
+    assert f"running {e['num_running']} · waiting {e['num_waiting']} · swapped {e['num_swapped']}" in text
+    assert f"total {e['counters']['preemptions']} ·" in text
+    assert f"tokens: prompt {e['prompt_tokens_total']} · generated {e['generation_tokens_total']}" in text
+    assert f"tiny on cpu (float32), max_model_len {ref['max_model_len']}" in text
+    assert "1 block/cell" in text and "from counts" in text  # 16 blocks, no per-block states yet
+    assert "● tiny · ready · tiny-a" in text
+    for q in ref["queues"]:
+        assert re.search(rf"{q['priority_class']}\s+{q['waiting']}\s+\S+/", text), q
+
+
+async def test_snapshot_80x24(server: ServerProcess, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    no_nvml(monkeypatch)
+    app = console(server)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await polled(app, pilot, 2)
+        path = Path(app.save_screenshot("dash-80x24.svg", str(tmp_path)))
+    lines = svg_text(path.read_text())
+    text = "\n".join(lines)
+    assert len(lines) <= 24 and max(len(line) for line in lines) <= 80
+    for title in ("KV cache", "Batch", "Preemptions", "Throughput · latency", "Why slow", "GPU · host"):
+        assert title in text, title
+    assert "no GPU" in text and "host CPU" in text and "host mem" in text
+    assert "prompt tok/s" in text and "TTFT p50" in text and "TPOT p50" in text
+    assert "seqs per step" in text and "oldest/limit" in text
+    assert "bound: KV" in text or "no steps in the last minute" in text
+    # Every key of the dashboard fits the 80-column footer.
+    assert "d Dashboard  t Templates  r Requests  ? Help  q Quit" in lines[-1]
+    assert "Engine" not in text  # the engine panel needs a wide terminal
+
+
+async def test_snapshot_160x48(server: ServerProcess, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    no_nvml(monkeypatch)
+    app = console(server)
+    async with app.run_test(size=(160, 48)) as pilot:
+        await polled(app, pilot, 2)
+        path = Path(app.save_screenshot("dash-160x48.svg", str(tmp_path)))
+    lines = svg_text(path.read_text())
+    text = "\n".join(lines)
+    assert len(lines) <= 48 and max(len(line) for line in lines) <= 160
+    for title in ("KV cache", "Batch", "Preemptions", "Why slow", "GPU · host", "Engine"):
+        assert title in text, title
+    assert "blocks of 16 tokens" in text and "template tiny-a" in text
+    # The block map: 16 blocks, one cell each, drawn with the bar's glyphs.
+    map_rows = [ln for ln in lines if re.fullmatch(r"│ [█▒·]+ *│", ln)]
+    assert map_rows and sum(len(re.sub(r"[^█▒·]", "", r)) for r in map_rows) == 16
+
+
+async def test_preemptions_move_on_screen_and_requests_screen(server: ServerProcess) -> None:
+    app = console(server)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await polled(app, pilot, 1)
+        shown = lambda: int(re.search(r"total (\d+) ·", screen_text(app)).group(1))  # noqa: E731
+        before = shown()
+        assert before == admin_stats(server)["engine"]["counters"]["preemptions"]
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
+            def req(i: int, max_tokens: int, cls: str) -> Any:
+                return asyncio.create_task(http.post("/v1/completions", json={
+                    "model": "tiny", "prompt": long_prompt(10 + i), "max_tokens": max_tokens,
+                    "ignore_eos": True, "priority": cls}))
+
+            tasks = [req(i, 12, cls) for i, cls in enumerate(["batch", "interactive", "batch"])]
+            await until(pilot, lambda: shown() > before, 60, "preemptions counted on screen")
+            assert shown() <= admin_stats(server)["engine"]["counters"]["preemptions"]
+            assert re.search(r"cmpl-\S+ (batch|interactive) recompute", screen_text(app))
+
+            # The requests screen lists what the engine holds, with the same figures.
+            victim = asyncio.create_task(http.post("/v1/completions", json={
+                "model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 240, "ignore_eos": True}))
+            await app.switch_mode("requests")
+            await until(pilot, lambda: any(r.prompt_tokens == 4 for r in app.snapshot.stats.requests),
+                        30, "the long request listed")
+            await polled(app, pilot, 1)
+            snap = app.snapshot
+            text = screen_text(app)
+            for r in snap.stats.requests:
+                assert re.search(rf"{re.escape(r.request_id)}\s+{r.priority_class}\s+{r.status}\s+"
+                                 rf"{r.prompt_tokens}\s+{r.output_tokens}\s+{r.blocks_held}", text), r
+
+            # Abort the long request through the admin API, after a confirmation.
+            target = next(r.request_id for r in snap.stats.requests if r.prompt_tokens == 4)
+            table = app.screen.query_one(DataTable)
+            table.move_cursor(row=table.get_row_index(target), animate=False)
+            await pilot.press("x")
+            assert isinstance(app.screen, ConfirmScreen)
+            await pilot.press("y")
+            resp = await asyncio.wait_for(victim, 60)
+            assert resp.json()["choices"][0]["finish_reason"] == "abort"
+            await until(pilot, lambda: f"aborted {target}" in screen_text(app), 10, "abort outcome")
+            await asyncio.gather(*tasks)
+
+
+# -- templates -----------------------------------------------------------------------------------
+
+
+async def select_template(app: ConsoleApp, pilot: Any, name: str) -> None:
+    await app.switch_mode("templates")
+    screen = app.screen
+    await until(pilot, lambda: any(t.name == name for t in screen.templates), 30, "template list")
+    screen.select(name)
+    await pilot.pause(0.1)
+
+
+async def test_apply_template_then_roll_back(server: ServerProcess) -> None:
+    assert admin_config(server)["template"] == "tiny-a"
+    app = console(server)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await polled(app, pilot, 1)
+        await select_template(app, pilot, "tiny-b")
+        await until(pilot, lambda: "scheduler.max_num_seqs: 16 → 8" in screen_text(app), 10, "diff")
+        assert "▶ tiny-a" in screen_text(app)
+        await pilot.press("a")
+        assert isinstance(app.screen, ConfirmScreen)
+        await pilot.press("y")
+        await until(pilot, lambda: "applied tiny-b" in screen_text(app), 90, "apply outcome")
+        cfg = admin_config(server)
+        assert cfg["template"] == "tiny-b" and cfg["config"]["scheduler"]["max_num_seqs"] == 8
+        await until(pilot, lambda: "▶ tiny-b" in screen_text(app), 10, "running marker")
+        assert "b rolls back to tiny-a" in screen_text(app)
+
+        await pilot.press("b")
+        assert isinstance(app.screen, ConfirmScreen)
+        await pilot.press("y")
+        await until(pilot, lambda: "rolled back to tiny-a" in screen_text(app), 90, "rollback outcome")
+    cfg = admin_config(server)
+    assert cfg["template"] == "tiny-a" and cfg["config"]["scheduler"]["max_num_seqs"] == 16
+
+
+async def test_failed_apply_keeps_the_old_template_and_says_why(server: ServerProcess) -> None:
+    generation = admin_stats(server)["server"]["engine_generation"]
+    app = console(server)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await polled(app, pilot, 1)
+        await select_template(app, pilot, "tiny-broken")
+        await pilot.press("a")
+        await pilot.press("y")
+        await until(pilot, lambda: "apply failed" in screen_text(app), 60, "failure outcome")
+        text = flat(screen_text(app))
+    assert "the previous configuration is still running" in text
+    assert "holds no Hugging Face model" in text  # the server's reason, shown as given
+    stats = admin_stats(server)
+    assert stats["config"]["template"] == "tiny-a" and stats["server"]["phase"] == "ready"
+    assert stats["server"]["engine_generation"] == generation  # refused before draining
+
+
+async def test_readonly_hides_every_change(server: ServerProcess) -> None:
+    app = console(server, readonly=True)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await polled(app, pilot, 1)
+        assert "read-only" in screen_text(app)
+        await select_template(app, pilot, "tiny-b")
+        footer = screen_text(app).splitlines()[-1]
+        assert "Apply" not in footer and "Roll back" not in footer and "Templates" in footer
+        await pilot.press("a")
+        assert not isinstance(app.screen, ConfirmScreen)
+        await app.switch_mode("requests")
+        await pilot.pause(0.1)
+        assert "Abort" not in screen_text(app).splitlines()[-1]
+        await pilot.press("x")
+        assert not isinstance(app.screen, ConfirmScreen)
+        await pilot.press("question_mark")
+        assert isinstance(app.screen, HelpScreen)
+        assert "read-only" in screen_text(app)
+    assert admin_config(server)["template"] == "tiny-a"
+
+
+# -- failures shown in words -----------------------------------------------------------------
+
+
+async def test_server_down_says_so_and_keeps_retrying() -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    app = ConsoleApp(url, TOKEN, poll_s=0.1)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: app.polls >= 3)
+        text = flat(screen_text(app))
+        assert f"server unreachable at {url}" in text and "retrying every 0.1 s (attempt" in text
+        for mode in ("templates", "requests"):
+            await app.switch_mode(mode)
+            await pilot.pause(0.2)
+            assert "server unreachable" in flat(screen_text(app))
+        assert app.is_running
+
+
+async def test_wrong_admin_token_is_named(server: ServerProcess) -> None:
+    app = console(server, token="not-the-token")
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: app.polls >= 1)
+        await pilot.pause(0.05)
+        text = flat(screen_text(app))
+    assert f"admin token refused by {server.url} (401): the token given was rejected" in text
+
+
+async def test_gpu_panel_with_and_without_gpu(server: ServerProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    no_nvml(monkeypatch)
+    app = console(server)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await polled(app, pilot, 1)
+        text = screen_text(app)
+        assert "no GPU on this machine" in text and "(NVML Shared Library Not Found)" in text
+        assert "host CPU" in text and "host mem" in text
+
+    class Mem:
+        used, total = 20 * 1024**3, 24 * 1024**3
+
+    class Util:
+        gpu = 87
+
+    fake = {
+        "nvmlInit": lambda: None, "nvmlShutdown": lambda: None, "nvmlDeviceGetCount": lambda: 2,
+        "nvmlDeviceGetHandleByIndex": lambda i: i, "nvmlDeviceGetName": lambda h: "NVIDIA A10",
+        "nvmlDeviceGetUtilizationRates": lambda h: Util, "nvmlDeviceGetMemoryInfo": lambda h: Mem,
+        "nvmlDeviceGetTemperature": lambda h, sensor: 64, "nvmlDeviceGetPowerUsage": lambda h: 140_000,
+        "nvmlDeviceGetEnforcedPowerLimit": lambda h: 150_000,
+    }
+    for name, fn in fake.items():
+        monkeypatch.setattr(pynvml, name, fn)
+    app = console(server)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await polled(app, pilot, 1)
+        text = screen_text(app)
+    assert "GPU0  87% 20.0G/24.0G 64°C 140W" in text and "GPU1" in text and "no GPU" not in text
+
+
+def test_console_command_is_registered(tmp_path: Path) -> None:
+    from appliance.cli import build_parser, main
+
+    ns = build_parser().parse_args(["console", "--url", "http://127.0.0.1:1", "--readonly"])
+    assert ns.readonly and ns.url == "http://127.0.0.1:1" and ns.func.__module__ == "appliance.console.cli"
+    assert main(["console", "--admin-token-file", str(tmp_path / "missing")]) == 2
+
+
+# -- the figures, on their own -------------------------------------------------------------------
+
+
+def step(n: int, t: float, seqs: int, bound: str = "none", prompt: int = 0, gen: int = 0) -> StepRecord:
+    return StepRecord(step=n, time=t, duration_s=0.01, num_running=seqs, num_waiting=0, num_swapped=0,
+                      num_seqs=seqs, num_scheduled_tokens=prompt + gen, num_context_tokens=0,
+                      num_prompt_tokens=prompt, num_generation_tokens=gen, blocks_used=0,
+                      blocks_cached=0, blocks_free=0, kv_usage=0.0, bound_by=bound)
+
+
+def test_step_window_histogram_bounds_and_throughput() -> None:
+    w = figures.StepWindow(window_s=60)
+    w.merge([step(1, 100.0, 1), step(2, 150.0, 3, "kv_blocks", gen=3)], 1, now=150.0)
+    w.merge([step(2, 150.0, 3, "kv_blocks", gen=3), step(3, 170.0, 8, "token_budget", prompt=100)], 1, now=170.0)
+    assert [r.step for r in w.steps] == [2, 3]  # step 1 left the minute; step 2 merged once
+    assert figures.batch_histogram(w.steps, 16) == [("1", 0), ("2", 0), ("3-4", 1), ("5-8", 1), ("9-16", 0)]
+    assert figures.bound_shares(w.steps) == {"token_budget": 0.5, "max_num_seqs": 0.0, "kv_blocks": 0.5, "none": 0.0}
+    prompt, gen = figures.tokens_per_second(w.steps, now=170.5)
+    assert prompt[-1] == 100 and gen[-21] == 3 and sum(gen) == 3
+    w.merge([step(1, 171.0, 1)], 2, now=171.0)  # a reload: step numbers restart
+    assert [r.step for r in w.steps] == [1]
+
+
+def test_histogram_quantile_matches_prometheus() -> None:
+    buckets = [(0.1, 10.0), (0.5, 60.0), (1.0, 100.0), (float("inf"), 100.0)]
+    assert figures.histogram_quantile(0.5, buckets) == pytest.approx(0.1 + 0.4 * 40 / 50)
+    assert figures.histogram_quantile(0.99, buckets) == pytest.approx(0.5 + 0.5 * 39 / 40)
+    assert figures.histogram_quantile(0.5, [(0.1, 0.0), (float("inf"), 0.0)]) is None
+    new = [(0.1, 12.0), (float("inf"), 20.0)]
+    assert figures.bucket_delta(new, [(0.1, 10.0), (float("inf"), 10.0)]) == [(0.1, 2.0), (float("inf"), 10.0)]
+    assert figures.bucket_delta([(0.1, 1.0)], [(0.1, 5.0)]) == [(0.1, 1.0)]  # counters restarted
+
+
+def test_block_map_downsamples_tens_of_thousands_of_blocks() -> None:
+    cells = cells_from_counts(30_000, 10_000, 10_000, 100)
+    assert (cells.count("U"), cells.count("C"), cells.count("F")) == (60, 20, 20)
+    states = ("U" * 3 + "C" + "F" * 6) * 5_000  # 50,000 blocks
+    t0 = time.perf_counter()
+    cells = cells_from_states(states, 80 * 20)
+    assert time.perf_counter() - t0 < 0.1
+    assert set(cells) == {"F"}  # every cell holds ~31 blocks, 60% of them free
+    assert cells_from_states("UCF", 5) == ["U", "C", "F", " ", " "]
+
+
+def test_console_package_imports_no_torch() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, appliance.console.app; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ}, check=True)
+    assert out.stdout.strip() == "False"

@@ -1,0 +1,168 @@
+"""Server pieces without a server: IPC framing, auth, sd_notify, metrics counters across engine
+rebuilds, error bodies, and the serving benchmark's workload and statistics."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import os
+import socket
+from pathlib import Path
+
+import msgspec
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from appliance.config import ConfigError, ServerConfig
+from appliance.engine.outputs import Logprob, RequestOutput
+from appliance.metrics import Metrics
+from appliance.sampling_params import SamplingParams
+from appliance.server import ipc, sdnotify
+from appliance.server.auth import AuthKeys, check_bind, is_loopback
+from appliance.server.errors import from_validation
+from appliance.server.schemas import CompletionRequest
+
+
+def test_frames_match_multiprocessing_connection() -> None:
+    """The asyncio side writes and reads exactly what Connection.send_bytes/recv_bytes do."""
+    a, b = mp.Pipe(duplex=True)
+    payload = ipc.encode(ipc.AddRequest(request_id="r1", prompt_token_ids=[1, 2, 3],
+                                        params=SamplingParams(max_tokens=4, stop=["x"]), priority="batch",
+                                        arrival_time=1.5))
+    a.send_bytes(payload)
+    raw = os.read(b.fileno(), 1 << 16)
+    assert raw == ipc.frame(payload)
+    os.write(a.fileno(), ipc.frame(payload))
+    msg = ipc.decode_to_core(b.recv_bytes())
+    assert isinstance(msg, ipc.AddRequest) and msg.params.stop == ["x"] and msg.priority == "batch"
+
+
+def test_frame_roundtrip_of_outputs() -> None:
+    ro = RequestOutput(request_id="r", new_token_ids=[7], new_text="hi",
+                       new_logprobs=[Logprob(7, -0.1, [(7, -0.1), (9, -2.0)])], finished=True,
+                       finish_reason="stop")
+    frame = ipc.Frame(added=[ipc.AddResult("r")], outputs=[ro], steps=[(12, 3)],
+                      finished=[ipc.FinishInfo("r", 0.01, 0, 0.0)], waiting_by_class={"batch": 2})
+    back = ipc.decode_from_core(ipc.encode(frame))
+    assert back == frame
+
+
+async def test_asyncio_reader_reads_connection_frames() -> None:
+    a, b = socket.socketpair()
+    conn = mp.connection.Connection(os.dup(b.fileno()))
+    reader, writer = await asyncio.open_unix_connection(sock=a)
+    conn.send_bytes(ipc.encode(ipc.Pong(5)))
+    (n,) = ipc.HEADER.unpack(await reader.readexactly(4))
+    assert ipc.decode_from_core(await reader.readexactly(n)) == ipc.Pong(5)
+    writer.close()
+    conn.close()
+    b.close()
+
+
+def test_api_keys_from_file_and_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "keys").write_text("# comment\nkey-a\n\nkey-b\n")
+    monkeypatch.setenv("KEYS", "key-c, key-d")
+    keys = AuthKeys.from_config(ServerConfig(api_key_file=str(tmp_path / "keys"), api_key_env="KEYS"))
+    assert keys.api_keys == [b"key-a", b"key-b", b"key-c", b"key-d"]
+    assert keys.check_api_key(b"key-d") and not keys.check_api_key(b"key-")
+    assert not keys.check_api_key(None)
+    # No admin token configured: loopback clients only.
+    assert keys.check_admin(None, "127.0.0.1") and not keys.check_admin(None, "10.0.0.2")
+    with pytest.raises(ConfigError, match="api_key_file"):
+        AuthKeys.from_config(ServerConfig(api_key_file=str(tmp_path / "missing")))
+
+
+def test_bind_check() -> None:
+    assert is_loopback("::1") and is_loopback("127.0.0.5") and not is_loopback("0.0.0.0")
+    with pytest.raises(ConfigError, match="loopback"):
+        check_bind("0.0.0.0", AuthKeys())
+    check_bind("0.0.0.0", AuthKeys(api_keys=[b"k"]))
+
+
+def test_sdnotify(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    assert sdnotify.notify("READY=1") is False  # not under systemd: a no-op
+    path = str(tmp_path / "n.sock")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(path)
+    monkeypatch.setenv("NOTIFY_SOCKET", path)
+    assert sdnotify.notify("STATUS=loading")
+    assert sock.recv(100) == b"STATUS=loading"
+    monkeypatch.setenv("WATCHDOG_USEC", "4000000")
+    monkeypatch.setenv("WATCHDOG_PID", str(os.getpid()))
+    assert sdnotify.watchdog_interval_s() == 2.0
+    assert sdnotify.watchdog_ping() and sock.recv(100) == b"WATCHDOG=1"
+    monkeypatch.setenv("WATCHDOG_PID", "1")  # meant for another process
+    assert sdnotify.watchdog_interval_s() is None
+    sock.close()
+
+
+def _sample(m: Metrics, name: str, **labels: str) -> float:
+    for fam in text_string_to_metric_families(m.render().decode()):
+        for s in fam.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return s.value
+    raise KeyError(name)
+
+
+def test_engine_counters_stay_monotonic_across_rebuilds() -> None:
+    from appliance.core.scheduler_stats import SchedulerCounters
+    from appliance.engine.stats import EngineStats
+
+    def stats(preemptions: int, hits: int) -> EngineStats:
+        c = SchedulerCounters(preemptions=preemptions, preemptions_by={"recompute/batch": preemptions},
+                              rejected_by={"queue_timeout/realtime": 1})
+        return EngineStats(model_name="m", step=0, num_running=1, num_waiting=2, num_swapped=0, num_blocks=10,
+                           block_size=16, blocks_used=3, blocks_cached=2, blocks_free=5, kv_usage=0.3,
+                           slots_holding_tokens=0, slots_allocated=0, slot_utilisation=1.0,
+                           slot_utilisation_at_peak=1.0, swap_blocks_total=0, swap_blocks_used=0,
+                           prefix_cache_queries=100, prefix_cache_hits=hits, prompt_tokens_total=0,
+                           generation_tokens_total=0, requests_finished={}, counters=c, last_step=None)
+
+    m = Metrics("m")
+    m.engine_rebuilt("m", {"block_size": 16})
+    m.update_engine(stats(3, 40))
+    m.update_engine(stats(5, 60))
+    assert _sample(m, "vllm:num_preemptions_total") == 5
+    m.engine_rebuilt("m", {"block_size": 16})  # a reload: the new engine counts from zero
+    m.update_engine(stats(2, 10))
+    assert _sample(m, "vllm:num_preemptions_total") == 7
+    assert _sample(m, "vllm:prefix_cache_hits_total") == 70
+    assert _sample(m, "appliance_preemptions_total", mode="recompute", priority_class="batch") == 7
+    assert _sample(m, "appliance_requests_rejected_total", reason="queue_timeout") == 2
+    assert _sample(m, "vllm:num_requests_waiting") == 2
+    assert _sample(m, "appliance_kv_blocks", state="cached") == 2
+
+
+def test_validation_errors_name_the_field() -> None:
+    with pytest.raises(msgspec.ValidationError) as info:
+        msgspec.json.decode(b'{"prompt": "x", "n": 0}', type=CompletionRequest)
+    err = from_validation(info.value)
+    assert err.status == 400 and err.param == "n" and ">= 1" in err.message
+
+
+def test_workload_is_deterministic_and_mixed() -> None:
+    from appliance.bench.workload import make_workload
+
+    a = make_workload("mixed", 200, "poisson", 4.0, seed=3)
+    b = make_workload("mixed", 200, "poisson", 4.0, seed=3)
+    assert [(i.prompt, i.output_len, i.arrival_s) for i in a] == [(i.prompt, i.output_len, i.arrival_s) for i in b]
+    share = sum(i.priority_class == "realtime" for i in a) / len(a)
+    assert 0.7 < share < 0.9
+    assert all(len(i.prompt) + i.output_len <= 2048 for i in a)
+    burst = make_workload("chat", 5, "burst", 1.0, seed=0)
+    assert {i.arrival_s for i in burst} == {0.0}
+
+
+def test_bench_summary_percentiles_and_goodput() -> None:
+    from appliance.bench.serve import SLO, Result, pct, summarize
+
+    assert pct([1.0, 2.0, 3.0, 4.0, 5.0], 50) == 3.0 and pct([], 50) is None
+    results = [Result(i, "realtime", 10, output_tokens=11, status=200, ttft_s=0.1 * (i + 1), e2e_s=1.0 + i)
+               for i in range(4)]
+    results.append(Result(9, "batch", 10, status=429))
+    s = summarize(results, 2.0, SLO(ttft_ms=250))
+    assert s.ok == 4 and s.requests == 5
+    assert s.goodput == 1.0  # two of the four met TTFT <= 250 ms, over 2 s
+    assert s.output_token_throughput == 22.0
+    assert s.tpot_ms["p50"] is not None
