@@ -109,7 +109,7 @@ cp -a "$DEST/etc/systemd/system/." "$UNITS/." /run/nstest/units/
 for u in sysinit.target basic.target shutdown.target network-online.target; do
   printf '[Unit]\nDefaultDependencies=no\n' > "/run/nstest/units/$u"
 done
-printf '[Unit]\nDefaultDependencies=no\nWants=appliance@test.service\n' > /run/nstest/units/nstest.target
+printf '[Unit]\nDefaultDependencies=no\nWants=appliance@test.service appliance-router.service\n' > /run/nstest/units/nstest.target
 # Private /tmp, /var/* and /opt; the installed prefix there, its venv this checkout's.
 for d in /tmp /var/lib /var/cache /var/log /var/tmp /opt; do mount -t tmpfs tmpfs "$d"; done
 cp -a /run/nstest/prefix /opt/appliance
@@ -197,13 +197,15 @@ class PrivateSystemd:
 
 
 @pytest.fixture
-def private_systemd(tmp_path: Path, tiny_model_dir: Path) -> Iterator[tuple[PrivateSystemd, int, Path]]:
+def private_systemd(tmp_path: Path, tiny_model_dir: Path) -> Iterator[tuple[PrivateSystemd, int, int, Path]]:
     reason = unshare_refusal()
     if reason:
         pytest.skip(reason)
-    port = free_port()
+    port, router_port = free_port(), free_port()
     dest = tmp_path / "dest"
-    install(dest, "--instance", f"test:{port}", "--template", "nstest")
+    install(dest, "--instance", f"test:{port}", "--template", "nstest", "--router-port", str(router_port))
+    conf = dest / "etc/appliance/router.toml"  # the operator keeps the router on loopback here
+    conf.write_text(conf.read_text().replace('host = "0.0.0.0"', 'host = "127.0.0.1"'))
     # An operator template in /etc/appliance/templates, naming the model where it is mounted.
     write_template(dest / "etc/appliance/templates/nstest.toml", Path("/run/nstest/model"))
     tiny_model_dir.chmod(0o755)
@@ -211,28 +213,31 @@ def private_systemd(tmp_path: Path, tiny_model_dir: Path) -> Iterator[tuple[Priv
     dropins = units / "appliance@test.service.d"
     dropins.mkdir(parents=True)
     # journald does not run in there: the service writes its log into the namespace's /run.
-    conf = ["[Service]", "StandardOutput=append:/run/nstest/service.log", "StandardError=inherit",
-            # Short, so that the test would see a watchdog kill during loading and serving.
-            "WatchdogSec=4"]
+    common = ["[Service]", "StandardOutput=append:/run/nstest/service.log", "StandardError=inherit"]
     python_home = Path(os.path.realpath(sys.executable)).parents[1]
     if str(python_home).startswith(("/root/", "/home/")):
         # This checkout's interpreter lives in a home directory (pyenv): show just it.
-        conf += ["ProtectHome=tmpfs", f"BindReadOnlyPaths={python_home}"]
-    (dropins / "test.conf").write_text("\n".join(conf) + "\n")
+        common += ["ProtectHome=tmpfs", f"BindReadOnlyPaths={python_home}"]
+    # A short watchdog, so that the test would see a kill during loading or serving.
+    (dropins / "test.conf").write_text("\n".join([*common, "WatchdogSec=4"]) + "\n")
+    (units / "appliance-router.service.d").mkdir()
+    (units / "appliance-router.service.d/test.conf").write_text("\n".join(common) + "\n")
     boot = tmp_path / "boot.sh"
     boot.write_text(BOOT)
     env = {"DEST": str(dest), "PREFIX_DIR": str(dest / "opt/appliance"), "MODEL": str(tiny_model_dir),
            "VENV": str(Path(sys.executable).parents[1]), "UNITS": str(units), "SVC_ID": "61234"}
     ns = PrivateSystemd(boot, env, tmp_path / "boot.log")
     try:
-        yield ns, port, dest
+        yield ns, port, router_port, dest
     finally:
         ns.close()
 
 
 @pytest.mark.slow
-def test_appliance_test_runs_under_a_private_systemd(private_systemd: tuple[PrivateSystemd, int, Path]) -> None:
-    ns, port, dest = private_systemd
+def test_appliance_test_runs_under_a_private_systemd(
+    private_systemd: tuple[PrivateSystemd, int, int, Path],
+) -> None:
+    ns, port, router_port, dest = private_systemd
     unit = "appliance@test.service"
     url = f"http://127.0.0.1:{port}"
     state = ns.wait(unit, "became active (READY=1)", lambda s: s["ActiveState"] == "active")
@@ -242,6 +247,13 @@ def test_appliance_test_runs_under_a_private_systemd(private_systemd: tuple[Priv
     assert httpx.get(url + "/ready", timeout=5).status_code == 200
     user = ns.run("ps", "-o", "user=", "-p", state["MainPID"])
     assert user in ("appliance", "61234"), user
+    # appliance-router.service (DynamicUser, its own hardening) routes to the instance.
+    router = f"http://127.0.0.1:{router_port}"
+    ns.wait("appliance-router.service", "became active", lambda s: s["SubState"] == "running", timeout_s=30)
+    api = {"Authorization": "Bearer " + (dest / "etc/appliance/keys/api.key").read_text().strip()}
+    models = httpx.get(router + "/v1/models", headers=api, timeout=10)
+    assert models.status_code == 200 and models.headers["x-appliance-pool"] == "test", models.text
+    assert httpx.get(router + "/v1/models", timeout=10).status_code == 401  # keys enforced
     # The watchdog (4 s) held through loading, and holds while serving.
     time.sleep(2.5)
     again = ns.show(unit, "NRestarts", "MainPID", "ActiveState")
@@ -280,3 +292,6 @@ def test_appliance_test_runs_under_a_private_systemd(private_systemd: tuple[Priv
     assert restarted["NRestarts"] == "1"
     with pytest.raises(httpx.TransportError):
         httpx.get(url + "/health", timeout=2)
+    # Stopping appliance.target stops what is PartOf it: the router.
+    ns.run("systemctl", "stop", "appliance.target", check=True)
+    assert ns.show("appliance-router.service", "ActiveState", "Result") == {"ActiveState": "inactive", "Result": "success"}

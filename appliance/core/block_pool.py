@@ -113,6 +113,12 @@ class BlockPool:
     def usage(self) -> float:
         return 1.0 - self.free_queue.num_free / self.num_blocks
 
+    def state_string(self) -> str:
+        """One character per block id: U referenced, C free but hit-able, F free."""
+        return "".join(
+            "U" if b.ref_cnt else ("C" if b.block_hash is not None else "F") for b in self.blocks
+        )
+
     def get_cached_block(self, block_hash: BlockHash, token_ids: Sequence[int]) -> KVBlock | None:
         block = self.cached.get(block_hash)
         if block is None or block.token_ids != tuple(token_ids):

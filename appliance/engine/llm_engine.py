@@ -298,7 +298,7 @@ class Engine:
         )
 
     # -- figures ---------------------------------------------------------------------------------
-    def stats(self) -> EngineStats:
+    def stats(self, detail: bool = False) -> EngineStats:
         usage = self.kv.usage()
         sched = self.scheduler
         return EngineStats(
@@ -326,6 +326,7 @@ class Engine:
             requests_finished=dict(self.requests_finished),
             counters=sched.counters,
             last_step=self._last_step,
+            block_states=self.kv.pool.state_string() if detail else None,
         )
 
     def preemption_log(self) -> list[PreemptionEvent]:

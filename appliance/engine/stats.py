@@ -55,6 +55,8 @@ class EngineStats(msgspec.Struct, kw_only=True):
     requests_finished: dict[str, int]
     counters: SchedulerCounters
     last_step: StepRecord | None
+    # Per block id: U used, C cached (free, hit-able), F free; only when asked for (detail).
+    block_states: str | None = None
 
 
 class StepHistory:

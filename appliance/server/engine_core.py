@@ -174,7 +174,7 @@ class _Core:
     # -- figures ---------------------------------------------------------------------------------
     def _stats(self, msg: ipc.GetStats) -> ipc.StatsReply:
         engine = self.engine
-        reply = ipc.StatsReply(token=msg.token, engine=engine.stats())
+        reply = ipc.StatsReply(token=msg.token, engine=engine.stats(detail=msg.detail))
         if msg.history_s > 0:
             reply.history = engine.history.since(time.time() - msg.history_s)
         if msg.detail:
