@@ -17,6 +17,7 @@
 #   --uninstall          remove what the install put there; keys, models and edited
 #                        configuration stay unless --purge is given too
 # Running it again changes nothing; configuration files and keys are never overwritten.
+# PYTHON=/path/to/python3.11+ picks the interpreter of the venv (default /usr/bin/python3).
 set -euo pipefail
 caller=$PWD
 cd "$(dirname "$0")"
@@ -65,7 +66,8 @@ done
 if [ "$mode" = dev ]; then
   python3 -m venv "$venv"
   "$venv/bin/python" -m pip install --quiet --upgrade pip >/dev/null 2>&1 || true
-  "$venv/bin/python" -m pip install --quiet -e ".${extras}"
+  # triton 3.6.0 lies on disk (the CPU path only runs its interpreter); CUDA torch brings its own.
+  "$venv/bin/python" -m pip install --quiet -e ".${extras}" "triton==3.6.0"
   echo "installed into $venv: $("$venv/bin/python" -c 'import torch; print("torch", torch.__version__)')"
   exit 0
 fi
@@ -182,7 +184,12 @@ install_venv() {
   build=$(mktemp -d)
   cp -r pyproject.toml appliance kernels console templates "$build/"
   [ ! -f README.md ] || cp README.md "$build/"
-  "$venv/bin/python" -m pip install --quiet "$build"
+  # On the CPU keep the triton that lies on disk; a CUDA torch has already pulled its pairing.
+  if [ "$flavour" = cuda ]; then
+    "$venv/bin/python" -m pip install --quiet "$build"
+  else
+    "$venv/bin/python" -m pip install --quiet "$build" "triton==3.6.0"
+  fi
   rm -rf "$build"
   if [ -n "$root" ]; then
     # Scripts name the venv where it will live, not where it was staged.

@@ -209,11 +209,18 @@ def test_install_sh_is_shellcheck_clean() -> None:
 
 @pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("APPLIANCE_TEST_REAL_INSTALL") != "1",
-                    reason="a real venv install takes 1.5-2.5 min on 2 cores: set APPLIANCE_TEST_REAL_INSTALL=1")
+                    reason="a real venv install (2 GB, ~1.5 min on 2 cores): set APPLIANCE_TEST_REAL_INSTALL=1")
 def test_real_install_into_destdir(tmp_path: Path) -> None:
     """The venv step: CPU torch, the package installed (not editable), scripts naming the venv
     where it will live; a second run finds it up to date."""
     dest = tmp_path / "dest"
+    try:
+        check_real_install(dest, tmp_path)
+    finally:
+        shutil.rmtree(dest, ignore_errors=True)  # 2 GB
+
+
+def check_real_install(dest: Path, tmp_path: Path) -> None:
     run_install("--destdir", str(dest), "--torch", "cpu", "--torch-index", "")
     venv = dest / "opt/appliance/venv"
     assert (venv / "bin/appliance").read_text().splitlines()[0] == "#!/opt/appliance/venv/bin/python"
@@ -221,7 +228,7 @@ def test_real_install_into_destdir(tmp_path: Path) -> None:
                               capture_output=True).stdout
     out = subprocess.run([str(venv / "bin/python"), "-c",
                           "import appliance, torch; print(appliance.__file__); print(torch.__version__)"],
-                         capture_output=True, text=True, check=True).stdout.split()
+                         capture_output=True, text=True, check=True, cwd=tmp_path).stdout.split()
     assert out[0].startswith(str(venv / "lib")) and out[1].endswith("+cpu")
     again = run_install("--destdir", str(dest), "--torch", "cpu", "--torch-index", "")
     assert "up to date" in again.stdout

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -164,6 +165,9 @@ def pools(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
             p.wait_ready()
         yield procs
     finally:
+        for p in procs.values():  # drain both at once
+            if p.proc is not None and p.proc.poll() is None:
+                p.signal(signal.SIGTERM)
         for p in procs.values():
             p.stop()
 

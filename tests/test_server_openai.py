@@ -195,6 +195,14 @@ def test_disconnect_mid_stream_frees_blocks(server: ServerProcess) -> None:
     assert samples[("vllm:request_success_total", (("finished_reason", "abort"), ("model_name", MODEL)))] >= 1
 
 
+def test_disconnect_while_waiting_for_a_full_answer_aborts(server: ServerProcess) -> None:
+    body = {"model": MODEL, "prompt": "slow", "max_tokens": 450, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.5))
+    wait_for(lambda: not server.get("/admin/stats").json()["requests"], timeout_s=10)
+    assert _blocks_used(server) == 0
+
+
 # Last in the module: an engine error here kills the core (fatal by design, as in vLLM v1),
 # which would fail every later test of this module's server.
 

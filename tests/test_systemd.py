@@ -294,4 +294,5 @@ def test_appliance_test_runs_under_a_private_systemd(
         httpx.get(url + "/health", timeout=2)
     # Stopping appliance.target stops what is PartOf it: the router.
     ns.run("systemctl", "stop", "appliance.target", check=True)
-    assert ns.show("appliance-router.service", "ActiveState", "Result") == {"ActiveState": "inactive", "Result": "success"}
+    gone = ns.wait("appliance-router.service", "stopped", lambda s: s["ActiveState"] == "inactive", timeout_s=30)
+    assert gone["Result"] == "success", gone

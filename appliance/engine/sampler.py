@@ -43,6 +43,10 @@ class Sampler:
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
         """logits: [N, vocab] float32, one row per request."""
         logits = logits.float()
+        if logits.is_inference():
+            # float32 models: .float() is a no-op and the forward ran under inference_mode;
+            # the bans below write in place, which torch refuses on an inference tensor.
+            logits = logits.clone()
         rows, vocab = logits.shape
         want_logprobs = any(r.params.logprobs is not None for r in requests)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None

@@ -50,6 +50,8 @@ def core_main(conn: Connection, config_json: bytes, log_level: str = "INFO") -> 
         core.run()
     except (EOFError, BrokenPipeError, ConnectionResetError):
         pass  # the API process went away: nothing left to serve
+    finally:
+        core.loaded.close()  # tensor-parallel worker ranks, if any
 
 
 def _send(conn: Connection, msg: msgspec.Struct) -> None:
@@ -57,10 +59,11 @@ def _send(conn: Connection, msg: msgspec.Struct) -> None:
 
 
 class _Core:
-    def __init__(self, conn: Connection, config: ApplianceConfig, engine: Engine) -> None:
+    def __init__(self, conn: Connection, config: ApplianceConfig, engine: Engine, loaded: Any) -> None:
         self.conn = conn
         self.config = config
         self.engine = engine
+        self.loaded = loaded
         # Live requests, kept here to report queue time and preemptions when they finish.
         self.live: dict[str, Request] = {}
         self.running = True
@@ -100,7 +103,7 @@ class _Core:
                 phase_times=phases,
             ),
         )
-        return cls(conn, config, engine)
+        return cls(conn, config, engine, loaded)
 
     # -- the loop --------------------------------------------------------------------------------
     def run(self) -> None:

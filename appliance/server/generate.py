@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from appliance.engine.outputs import Logprob, RequestOutput
 from appliance.sampling_params import SamplingParams
 from appliance.server import ipc
@@ -79,9 +81,7 @@ class Generation:
         if self.params.seed is None or offset == 0:
             return self.params
         # Distinct but reproducible samples for n > 1: seed, seed + 1, ...
-        p = SamplingParams(**{f: getattr(self.params, f) for f in self.params.__struct_fields__})
-        p.seed = self.params.seed + offset
-        return p
+        return msgspec.structs.replace(self.params, seed=self.params.seed + offset)
 
     async def submit(self) -> None:
         """Hand every sub-request to the engine; raises APIError when any is refused."""
