@@ -131,6 +131,8 @@ def test_killed_worker_stops_the_engine_with_an_error(tiny_model_dir: Path) -> N
         for _ in range(3):
             engine.step()  # running: prefills done, decoding
         worker = engine.executor.workers[0].process
+        reasons: list[str] = []
+        engine.executor.on_failure = reasons.append
         killed_at: list[float] = []
 
         def kill() -> None:
@@ -143,6 +145,11 @@ def test_killed_worker_stops_the_engine_with_an_error(tiny_model_dir: Path) -> N
                 engine.step()
         assert time.monotonic() - killed_at[0] < 5.0
         assert "engine has stopped" in str(info.value)
+        # The hook an idle engine core relies on (called from the monitor thread).
+        deadline = time.monotonic() + 2.0
+        while not reasons and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert reasons == [str(info.value)]
         # The engine stays down: the next step fails at once instead of hanging.
         started = time.monotonic()
         with pytest.raises(TPWorkerError):
@@ -157,7 +164,8 @@ def test_killed_worker_stops_the_engine_with_an_error(tiny_model_dir: Path) -> N
 
 def test_refused_start_does_not_hang_and_frees_the_workers(tiny_model_dir: Path) -> None:
     """Every rank refuses a pool too small for one sequence; the driver reports it and the
-    worker processes are gone, so a TP engine can start again in this process."""
+    worker processes are gone, so a TP engine can start again in this process (one at a
+    time)."""
     started = time.monotonic()
     with pytest.raises(ConfigError, match="cannot hold one sequence"):
         engine_for(tiny_model_dir, 2, cache__num_blocks=4)
@@ -165,6 +173,13 @@ def test_refused_start_does_not_hang_and_frees_the_workers(tiny_model_dir: Path)
     assert not torch.distributed.is_initialized()
     assert not [c for c in multiprocessing.active_children() if c.name.startswith("appliance-tp")]
     with engine_for(tiny_model_dir, 2) as engine:
+        assert len(engine.generate([[5, 6, 7]], greedy(4))[0].token_ids) == 4
+        # One TP group per process: a second engine is refused, not silently mis-sharded.
+        for tp in (1, 4):
+            with pytest.raises(ConfigError, match="rank 0 of a tensor-parallel engine of size 2"):
+                engine_for(tiny_model_dir, tp)
+    # Closed: the process is back to TP 1.
+    with engine_for(tiny_model_dir, 1) as engine:
         assert len(engine.generate([[5, 6, 7]], greedy(4))[0].token_ids) == 4
 
 

@@ -114,7 +114,9 @@ async def run_http(items: list[Item], ns: argparse.Namespace) -> tuple[list[Resu
 
 
 # -- in-process reference ------------------------------------------------------------------------
-def run_offline(items: list[Item], ns: argparse.Namespace) -> tuple[list[Result], float]:
+def run_offline(items: list[Item], ns: argparse.Namespace) -> tuple[list[Result], float, float]:
+    """Returns results, wall seconds and process CPU seconds (on a shared box the CPU time per
+    token is the figure that does not depend on what else runs)."""
     from appliance.config import load_config, parse_override_value
     from appliance.engine.llm_engine import Engine
     from appliance.sampling_params import SamplingParams
@@ -130,6 +132,7 @@ def run_offline(items: list[Item], ns: argparse.Namespace) -> tuple[list[Result]
     pending = sorted(items, key=lambda it: it.arrival_s)
     arrival = {}
     t0 = time.perf_counter()
+    cpu0 = time.process_time()
     while pending or engine.has_unfinished():
         now = time.perf_counter() - t0
         while pending and pending[0].arrival_s <= now:
@@ -154,7 +157,7 @@ def run_offline(items: list[Item], ns: argparse.Namespace) -> tuple[list[Result]
             if out.finished:
                 r.status = 200 if out.finish_reason in ("stop", "length") else out.finish_reason or "?"
                 r.e2e_s = t
-    return list(results.values()), time.perf_counter() - t0
+    return list(results.values()), time.perf_counter() - t0, time.process_time() - cpu0
 
 
 # -- report --------------------------------------------------------------------------------------
@@ -258,15 +261,17 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--template", default="cpu-demo", help="--offline: engine template")
     p.add_argument("--model-dir", default=None, help="--offline: model directory")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the tables")
+    p.add_argument("--json-out", help="also write the JSON report to this file")
     p.set_defaults(func=main)
 
 
 def main(ns: argparse.Namespace) -> int:
     items = make_workload(ns.profile, ns.num_requests, ns.arrival, ns.rate, ns.seed, ns.vocab)
+    cpu_s = None
     if ns.offline:
-        results, seconds = run_offline(items, ns)
-        source = f"offline ({ns.template})"
+        results, seconds, cpu_s = run_offline(items, ns)
+        source = f"offline ({ns.template}, {cpu_s:.1f} CPU s)"
     else:
         results, seconds = asyncio.run(run_http(items, ns))
         source = ns.url
@@ -275,13 +280,17 @@ def main(ns: argparse.Namespace) -> int:
     classes = sorted({r.priority_class for r in results})
     per_class = {c: summarize([r for r in results if r.priority_class == c], seconds, slo) for c in classes}
     errors = errors_by_status(results)
+    report = json.dumps({
+        "source": source, "profile": ns.profile, "arrival": ns.arrival, "rate": ns.rate,
+        "num_requests": ns.num_requests, "seed": ns.seed, "slo": asdict(slo),
+        "summary": asdict(overall), "per_class": {c: asdict(s) for c, s in per_class.items()},
+        "errors": errors, "offline_cpu_s": cpu_s,
+    })
+    if ns.json_out:
+        with open(ns.json_out, "w") as f:
+            f.write(report + "\n")
     if ns.json:
-        print(json.dumps({
-            "source": source, "profile": ns.profile, "arrival": ns.arrival, "rate": ns.rate,
-            "num_requests": ns.num_requests, "seed": ns.seed, "slo": asdict(slo),
-            "summary": asdict(overall), "per_class": {c: asdict(s) for c, s in per_class.items()},
-            "errors": errors,
-        }))
+        print(report)
         return 0
     arrival = "burst" if ns.arrival == "burst" else f"poisson {ns.rate:g} req/s"
     print_table(f"bench serve: {source}, profile {ns.profile}, {ns.num_requests} requests, {arrival}",

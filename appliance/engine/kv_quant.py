@@ -32,12 +32,13 @@ from appliance.models.llama import LlamaForCausalLM
 from appliance.sampling_params import SamplingParams
 
 FORMAT_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0, "int8": 127.0}
-# Headroom over the calibration absmax. FP8 is floating point: its relative step is the same
-# (2^-4 for e4m3) from 2^-6 up to the max, so mapping the absmax to max/2 loses nothing that
-# matters (only values ~2^-15 of the absmax turn subnormal) and doubles the room for outliers the
-# calibration text never produced. INT8's step is uniform, so every bit of headroom coarsens all
-# values: a smaller margin there.
-MARGIN = {"fp8_e4m3": 2.0, "fp8_e5m2": 2.0, "int8": 1.25}
+# Headroom over the calibration absmax, for values the calibration text never produced (they
+# would saturate). FP8 is floating point: its relative step is the same (2^-4 for e4m3) from
+# 2^-6 up to the max, so headroom is free. Measured with kv-eval (trained tiny demo model,
+# held-out text, all layers quantized): e4m3 KL 8.12e-3 / 8.05e-3 / 8.09e-3 / 8.05e-3 at margins
+# 1 / 2 / 8 / 64. INT8's step is uniform, so headroom coarsens every value: KL 1.08e-3 / 1.45e-3 /
+# 3.28e-3 at margins 1 / 1.25 / 2, hence only 10% there.
+MARGIN = {"fp8_e4m3": 2.0, "fp8_e5m2": 2.0, "int8": 1.1}
 # Two windows of the corpus: enough for a stable absmax per head (a few hundred tokens cover
 # every head's range on the demo models), cheap even on the CPU (~0.3 s for the small model).
 CALIBRATION_WINDOWS = 2

@@ -122,6 +122,11 @@ def load_model(
         from appliance.engine.tp import TPExecutor
 
         return TPExecutor.start(config, progress).loaded
+    if tp_size() > 1 and config.parallel.tensor_parallel_size != tp_size():
+        raise ConfigError(
+            f"parallel.tensor_parallel_size {config.parallel.tensor_parallel_size}: this process "
+            f"is rank {tp_rank()} of a tensor-parallel engine of size {tp_size()}; close it first"
+        )
     times: dict[str, float] = {}
     t0 = time.perf_counter()
     device = resolve_device(config)

@@ -9,8 +9,12 @@ samples. Rank r uses GPU r with NCCL, or the CPU with gloo. `load_model` starts 
 A worker that dies ends the engine within a second or so: a monitor thread waits on the worker
 processes' sentinels, records which rank died and how, and kills the other workers, which makes
 the driver's pending collective fail at once (gloo raises "connection closed by peer"; an NCCL
-group is aborted). The step then raises TPWorkerError naming the rank. A collective timeout is
-the backstop for a peer that hangs without dying.
+group is aborted). The step then raises TPWorkerError naming the rank; an idle engine learns it
+through `on_failure` (the engine core can exit at once instead of at the next request). A
+collective timeout is the backstop for a peer that hangs without dying.
+
+Workers are spawned, so a script that builds a TP engine at import time must guard it with
+`if __name__ == "__main__":` (the usual multiprocessing rule).
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ from appliance.engine.tp_worker import (
     report_decoder,
     worker_main,
 )
-from appliance.layers.parallel import tensor_parallel
+from appliance.layers.parallel import set_tensor_parallel
 
 log = logging.getLogger("appliance.tp")
 
@@ -124,6 +128,8 @@ class TPExecutor:
         self._closed = False
         self._monitor: threading.Thread | None = None
         self._saved_threads = torch.get_num_threads()
+        # Called once, from the monitor thread, with the reason when a worker dies or fails.
+        self.on_failure: Callable[[str], None] | None = None
 
     # -- start ----------------------------------------------------------------------------------
     @classmethod
@@ -182,8 +188,10 @@ class TPExecutor:
             world_size=self.size,
             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
         )
-        with tensor_parallel(0, self.size):
-            loaded = load_model(config, say)
+        # For the engine's lifetime, not just around each step: anything that runs this
+        # process's model (calibration, evaluation tools) must take part in the collectives.
+        set_tensor_parallel(0, self.size)
+        loaded = load_model(config, say)
         for w in self.workers:
             ready = self._await_report(w, Ready, LOAD_TIMEOUT_S)
             if ready.num_blocks != loaded.num_blocks:
@@ -248,8 +256,7 @@ class TPExecutor:
         try:
             for w in self.workers:
                 w.commands.send_bytes(data)
-            with tensor_parallel(0, self.size):
-                return self.runner.execute(out)
+            return self.runner.execute(out)
         except Exception as exc:
             # A failed collective almost always means a peer died: give the monitor a moment
             # to name it. Either way the ranks are out of step and cannot be resynchronised.
@@ -298,6 +305,11 @@ class TPExecutor:
         for w in self.workers:
             if w.process.is_alive():
                 w.process.kill()
+        if self.on_failure is not None:
+            try:
+                self.on_failure(reason)
+            except Exception:  # noqa: BLE001 - a faulty hook must not hide the failure
+                log.exception("tensor-parallel on_failure hook")
         if self.backend == "nccl" and dist.is_initialized():
             # NCCL waits on a dead peer forever; gloo already raised "connection closed".
             try:
@@ -312,7 +324,8 @@ class TPExecutor:
     # -- shutdown -------------------------------------------------------------------------------
     def close(self) -> None:
         """Stop the workers (cleanly when they are healthy), tear down the process group and
-        restore this process's torch threads. Idempotent; also runs at exit."""
+        restore this process's torch threads and TP state (size 1). Idempotent; also runs at
+        exit."""
         global _active
         with self._lock:
             if self._closed:
@@ -339,6 +352,7 @@ class TPExecutor:
             except Exception as exc:  # noqa: BLE001 - the group may already be broken
                 log.debug("destroy_process_group: %r", exc)
         torch.set_num_threads(self._saved_threads)
+        set_tensor_parallel(0, 1)
         atexit.unregister(self.close)
         if _active is self:
             _active = None

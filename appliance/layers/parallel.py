@@ -23,11 +23,9 @@ def set_tensor_parallel(rank: int, size: int) -> None:
 
 @contextmanager
 def tensor_parallel(rank: int, size: int) -> Iterator[None]:
-    """Set the TP state for a block and restore the previous one after it.
-
-    The state is read when layers are built and on every collective, so the TP executor wraps
-    model construction and each forward in this: a TP 1 model in the same process (a test's
-    reference engine) keeps running with identity collectives."""
+    """Set the TP state for a block and restore the previous one after it: for building or
+    inspecting another rank's shard (tests, planning tools). The state is read when layers are
+    built and on every collective."""
     saved = (_rank, _size)
     set_tensor_parallel(rank, size)
     try:

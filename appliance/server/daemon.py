@@ -136,6 +136,12 @@ def _install_signals(state: ServerState) -> None:
             state.set_phase("stopped", f"{signame} while loading")
             state.stop_event.set()
             return
+        if state.phase == "draining":
+            # A second signal: the operator will not wait; end the in-flight requests now.
+            log.warning("%s again: aborting %d in-flight requests", signame, len(state.inflight))
+            for gen in list(state.inflight):
+                gen.abort("server stopping")
+            return
         asyncio.ensure_future(state.drain_and_stop())
 
     def on_hup() -> None:

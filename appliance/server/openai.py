@@ -138,11 +138,9 @@ async def _generate(request: Request[Any, Any, Any], chat: bool) -> Response[Any
 
 
 def _token_text(state: ServerState) -> TokenText:
-    cached = getattr(state, "_token_text", None)
-    if cached is None or cached.tokenizer is not state.tokenizer:
-        cached = TokenText(state.tokenizer)
-        state._token_text = cached  # type: ignore[attr-defined]
-    return cached
+    if state.token_text is None or state.token_text.tokenizer is not state.tokenizer:
+        state.token_text = TokenText(state.tokenizer)
+    return state.token_text
 
 
 async def _stream(

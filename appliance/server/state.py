@@ -48,6 +48,8 @@ class ServerState:
     client: EngineClient | None = None
     info: ipc.CoreInfo | None = None
     tokenizer: Any = None
+    # Token id -> text for logprobs (format.TokenText), rebuilt when the tokenizer changes.
+    token_text: Any = None
     inflight: set[Generation] = field(default_factory=set)
     request_log: RequestLog = field(default_factory=RequestLog)
     started_at: float = field(default_factory=time.monotonic)
