@@ -59,8 +59,9 @@ def _dequantize_fp8_table(
 ) -> torch.Tensor:
     """FP8 bytes -> out_dtype through a 256-entry table per KV head (byte value x the head's
     scale, rounded once to out_dtype): bit-identical to ``(fp8.float() * scale).to(out_dtype)``
-    but ~6x faster on the CPU, where torch converts fp8 element by element in scalar code (it
-    made an FP8 decode step of the small demo model 2.7x slower than bf16)."""
+    but faster on the CPU, where torch's fp8 -> float conversion is scalar code: 0.5 vs 3.3 ms
+    for 590k elements, and a decode step of the small demo model (32 sequences x ~100 tokens, one
+    thread) 182 ms instead of 218 ms (bf16 cache: 137 ms)."""
     heads = scale.numel()
     codes = torch.arange(256, dtype=torch.uint8, device=stored.device)
     values = codes.view(FP8_FORMATS[kv_cache_dtype]).float()

@@ -40,7 +40,7 @@ FORMAT_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0, "int8": 127.0}
 # 3.28e-3 at margins 1 / 1.25 / 2, hence only 10% there.
 MARGIN = {"fp8_e4m3": 2.0, "fp8_e5m2": 2.0, "int8": 1.1}
 # Two windows of the corpus: enough for a stable absmax per head (a few hundred tokens cover
-# every head's range on the demo models), cheap even on the CPU (~0.3 s for the small model).
+# every head's range on the demo models), cheap even on the CPU (0.8 s for the small model).
 CALIBRATION_WINDOWS = 2
 CALIBRATION_WINDOW_TOKENS = 256
 # A head that never produced a non-zero value still needs a usable (non-zero) scale.
