@@ -1,6 +1,9 @@
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# OpenMP threads that spin while waiting make torch 10-40x slower when tests, servers and
+# worker processes share two cores; passive waiting keeps them fair. Set before torch loads.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 # --- demo models (appliance.models.demo), built once per test session ---

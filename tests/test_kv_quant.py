@@ -234,3 +234,21 @@ def test_kv_eval_writes_the_keep_list_into_a_template_copy(template: Path, tmp_p
     # Rewriting a written copy replaces the entries instead of adding a second set.
     write_keep_list(out, out, "int8", [1])
     assert load_config(out).cache.kv_cache_keep_16bit == [1]
+
+
+def test_brief_training_lowers_the_loss_and_keeps_the_model_loadable(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """`demo-model --train-steps` (the trained tiny model kv-eval is better judged on)."""
+    import shutil
+
+    from appliance.models.train_demo import train_demo_model
+
+    model_dir = tmp_path / "tiny"
+    shutil.copytree(tiny_model_dir, model_dir)
+    losses = train_demo_model(model_dir, steps=6, batch=4, seq_len=64, lr=3e-3)
+    assert len(losses) == 6 and losses[-1] < losses[0]
+    template = tmp_path / "t.toml"
+    template.write_text(TEMPLATE.format(path=model_dir))
+    with Engine(load_config(template, {"cache.kv_cache_dtype": "fp8_e4m3"})) as engine:
+        assert len(engine.generate("Incident", SamplingParams(max_tokens=4))[0].token_ids) == 4

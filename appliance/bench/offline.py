@@ -160,6 +160,10 @@ def main(ns: argparse.Namespace) -> int:
     # Mixed: small chunks keep real-time decodes flowing beside 1,500-token prompts.
     default_budget = 512 if ns.profile == "mixed" else max(2048, ns.prompt_len)
     overrides.setdefault("scheduler.max_num_batched_tokens", default_budget)
+    # A benchmark measures every request: queue timeouts would silently drop slow ones.
+    overrides.setdefault("scheduler.queue_timeout_s", 0.0)
+    for name in load_config(ns.template, overrides).priority_classes:
+        overrides.setdefault(f"priority_classes.{name}.queue_timeout_s", 0.0)
     config = load_config(ns.template, overrides)
     loaded = load_model(config)
     if ns.profile == "mixed":
