@@ -154,7 +154,7 @@ async def test_dashboard_numbers_match_admin_stats(server: ServerProcess, monkey
     assert f"total {e['counters']['preemptions']} ·" in text
     assert f"tokens: prompt {e['prompt_tokens_total']} · generated {e['generation_tokens_total']}" in text
     assert f"tiny on cpu (float32), max_model_len {ref['max_model_len']}" in text
-    assert "1 block/cell" in text and "from counts" in text  # 16 blocks, no per-block states yet
+    assert "1 block/cell" in text and "per block" in text  # 16 blocks, real per-block states
     assert "● tiny · ready · tiny-a" in text
     for q in ref["queues"]:
         assert re.search(rf"{q['priority_class']}\s+{q['waiting']}\s+\S+/", text), q

@@ -86,6 +86,9 @@ def test_unit_promises() -> None:
 # ---------------------------------------------------------------------------------------------
 # A private systemd as PID 1
 
+# The checkout the tests run from (an editable install imports its sources from here).
+CHECKOUT = Path(__file__).resolve().parents[1]
+
 BOOT = r"""
 set -eu
 mount --make-rprivate /
@@ -111,7 +114,16 @@ for u in sysinit.target basic.target shutdown.target network-online.target; do
 done
 printf '[Unit]\nDefaultDependencies=no\nWants=appliance@test.service appliance-router.service\n' > /run/nstest/units/nstest.target
 # Private /tmp, /var/* and /opt; the installed prefix there, its venv this checkout's.
+# A checkout (and its venv) under one of those stays visible at its own path: scripts in a
+# venv name their interpreter by absolute path.
+# (An editable install also needs the checkout's sources.)
+mkdir -p /run/nstest/venv /run/nstest/checkout
+mount --bind "$VENV" /run/nstest/venv
+mount --bind "$CHECKOUT" /run/nstest/checkout
 for d in /tmp /var/lib /var/cache /var/log /var/tmp /opt; do mount -t tmpfs tmpfs "$d"; done
+mkdir -p "$CHECKOUT" "$VENV"
+mount --bind /run/nstest/checkout "$CHECKOUT"
+mount --bind /run/nstest/venv "$VENV"
 cp -a /run/nstest/prefix /opt/appliance
 ln -s "$VENV" /opt/appliance/venv
 export container=unshare SYSTEMD_UNIT_PATH=/run/nstest/units
@@ -218,6 +230,11 @@ def private_systemd(tmp_path: Path, tiny_model_dir: Path) -> Iterator[tuple[Priv
     if str(python_home).startswith(("/root/", "/home/")):
         # This checkout's interpreter lives in a home directory (pyenv): show just it.
         common += ["ProtectHome=tmpfs", f"BindReadOnlyPaths={python_home}"]
+    venv = Path(sys.executable).parents[1]
+    for path in (CHECKOUT, venv):
+        if str(path).startswith(("/tmp/", "/var/tmp/")):
+            # A checkout under /tmp: the unit's PrivateTmp would hide it from the service.
+            common.append(f"BindReadOnlyPaths={path}")
     # A short watchdog, so that the test would see a kill during loading or serving.
     (dropins / "test.conf").write_text("\n".join([*common, "WatchdogSec=4"]) + "\n")
     (units / "appliance-router.service.d").mkdir()
@@ -225,7 +242,7 @@ def private_systemd(tmp_path: Path, tiny_model_dir: Path) -> Iterator[tuple[Priv
     boot = tmp_path / "boot.sh"
     boot.write_text(BOOT)
     env = {"DEST": str(dest), "PREFIX_DIR": str(dest / "opt/appliance"), "MODEL": str(tiny_model_dir),
-           "VENV": str(Path(sys.executable).parents[1]), "UNITS": str(units), "SVC_ID": "61234"}
+           "VENV": str(Path(sys.executable).parents[1]), "CHECKOUT": str(CHECKOUT), "UNITS": str(units), "SVC_ID": "61234"}
     ns = PrivateSystemd(boot, env, tmp_path / "boot.log")
     try:
         yield ns, port, router_port, dest
