@@ -166,3 +166,27 @@ def test_reload_that_fails_to_start_restores_the_previous_engine(server: ServerP
     assert stats["server"]["last_reload"]["ok"] is False
     out = server.post("/v1/completions", json={"model": MODEL, "prompt": "still serving", "max_tokens": 3})
     assert out.status_code == 200
+
+
+def test_reload_keeps_the_startup_api_key(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A unit passes its key files with --set; a template applied from the console must not
+    drop them and leave /v1/* open."""
+    key = tmp_path / "api.key"
+    key.write_text("sk-pinned\n")
+    other = write_template(tmp_path / "other.toml", tiny_model_dir, scheduler={"max_num_seqs": 4})
+    srv = ServerProcess(
+        write_template(tmp_path / "t.toml", tiny_model_dir),
+        tmp_path / "log.txt",
+        args=["--set", f"server.api_key_file={key}"],
+    ).start()
+    try:
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+        assert srv.post("/v1/completions", json=body).status_code == 401
+        r = srv.post("/admin/reload", json={"template": str(other)})
+        assert r.status_code == 200, r.text
+        assert _config(srv)["config"]["scheduler"]["max_num_seqs"] == 4
+        assert srv.post("/v1/completions", json=body).status_code == 401
+        ok = srv.post("/v1/completions", json=body, headers={"Authorization": "Bearer sk-pinned"})
+        assert ok.status_code == 200, ok.text
+    finally:
+        assert srv.stop() == 0, srv.log()

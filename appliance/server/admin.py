@@ -102,7 +102,7 @@ async def reload(request: Request[Any, Any, Any]) -> Response[bytes]:
         raise APIError(503, f"cannot reload while {state.phase}", code=state.phase)
     template = body.template if body.template is not None else state.template
     try:
-        result = await state.reload(template, body.overrides or {})
+        result = await state.reload(template, {**state.pinned_overrides, **(body.overrides or {})})
     except ConfigError as exc:
         raise bad_request(f"reload refused, nothing changed: {exc}", param="template") from None
     except EngineError as exc:

@@ -48,6 +48,9 @@ class ServerState:
     client: EngineClient | None = None
     info: ipc.CoreInfo | None = None
     tokenizer: Any = None
+    # Start-up `server.*` overrides (API key and admin token files, bind address) that every
+    # reload keeps: a template applied from the console must not drop the unit's keys.
+    pinned_overrides: dict[str, Any] = field(default_factory=dict)
     # Token id -> text for logprobs (format.TokenText), rebuilt when the tokenizer changes.
     token_text: Any = None
     inflight: set[Generation] = field(default_factory=set)
@@ -68,8 +71,10 @@ class ServerState:
     def create(
         cls, config: ApplianceConfig, template: str | None, overrides: dict[str, Any], log_level: str = "INFO"
     ) -> ServerState:
-        return cls(config, template, dict(overrides), AuthKeys.from_config(config.server),
-                   Metrics(model_name_of(config)), log_level)
+        state = cls(config, template, dict(overrides), AuthKeys.from_config(config.server),
+                    Metrics(model_name_of(config)), log_level)
+        state.pinned_overrides = {k: v for k, v in overrides.items() if k.startswith("server.")}
+        return state
 
     # -- identity --------------------------------------------------------------------------------
     @property
