@@ -77,11 +77,11 @@ async def serve(state: ServerState, t0: float | None = None) -> int:
         )
     )
     _install_signals(state)
-    serving = asyncio.create_task(server.serve(), name="uvicorn")
+    serving = asyncio.create_task(_uvicorn(server), name="uvicorn")
     while not server.started and not serving.done():
         await asyncio.sleep(0.01)
-    if serving.done():  # could not bind
-        serving.result()
+    if serving.done():  # could not bind (uvicorn logged why)
+        log.error("cannot listen on %s:%d: %s", cfg.host, cfg.port, serving.exception())
         return 1
     log.info("listening on http://%s:%d (%.2fs); loading the engine", cfg.host, cfg.port, time.monotonic() - t0)
     state.start_task = asyncio.create_task(_start(state, t0), name="engine-start")
@@ -97,6 +97,13 @@ async def serve(state: ServerState, t0: float | None = None) -> int:
     await state.stop_engine()
     log.info("stopped (exit code %d)", state.exit_code)
     return state.exit_code
+
+
+async def _uvicorn(server: uvicorn.Server) -> None:
+    try:
+        await server.serve()
+    except SystemExit as exc:  # uvicorn exits the process on start-up failures; report instead
+        raise RuntimeError(f"uvicorn start-up failed (status {exc.code})") from None
 
 
 async def _start(state: ServerState, t0: float) -> None:
