@@ -394,8 +394,11 @@ class _StepBuilder:
         s = self.s
         while True:
             host_blocks = len(self.kv.req_swap.get(req.request_id, ()))
-            # One block of headroom for the token the resumed request computes next.
-            if host_blocks + 1 <= self.kv.pool.num_free_blocks:
+            # Room for the swapped blocks and for what it computes next: one decode token, or
+            # the next chunk when it was preempted in the middle of its prefill.
+            chunk = self._chunk(req, req.num_tokens - req.num_computed_tokens)
+            need = max(host_blocks, -(-(req.num_computed_tokens + chunk) // self.kv.block_size))
+            if need <= self.kv.pool.num_free_blocks:
                 break
             if not self._make_room(req, "kv_pressure"):
                 return False

@@ -51,9 +51,16 @@ class Engine:
         self.model_name = self.loaded.model_name
         self.max_model_len = self.loaded.max_model_len
         self.eos_token_ids = self.loaded.eos_token_ids
-        # Fresh block bookkeeping per engine; the KV tensors belong to the loaded runner.
+        # Fresh block bookkeeping per engine; the KV tensors belong to the loaded runner. An
+        # engine over an already loaded model may use fewer of its blocks (benchmarks do).
+        num_blocks = config.cache.num_blocks or self.loaded.num_blocks
+        if num_blocks > self.loaded.num_blocks:
+            raise ConfigError(
+                f"cache.num_blocks {num_blocks} exceeds the {self.loaded.num_blocks} blocks "
+                "the loaded KV pool holds"
+            )
         self.kv = KVCacheManager(
-            self.loaded.num_blocks,
+            num_blocks,
             config.cache.block_size,
             config.cache.enable_prefix_caching,
             self.loaded.num_swap_blocks,
