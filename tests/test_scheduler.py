@@ -204,16 +204,21 @@ def test_request_too_large_for_pool_fails_with_reason() -> None:
 
 def test_swapped_mid_prefill_resumes_only_with_room_for_its_next_chunk() -> None:
     s = make(
-        {"scheduler.max_num_batched_tokens": 32, "scheduler.preemption_mode": "swap"},
-        num_blocks=7,
+        {
+            "scheduler.max_num_batched_tokens": 48,
+            "scheduler.preemption_mode": "swap",
+            "scheduler.policy": "priority",
+        },
+        num_blocks=8,
         swap=16,
     )
-    s.add_request(req("x", 100, max_tokens=2))
-    step(s)  # x prefilled its first 32-token chunk: 2 blocks
+    s.add_request(req("x", 100, max_tokens=2, priority=1))
+    step(s)  # x prefilled its first 48-token chunk: 3 blocks
     s.preempt(s.requests["x"], "test")  # swapped out mid-prefill
-    s.add_request(req("b", 60, max_tokens=3, base=900))  # holds 4 blocks for a while
+    s.add_request(req("b", 60, max_tokens=3, priority=0, base=900))
+    # b holds 4 blocks: x's 3 swapped blocks + 1 would fit, its next 36-token chunk would not.
     outs = run_all(s)
-    assert all(out.num_scheduled_tokens <= 32 for out in outs)
+    assert all(out.num_scheduled_tokens <= 48 for out in outs)
     reasons = {f.request.request_id: f.reason for f in s.take_finished()}
     assert reasons == {"x": FinishReason.LENGTH, "b": FinishReason.LENGTH}
     assert s.kv.pool.num_used_blocks == 0 and s.kv.usage().swap_blocks_used == 0
