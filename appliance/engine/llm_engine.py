@@ -72,7 +72,6 @@ class Engine:
         self._ids = itertools.count()
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._logprobs: dict[str, list[Logprob]] = {}
-        self._stream_text: set[str] = set()
         self.history = StepHistory()
         self.step_count = 0
         self.prompt_tokens_total = 0
@@ -161,8 +160,6 @@ class Engine:
             self._detok[rid] = IncrementalDetokenizer(
                 self.tokenizer, params.stop, params.include_stop_str_in_output
             )
-        if stream_text:
-            self._stream_text.add(rid)
         if params.logprobs is not None:
             self._logprobs[rid] = []
         return req
@@ -182,8 +179,10 @@ class Engine:
         new_tokens = sched.update_from_output(out, result.sampled)
 
         outputs: dict[str, RequestOutput] = {}
+        touched: dict[str, Request] = {}
         for req, token in new_tokens:
             rid = req.request_id
+            touched[rid] = req
             ro = RequestOutput(request_id=rid, new_token_ids=[token])
             lp = result.logprobs.get(rid)
             if lp is not None and rid in self._logprobs:
@@ -199,6 +198,7 @@ class Engine:
 
         for fin in sched.take_finished():
             req = fin.request
+            touched[req.request_id] = req
             ro = outputs.setdefault(req.request_id, RequestOutput(request_id=req.request_id, new_token_ids=[]))
             ro.finished = True
             ro.finish_reason = fin.reason.value
@@ -206,24 +206,15 @@ class Engine:
             detok = self._detok.pop(req.request_id, None)
             if detok is not None:
                 ro.new_text += detok.flush()
-            self._stream_text.discard(req.request_id)
             self._count_finish(fin.reason)
-        for ro in outputs.values():
-            req = sched.requests.get(ro.request_id) or self._finished_req(new_tokens, ro.request_id)
-            if req is not None:
-                ro.num_prompt_tokens = req.num_prompt_tokens
-                ro.num_cached_tokens = req.num_cached_prompt_tokens
-                ro.num_output_tokens = req.num_output_tokens
+        for rid, ro in outputs.items():
+            req = touched[rid]
+            ro.num_prompt_tokens = req.num_prompt_tokens
+            ro.num_cached_tokens = req.num_cached_prompt_tokens
+            ro.num_output_tokens = req.num_output_tokens
 
         self._record_step(out, time.perf_counter() - started)
         return list(outputs.values())
-
-    @staticmethod
-    def _finished_req(new_tokens: list[tuple[Request, int]], rid: str) -> Request | None:
-        for req, _ in new_tokens:
-            if req.request_id == rid:
-                return req
-        return None
 
     def _count_finish(self, reason: FinishReason) -> None:
         self.requests_finished[reason.value] = self.requests_finished.get(reason.value, 0) + 1
