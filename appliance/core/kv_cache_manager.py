@@ -74,9 +74,13 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.prefix_queries += request.num_tokens
-        self.prefix_hits += len(hits) * bs
         return hits, len(hits) * bs
+
+    def record_prefix_lookup(self, num_tokens: int, hit_tokens: int) -> None:
+        """Count one admitted request's lookup (a request that waits is looked up every step,
+        but counted once, as vLLM's prefix_cache_queries/hits do)."""
+        self.prefix_queries += num_tokens
+        self.prefix_hits += hit_tokens
 
     # -- allocation ------------------------------------------------------------------------------
     def blocks_needed(self, request: Request, num_new_tokens: int, num_hit_blocks: int = 0) -> int:

@@ -418,8 +418,7 @@ class _StepBuilder:
             hits, _ = self.kv.get_computed_blocks(req)
         self.kv.allocate_slots(req, tokens, hits)
         hit_tokens = len(hits) * self.kv.block_size
-        self.kv.prefix_queries += req.num_tokens
-        self.kv.prefix_hits += hit_tokens
+        self.kv.record_prefix_lookup(req.num_tokens, hit_tokens)
         req.num_computed_tokens = hit_tokens
         if req.first_scheduled_time is None:
             req.num_cached_prompt_tokens = hit_tokens
