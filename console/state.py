@@ -69,7 +69,9 @@ def status_line(snap: Snapshot | None) -> tuple[Text, str]:
     text = Text.assemble(("● ", colour), (stats.model_name, "bold"), " · ", (phase, colour))
     if stats.server.phase_detail:
         text.append(f" ({stats.server.phase_detail})", colour)
+    if stats.server.paused:
+        text.append(" · PAUSED (no steps until /admin/resume)", WARN)
     template = stats.config.template or "defaults"
     text.append(f" · {template.rsplit('/', 1)[-1]} · {snap.url.removeprefix('http://')}", DIM)
     text.append(f" · up {secs(stats.server.uptime_s)}", DIM)
-    return text + ro, "" if phase == "ready" else "-warn"
+    return text + ro, "" if phase == "ready" and not stats.server.paused else "-warn"

@@ -221,7 +221,13 @@ async def test_preemptions_move_on_screen_and_requests_screen(server: ServerProc
             await app.switch_mode("requests")
             await until(pilot, lambda: any(r.prompt_tokens == 4 for r in app.snapshot.stats.requests),
                         30, "the long request listed")
-            await polled(app, pilot, 1)
+            # Hold the engine still (as an operator would before an abort) so that the long
+            # request cannot finish first on a fast machine; figures stop moving too.
+            auth = {"Authorization": f"Bearer {TOKEN}"}
+            assert (await http.post("/admin/pause", headers=auth)).json() == {"paused": True}
+            await polled(app, pilot, 2)
+            assert admin_stats(server)["server"]["paused"] is True
+            assert "PAUSED" in screen_text(app)
             snap = app.snapshot
             text = screen_text(app)
             for r in snap.stats.requests:
@@ -237,8 +243,13 @@ async def test_preemptions_move_on_screen_and_requests_screen(server: ServerProc
             await pilot.press("y")
             resp = await asyncio.wait_for(victim, 60)
             assert resp.json()["choices"][0]["finish_reason"] == "abort"
+            assert resp.json()["usage"]["completion_tokens"] < 240
             await until(pilot, lambda: f"aborted {target}" in screen_text(app), 10, "abort outcome")
-            await asyncio.gather(*tasks)
+            # Its blocks are back while still paused; the others finish after a resume.
+            assert all(r["request_id"] != target for r in admin_stats(server)["requests"])
+            assert (await http.post("/admin/resume", headers=auth)).json() == {"paused": False}
+            done = await asyncio.wait_for(asyncio.gather(*tasks), 60)
+            assert all(r.json()["choices"][0]["finish_reason"] == "length" for r in done)
 
 
 # -- templates -----------------------------------------------------------------------------------

@@ -6,6 +6,8 @@ engine when a new one fails to start."""
 from __future__ import annotations
 
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -98,8 +100,11 @@ def test_admin_stats_decodes_into_its_schema(server: ServerProcess) -> None:
 
     t = threading.Thread(target=stream, daemon=True)
     t.start()
-    stats = wait_for(lambda: (s := msgspec.json.decode(server.get("/admin/stats").content, type=AdminStats))
-                     .requests and s)
+    wait_for(lambda: msgspec.json.decode(server.get("/admin/stats").content, type=AdminStats).requests)
+    # Paused, the request cannot finish before it is aborted, however fast the machine.
+    assert server.post("/admin/pause").json() == {"paused": True}
+    stats = msgspec.json.decode(server.get("/admin/stats").content, type=AdminStats)
+    assert stats.server.paused
     assert stats.model_name == MODEL and stats.max_model_len == 512
     assert stats.server.phase == "ready" and stats.server.ready_after_s is not None
     assert "core.load_weights" in stats.server.startup_phases
@@ -118,6 +123,27 @@ def test_admin_stats_decodes_into_its_schema(server: ServerProcess) -> None:
     assert not t.is_alive()
     assert server.post("/admin/abort/cmpl-nope").status_code == 404
     stop.set()
+    assert server.post("/admin/resume").json() == {"paused": False}
+
+
+def test_paused_engine_holds_requests_and_resumes_them(server: ServerProcess) -> None:
+    assert server.post("/admin/pause").status_code == 200
+    try:
+        body = {"model": MODEL, "prompt": "held", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+        with ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(server.post, "/v1/completions", json=body)
+            held = wait_for(lambda: server.get("/admin/stats").json()["requests"])
+            time.sleep(0.5)  # several idle polls of the core loop: still nothing scheduled
+            again = server.get("/admin/stats").json()["requests"]
+            assert held[0]["status"] == again[0]["status"] == "waiting"
+            assert again[0]["output_tokens"] == 0 and not fut.done()
+            assert server.get("/ready").status_code == 200  # paused is not unready
+            assert server.post("/admin/resume").json() == {"paused": False}
+            r = fut.result(60)
+    finally:
+        server.post("/admin/resume")
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 6
+    assert server.get("/admin/stats").json()["server"]["paused"] is False
 
 
 def _config(server: ServerProcess) -> dict:

@@ -1,4 +1,5 @@
-"""/admin/*: the console's view of the engine and the operator's levers (reload, abort).
+"""/admin/*: the console's view of the engine and the operator's levers (reload, abort,
+pause/resume).
 Guarded by the admin token (loopback only when none is configured)."""
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ async def stats(request: Request[Any, Any, Any], history_s: float = 60.0) -> Res
             requests_in_flight=len(state.inflight),
             requests_served=state.request_log.count,
             engine_generation=state.engine_generation,
+            paused=state.paused,
             last_reload=state.last_reload,
         ),
         engine=reply.engine if reply else None,
@@ -122,5 +124,27 @@ async def abort(request: Request[Any, Any, Any], request_id: str) -> Response[by
     raise APIError(404, f"no request {request_id!r} in flight", param="request_id")
 
 
+def _set_paused(request: Request[Any, Any, Any], paused: bool) -> Response[bytes]:
+    state = _state(request)
+    client = state.client
+    if client is None or client.dead:
+        raise APIError(503, f"no engine running ({state.phase})", code=state.phase)
+    client.set_paused(paused)
+    state.paused = paused
+    return _json({"paused": paused})
+
+
+@post("/admin/pause", status_code=200)
+async def pause(request: Request[Any, Any, Any]) -> Response[bytes]:
+    """Stop scheduling steps (as vLLM's /pause): running and waiting requests keep their place and
+    their blocks; new requests queue; aborts, stats and queue timeouts still apply on resume."""
+    return _set_paused(request, True)
+
+
+@post("/admin/resume", status_code=200)
+async def resume(request: Request[Any, Any, Any]) -> Response[bytes]:
+    return _set_paused(request, False)
+
+
 def router() -> Router:
-    return Router(path="/", route_handlers=[stats, config, reload, abort], guards=[admin_guard])
+    return Router(path="/", route_handlers=[stats, config, reload, abort, pause, resume], guards=[admin_guard])

@@ -88,6 +88,8 @@ class ServerInfo(msgspec.Struct, kw_only=True):
     requests_served: int
     # Increments at every engine (re)build.
     engine_generation: int
+    # Scheduling paused through /admin/pause (requests wait, nothing is lost).
+    paused: bool = False
     # The last /admin/reload or SIGHUP: {"ok", "time", "seconds" | "error", ...}; {} if none.
     last_reload: dict[str, Any]
 

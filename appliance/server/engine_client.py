@@ -262,6 +262,9 @@ class EngineClient:
         if request_ids and not self.dead:
             self._send(ipc.AbortRequests(list(request_ids)))
 
+    def set_paused(self, paused: bool) -> None:
+        self._send(ipc.SetPaused(paused))
+
     @property
     def num_live(self) -> int:
         return len(self._sinks)

@@ -81,6 +81,8 @@ class _Core:
         # Live requests, kept here to report queue time and preemptions when they finish.
         self.live: dict[str, Request] = {}
         self.running = True
+        # Set by the operator (/admin/pause): no steps run until /admin/resume.
+        self.paused = False
 
     @classmethod
     def start(cls, conn: Connection, config_json: bytes) -> _Core:
@@ -130,7 +132,7 @@ class _Core:
         engine = self.engine
         while self.running:
             out = ipc.Frame()
-            busy = engine.has_unfinished() or bool(engine.scheduler.finished)
+            busy = not self.paused and (engine.has_unfinished() or bool(engine.scheduler.finished))
             # Block only when idle; while busy, take what has arrived and step.
             if self.conn.poll(0 if busy else IDLE_POLL_S):
                 while True:
@@ -139,7 +141,7 @@ class _Core:
                         break
             if not self.running:
                 break
-            if engine.has_unfinished() or engine.scheduler.finished:
+            if not self.paused and (engine.has_unfinished() or engine.scheduler.finished):
                 self._step(out)
             if out.added or out.outputs or out.steps:
                 out.waiting_by_class = self._waiting_by_class()
@@ -167,6 +169,8 @@ class _Core:
             _send(self.conn, self._stats(msg))
         elif isinstance(msg, ipc.Ping):
             _send(self.conn, ipc.Pong(msg.token))
+        elif isinstance(msg, ipc.SetPaused):
+            self.paused = msg.paused
         elif isinstance(msg, ipc.Shutdown):
             self.running = False
 

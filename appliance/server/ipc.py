@@ -55,7 +55,13 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
-ToCore = AddRequest | AbortRequests | GetStats | Ping | Shutdown
+class SetPaused(msgspec.Struct, tag="pause"):
+    """Stop (or restart) scheduling steps; requests stay queued, aborts and stats still work."""
+
+    paused: bool
+
+
+ToCore = AddRequest | AbortRequests | GetStats | Ping | Shutdown | SetPaused
 
 
 # -- core -> API ---------------------------------------------------------------------------------

@@ -60,6 +60,8 @@ class ServerState:
     startup_phases: dict[str, float] = field(default_factory=dict)
     last_reload: dict[str, Any] = field(default_factory=dict)
     engine_generation: int = 0
+    # Scheduling paused by the operator; a rebuilt engine starts unpaused.
+    paused: bool = False
     start_task: asyncio.Task[None] | None = None
     # Set when the engine dies or a stop is requested; the daemon waits on it.
     stop_event: asyncio.Event = field(default_factory=asyncio.Event)
@@ -147,6 +149,7 @@ class ServerState:
         old = self.client if replace else None
         self.client, self.info, self.tokenizer, self.config = client, info, tokenizer, config
         self.engine_generation += 1
+        self.paused = False
         if old is not None:
             await old.shutdown()
         cache = config.cache
@@ -171,6 +174,9 @@ class ServerState:
     async def wait_idle(self, timeout_s: float) -> bool:
         """Wait until no generation is in flight; False (after aborting them) on timeout."""
         deadline = time.monotonic() + timeout_s
+        if self.paused and self.client is not None and not self.client.dead:
+            self.client.set_paused(False)  # a drain finishes work; a paused engine never would
+            self.paused = False
         while self.inflight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if not self.inflight:
