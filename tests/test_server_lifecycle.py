@@ -96,7 +96,7 @@ def test_loading_drain_and_signals(tiny_model_dir: Path, tmp_path: Path) -> None
         assert srv.get("/admin/stats").json()["server"]["engine_generation"] == 2
 
         # SIGTERM with requests in flight: they finish, new ones get 503, then exit 0.
-        clients = [StreamClient(srv.url, 150) for _ in range(3)]
+        clients = [StreamClient(srv.url, 400) for _ in range(3)]  # long enough to be in flight at the checks
         for c in clients:
             c.start()
         for c in clients:
@@ -112,7 +112,7 @@ def test_loading_drain_and_signals(tiny_model_dir: Path, tmp_path: Path) -> None
         for c in clients:
             c.join(10)
             assert c.status == 200 and c.done
-            assert c.chunks[-1]["usage"]["completion_tokens"] == 150
+            assert c.chunks[-1]["usage"]["completion_tokens"] == 400
             reasons = [ch["choices"][0]["finish_reason"] for ch in c.chunks if ch["choices"]]
             assert reasons[-1] == "length"
         assert "STOPPING=1" in notes.messages

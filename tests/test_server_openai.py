@@ -180,12 +180,17 @@ def test_disconnect_mid_stream_frees_blocks(server: ServerProcess) -> None:
         rid = r.headers["x-request-id"]
         lines = r.iter_lines()
         next(line for line in lines if line.startswith("data: "))
+        # Paused, the request is still in flight when the client goes, however fast the machine.
+        assert server.post("/admin/pause").status_code == 200
         stats = server.get("/admin/stats").json()
         live = [q for q in stats["requests"] if q["request_id"].startswith(rid)]
         assert live and live[0]["blocks_held"] > 0
-    # The connection is closed: the server aborts the request and frees its blocks.
-    wait_for(lambda: not server.get("/admin/stats").json()["requests"], timeout_s=10)
-    assert _blocks_used(server) == 0
+    try:
+        # The connection is closed: the server aborts the request and frees its blocks.
+        wait_for(lambda: not server.get("/admin/stats").json()["requests"], timeout_s=10)
+        assert _blocks_used(server) == 0
+    finally:
+        server.post("/admin/resume")
     samples = {
         (s.name, tuple(sorted(s.labels.items()))): s.value
         for fam in text_string_to_metric_families(server.get("/metrics").text)
@@ -197,10 +202,15 @@ def test_disconnect_mid_stream_frees_blocks(server: ServerProcess) -> None:
 
 def test_disconnect_while_waiting_for_a_full_answer_aborts(server: ServerProcess) -> None:
     body = {"model": MODEL, "prompt": "slow", "max_tokens": 450, "temperature": 0, "ignore_eos": True}
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.5))
-    wait_for(lambda: not server.get("/admin/stats").json()["requests"], timeout_s=10)
-    assert _blocks_used(server) == 0
+    # Paused, the answer cannot be complete before the client gives up, however fast the machine.
+    assert server.post("/admin/pause").status_code == 200
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.5))
+        wait_for(lambda: not server.get("/admin/stats").json()["requests"], timeout_s=10)
+        assert _blocks_used(server) == 0
+    finally:
+        server.post("/admin/resume")
 
 
 # Last in the module: an engine error here kills the core (fatal by design, as in vLLM v1),
