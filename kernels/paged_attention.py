@@ -107,10 +107,11 @@ def gather_kv(
     block_size = cache.shape[1]
     blocks_needed = (max_len + block_size - 1) // block_size
     batch = block_tables.shape[0]
-    # index_select on the flattened table: ~30x faster on the CPU than advanced indexing.
+    # index_select of whole blocks as rows of a 2-D view: on the CPU ~5x faster than on the 4-D
+    # cache (which copies element-wise) and ~30x faster than advanced indexing.
     flat_ids = block_tables[:, :blocks_needed].reshape(-1)
-    gathered = cache.index_select(0, flat_ids)  # [B * nb, bs, Hkv, D]
-    gathered = gathered.reshape(batch, blocks_needed * block_size, *cache.shape[2:])[:, :max_len]
+    gathered = cache.view(cache.shape[0], -1).index_select(0, flat_ids)  # [B * nb, bs*Hkv*D]
+    gathered = gathered.view(batch, blocks_needed * block_size, *cache.shape[2:])[:, :max_len]
     return dequantize(gathered, kv_cache_dtype, scale, out_dtype).transpose(1, 2)
 
 
@@ -147,9 +148,11 @@ def paged_attention(
         num_kv_heads = k_cache.shape[2]
         q = query.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
         scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale
-        key_pos = torch.arange(max_seq_len, device=device)
-        padding = (key_pos[None, :] >= seq_lens[:, None]).view(batch, 1, 1, max_seq_len)
-        probs = torch.softmax(scores.masked_fill_(padding, float("-inf")), dim=-1)
+        if batch > 1 or int(seq_lens[0]) < max_seq_len:  # else no key is padding
+            key_pos = torch.arange(max_seq_len, device=device)
+            padding = (key_pos[None, :] >= seq_lens[:, None]).view(batch, 1, 1, max_seq_len)
+            scores.masked_fill_(padding, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
         out = torch.matmul(probs.to(values.dtype), values)
         return out.reshape(num_tokens, num_heads, head_dim)
 

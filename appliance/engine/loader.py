@@ -159,8 +159,7 @@ def load_model(
     fresh = RotaryEmbedding(
         args.head_dim, args.max_position_embeddings, args.rope_theta, args.rope_scaling
     ).to(device)
-    for layer in model.model.layers:
-        layer.self_attn.rotary.cos, layer.self_attn.rotary.sin = fresh.cos, fresh.sin
+    model.model.rotary.cos, model.model.rotary.sin = fresh.cos, fresh.sin
     model.load_weights((name, tensor.to(dtype)) for name, tensor in iter_safetensors(model_dir))
     model.eval()
     # Triton kernels on CUDA, the torch reference elsewhere (the same signatures).

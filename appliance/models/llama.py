@@ -18,7 +18,7 @@ from appliance.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from appliance.layers.linear import MergedColumnLinear, RowParallelLinear
 from appliance.layers.norm import RMSNorm
 from appliance.layers.parallel import divide, tp_rank, tp_size
-from appliance.layers.rotary import RotaryEmbedding
+from appliance.layers.rotary import RotaryEmbedding, apply_rotary
 from appliance.models.hf_files import rope_parameters
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -104,27 +104,23 @@ class LlamaAttention(nn.Module):
             self.qkv_proj.shard_index["k"] = replica
             self.qkv_proj.shard_index["v"] = replica
         self.o_proj = RowParallelLinear(args.num_heads * self.head_dim, args.hidden_size)
-        self.rotary = RotaryEmbedding(
-            self.head_dim, args.max_position_embeddings, args.rope_theta, args.rope_scaling
-        )
         self.attn = Attention(
             self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5
         )
 
     def forward(
         self,
-        positions: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
         hidden: torch.Tensor,
         meta: AttentionMetadata,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         tokens = hidden.shape[0]
-        q = q.view(tokens, self.num_heads, self.head_dim)
-        k = k.view(tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        # q and k rotate together, as one [T, Hq + Hk, D] tensor: half the small ops per layer.
+        qk = qkv[:, : self.q_size + self.kv_size].view(tokens, -1, self.head_dim)
+        q, k = apply_rotary(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.q_size + self.kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
         out = self.attn(q, k, v, meta, kv_cache)
         return self.o_proj(out.reshape(tokens, self.q_size))
 
@@ -153,12 +149,12 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(
         self,
-        positions: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
         hidden: torch.Tensor,
         meta: AttentionMetadata,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), meta, kv_cache)
+        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), meta, kv_cache)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -168,6 +164,10 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(args) for _ in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        # One table for all layers: the positions' cos/sin are looked up once per forward.
+        self.rotary = RotaryEmbedding(
+            args.head_dim, args.max_position_embeddings, args.rope_theta, args.rope_scaling
+        )
 
 
 class LlamaForCausalLM(nn.Module):
@@ -190,8 +190,9 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
         hidden = self.model.embed_tokens(input_ids)
+        rope = self.model.rotary.cos_sin(positions, hidden.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            hidden = layer(positions, hidden, meta, kv_cache)
+            hidden = layer(rope, hidden, meta, kv_cache)
         return self.model.norm(hidden)
 
     @torch.inference_mode()
