@@ -109,7 +109,8 @@ class ServerProcess:
         return httpx.get(self.url + path, timeout=30, **kw)
 
     def post(self, path: str, **kw: Any) -> httpx.Response:
-        return httpx.post(self.url + path, timeout=60, **kw)
+        # /admin/reload starts a whole engine: as long as a start may take on a slow machine.
+        return httpx.post(self.url + path, timeout=START_TIMEOUT_S, **kw)
 
 
 def wait_for(predicate: Any, timeout_s: float = 30.0, interval_s: float = 0.05) -> Any:

@@ -22,7 +22,7 @@ from appliance.console.app import ConsoleApp
 from appliance.console.blockmap import cells_from_counts, cells_from_states
 from appliance.console.dialogs import ConfirmScreen, HelpScreen
 from appliance.console.screenshots import svg_text
-from server_harness import ServerProcess, free_port
+from server_harness import START_TIMEOUT_S, ServerProcess, free_port
 from textual.widgets import DataTable
 
 from appliance.server.admin_schema import StepRecord
@@ -204,13 +204,27 @@ async def test_preemptions_move_on_screen_and_requests_screen(server: ServerProc
         shown = lambda: int(re.search(r"total (\d+) ·", screen_text(app)).group(1))  # noqa: E731
         before = shown()
         assert before == admin_stats(server)["engine"]["counters"]["preemptions"]
+        auth = {"Authorization": f"Bearer {TOKEN}"}
         async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
+            async def live(prompt_tokens: int, n: int = 1) -> None:
+                """Until the engine holds `n` requests with this prompt length (any status)."""
+                while True:
+                    reqs = (await http.get("/admin/stats", params={"history_s": 0}, headers=auth)).json()["requests"]
+                    if sum(r["prompt_tokens"] == prompt_tokens for r in reqs) >= n:
+                        return
+                    await asyncio.sleep(0.01)
+
             def req(i: int, max_tokens: int, cls: str) -> Any:
                 return asyncio.create_task(http.post("/v1/completions", json={
                     "model": "tiny", "prompt": long_prompt(10 + i), "max_tokens": max_tokens,
                     "ignore_eos": True, "priority": cls}))
 
+            # Queued together while paused, the three are admitted together on resume: two of
+            # them overflow the pool, whatever the machine's speed (none can finish alone first).
+            assert (await http.post("/admin/pause", headers=auth)).json() == {"paused": True}
             tasks = [req(i, 12, cls) for i, cls in enumerate(["batch", "interactive", "batch"])]
+            await asyncio.wait_for(live(127, 3), 30)
+            assert (await http.post("/admin/resume", headers=auth)).json() == {"paused": False}
             await until(pilot, lambda: shown() > before, 60, "preemptions counted on screen")
             assert shown() <= admin_stats(server)["engine"]["counters"]["preemptions"]
             assert re.search(r"cmpl-\S+ (batch|interactive) recompute", screen_text(app))
@@ -219,12 +233,13 @@ async def test_preemptions_move_on_screen_and_requests_screen(server: ServerProc
             victim = asyncio.create_task(http.post("/v1/completions", json={
                 "model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 240, "ignore_eos": True}))
             await app.switch_mode("requests")
+            # Hold the engine still (as an operator would before an abort) as soon as it holds
+            # the long request, so that it cannot finish first on a fast machine (240 steps to
+            # go); figures stop moving too.
+            await asyncio.wait_for(live(4), 30)
+            assert (await http.post("/admin/pause", headers=auth)).json() == {"paused": True}
             await until(pilot, lambda: any(r.prompt_tokens == 4 for r in app.snapshot.stats.requests),
                         30, "the long request listed")
-            # Hold the engine still (as an operator would before an abort) so that the long
-            # request cannot finish first on a fast machine; figures stop moving too.
-            auth = {"Authorization": f"Bearer {TOKEN}"}
-            assert (await http.post("/admin/pause", headers=auth)).json() == {"paused": True}
             await polled(app, pilot, 2)
             assert admin_stats(server)["server"]["paused"] is True
             assert "PAUSED" in screen_text(app)
@@ -274,7 +289,7 @@ async def test_apply_template_then_roll_back(server: ServerProcess) -> None:
         await pilot.press("a")
         assert isinstance(app.screen, ConfirmScreen)
         await pilot.press("y")
-        await until(pilot, lambda: "applied tiny-b" in screen_text(app), 90, "apply outcome")
+        await until(pilot, lambda: "applied tiny-b" in screen_text(app), START_TIMEOUT_S, "apply outcome")
         cfg = admin_config(server)
         assert cfg["template"] == "tiny-b" and cfg["config"]["scheduler"]["max_num_seqs"] == 8
         await until(pilot, lambda: "▶ tiny-b" in screen_text(app), 10, "running marker")
@@ -283,7 +298,8 @@ async def test_apply_template_then_roll_back(server: ServerProcess) -> None:
         await pilot.press("b")
         assert isinstance(app.screen, ConfirmScreen)
         await pilot.press("y")
-        await until(pilot, lambda: "rolled back to tiny-a" in screen_text(app), 90, "rollback outcome")
+        await until(pilot, lambda: "rolled back to tiny-a" in screen_text(app), START_TIMEOUT_S,
+                    "rollback outcome")
     cfg = admin_config(server)
     assert cfg["template"] == "tiny-a" and cfg["config"]["scheduler"]["max_num_seqs"] == 16
 

@@ -189,7 +189,7 @@ def router_url(pools: dict[str, ServerProcess], tiny_model_dir: Path,
                             stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 120  # as ServerProcess: only a slow machine waits long
         while True:
             assert proc.poll() is None, (tmp / "router.log").read_text()
             try:
@@ -267,23 +267,30 @@ def test_a_full_queue_429_passes_through_and_a_hangup_aborts_upstream(
 ) -> None:
     long = pools["long"].url
     aborts0 = metric(long, "vllm:request_success_total", finished_reason="abort")
-    # A generates for long enough (seconds) to hold the only running slot while B and C arrive.
+    # A holds the only running slot while B and C arrive: the long instance is paused from A's
+    # first token until A is gone, so A cannot finish first however fast the machine.
     body = {"model": "long-pool", "prompt": "Once", "max_tokens": 4000, "ignore_eos": True, "stream": True,
             "priority": "batch"}
-    with httpx.Client(timeout=60) as client, client.stream("POST", router_url + "/v1/completions", json=body) as a:
-        assert a.status_code == 200 and a.headers["x-appliance-pool"] == "long"
-        lines = a.iter_lines()  # (kept: a dropped iterator closes the connection)
-        next(lines)  # A runs (max_num_seqs = 1) ...
-        waiting: list[httpx.Response] = []
-        b = threading.Thread(target=lambda: waiting.append(complete(long, "Twice", model="long-pool", max_tokens=1)))
-        b.start()  # ... B waits (max_waiting_requests = 1) ...
-        wait_until(lambda: metric(long, "vllm:num_requests_waiting") == 1)
-        c = complete(router_url, LONG_PROMPT, model="long-pool")  # ... and C is refused.
-        assert c.status_code == 429, c.text
-        assert c.headers["retry-after"] == "7" and c.headers["x-appliance-pool"] == "long"
-        assert c.json()["error"]["code"] in (429, "queue_full") or c.json()["error"]["type"]
-    # A's client hung up mid-stream: the router closed the upstream stream, the instance aborted A.
-    wait_until(lambda: metric(long, "vllm:request_success_total", finished_reason="abort") == aborts0 + 1)
+    waiting: list[httpx.Response] = []
+    b = threading.Thread(target=lambda: waiting.append(complete(long, "Twice", model="long-pool", max_tokens=1)))
+    try:
+        with httpx.Client(timeout=60) as client, \
+                client.stream("POST", router_url + "/v1/completions", json=body) as a:
+            assert a.status_code == 200 and a.headers["x-appliance-pool"] == "long"
+            lines = a.iter_lines()  # (kept: a dropped iterator closes the connection)
+            next(lines)  # A runs (max_num_seqs = 1) ...
+            assert httpx.post(long + "/admin/pause", timeout=10).json() == {"paused": True}
+            b.start()  # ... B waits (max_waiting_requests = 1) ...
+            wait_until(lambda: metric(long, "vllm:num_requests_waiting") == 1)
+            c = complete(router_url, LONG_PROMPT, model="long-pool")  # ... and C is refused.
+            assert c.status_code == 429, c.text
+            assert c.headers["retry-after"] == "7" and c.headers["x-appliance-pool"] == "long"
+            assert c.json()["error"]["code"] in (429, "queue_full") or c.json()["error"]["type"]
+        # A's client hung up mid-stream: the router closed the upstream stream, the instance
+        # aborted A (still paused: A cannot have ended any other way).
+        wait_until(lambda: metric(long, "vllm:request_success_total", finished_reason="abort") == aborts0 + 1)
+    finally:
+        httpx.post(long + "/admin/resume", timeout=10)
     b.join(30)
     assert waiting and waiting[0].status_code == 200
 

@@ -7,6 +7,7 @@ queue timeout."""
 from __future__ import annotations
 
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -185,24 +186,35 @@ def _rejections(server: ServerProcess) -> dict[tuple[str, str], float]:
     return out
 
 
+def _pause(server: ServerProcess, paused: bool) -> None:
+    r = server.post("/admin/pause" if paused else "/admin/resume", headers=ADMIN_AUTH)
+    assert r.json() == {"paused": paused}, r.text
+
+
 def test_429_queue_full_is_refused_before_tokenizing(server: ServerProcess) -> None:
     running = Streamer(server, {"prompt": "a", "max_tokens": 480, "priority": "batch"})
     running.start()
     assert running.first.wait(30)
-    queued = Streamer(server, {"prompt": "b", "max_tokens": 2, "priority": "batch"})
-    queued.start()
-    wait_for(lambda: _waiting(server, "batch") == 1)
-    r = complete(server, {"prompt": "c", "max_tokens": 2, "priority": "batch"})
-    err = assert_error(r, 429, code="queue_full", contains=("batch",))
-    assert err["type"] == "rate_limit_error"
-    assert r.headers["retry-after"] == "3"
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
-    with pytest.raises(openai.RateLimitError):
-        client.completions.create(model=MODEL, prompt="d", max_tokens=2, extra_body={"priority": "batch"})
-    assert _rejections(server)[("queue_full", "batch")] >= 2
-    running.stop.set()
+    # Paused, `running` holds the only slot until the test lets it go, however fast the machine.
+    _pause(server, True)
+    try:
+        queued = Streamer(server, {"prompt": "b", "max_tokens": 2, "priority": "batch"})
+        queued.start()
+        wait_for(lambda: _waiting(server, "batch") == 1)
+        r = complete(server, {"prompt": "c", "max_tokens": 2, "priority": "batch"})
+        err = assert_error(r, 429, code="queue_full", contains=("batch",))
+        assert err["type"] == "rate_limit_error"
+        assert r.headers["retry-after"] == "3"
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+        with pytest.raises(openai.RateLimitError):
+            client.completions.create(model=MODEL, prompt="d", max_tokens=2, extra_body={"priority": "batch"})
+        assert _rejections(server)[("queue_full", "batch")] >= 2
+        running.stop.set()  # it hangs up at its next token, after the resume
+    finally:
+        _pause(server, False)
     running.join(30)
     queued.join(30)
+    assert not running.is_alive() and not queued.is_alive()
     assert queued.status == 200
 
 
@@ -210,14 +222,34 @@ def test_429_queue_timeout(server: ServerProcess) -> None:
     running = Streamer(server, {"prompt": "a", "max_tokens": 480, "priority": "realtime"})
     running.start()
     assert running.first.wait(30)
-    r = complete(server, {"prompt": "late", "max_tokens": 2, "priority": "realtime"})
-    assert_error(r, 429, code="queue_timeout", contains=("queue_timeout_s",))
-    assert r.headers["retry-after"] == "3"
-    # A stream refused while queued still gets a real 429 (the status line waits for it).
-    with httpx.Client(timeout=30, headers=AUTH) as http:
-        r = http.post(server.url + "/v1/completions",
-                      json={"model": MODEL, "prompt": "late", "max_tokens": 2, "stream": True})
-    assert_error(r, 429, code="queue_timeout")
+    # Paused, `running` holds the only slot and both late requests wait as long as the test
+    # needs (queue timeouts are enforced when the engine steps), however fast the machine.
+    _pause(server, True)
+
+    def late(stream: bool) -> httpx.Response:
+        body = {"model": MODEL, "prompt": "late", "max_tokens": 2, "priority": "realtime", "stream": stream}
+        with httpx.Client(timeout=60, headers=AUTH) as http:
+            return http.post(server.url + "/v1/completions", json=body)
+
+    with ThreadPoolExecutor(2) as pool:
+        try:
+            plain, streamed = pool.submit(late, False), pool.submit(late, True)
+
+            def both_past_timeout() -> bool:
+                ages = [q["age_s"] for q in _stats(server)["requests"]
+                        if q["status"] == "waiting" and q["priority_class"] == "realtime"]
+                return len(ages) == 2 and min(ages) > 0.3  # queue_timeout_s
+
+            wait_for(both_past_timeout)
+            assert not plain.done() and not streamed.done()
+        finally:
+            _pause(server, False)  # the next step expires both
+        r = plain.result(60)
+        assert_error(r, 429, code="queue_timeout", contains=("queue_timeout_s",))
+        assert r.headers["retry-after"] == "3"
+        # A stream refused while queued still gets a real 429 (the status line waits for it).
+        assert_error(streamed.result(60), 429, code="queue_timeout")
     running.stop.set()
     running.join(30)
+    assert not running.is_alive()
     wait_for(lambda: _rejections(server).get(("queue_timeout", "realtime"), 0) >= 2)

@@ -15,9 +15,10 @@ from typing import Any
 
 import httpx
 import pytest
-from server_harness import ServerProcess, wait_for, write_template
+from server_harness import START_TIMEOUT_S, ServerProcess, wait_for, write_template
 
 MODEL = "tiny"
+DRAIN_TOKENS = 500  # "drain me" is 4 tokens; max_model_len is 512
 
 
 class Notifications:
@@ -91,19 +92,21 @@ def test_loading_drain_and_signals(tiny_model_dir: Path, tmp_path: Path) -> None
         # SIGHUP reloads the same template (systemd's ExecReload).
         n_ready = notes.messages.count("READY=1")
         srv.signal(signal.SIGHUP)
-        wait_for(lambda: notes.messages.count("READY=1") > n_ready, timeout_s=60)
+        wait_for(lambda: notes.messages.count("READY=1") > n_ready, timeout_s=START_TIMEOUT_S)  # a new engine
         assert "RELOADING=1" in notes.messages
         assert srv.get("/admin/stats").json()["server"]["engine_generation"] == 2
 
         # SIGTERM with requests in flight: they finish, new ones get 503, then exit 0.
-        clients = [StreamClient(srv.url, 400) for _ in range(3)]  # long enough to be in flight at the checks
+        # A drain resumes a paused engine, so /admin/pause cannot hold them: they are as long as
+        # the model allows (4 prompt tokens + 500 of 512), several hundred steps against the
+        # test's two round trips from the first token to `late`.
+        clients = [StreamClient(srv.url, DRAIN_TOKENS) for _ in range(3)]
         for c in clients:
             c.start()
         for c in clients:
             assert c.first.wait(60)
         srv.signal(signal.SIGTERM)
-        wait_for(lambda: _try(srv, "/ready") == 503, timeout_s=10)
-        r = srv.get("/ready").json()
+        r = wait_for(lambda: _ready_while_draining(srv), timeout_s=30)
         assert r == {"ready": False, "phase": "draining", "detail": r["detail"]}
         late = srv.post("/v1/completions", json={"model": MODEL, "prompt": "late", "max_tokens": 2})
         assert late.status_code == 503 and late.json()["error"]["code"] == "draining"
@@ -112,7 +115,7 @@ def test_loading_drain_and_signals(tiny_model_dir: Path, tmp_path: Path) -> None
         for c in clients:
             c.join(10)
             assert c.status == 200 and c.done
-            assert c.chunks[-1]["usage"]["completion_tokens"] == 400
+            assert c.chunks[-1]["usage"]["completion_tokens"] == DRAIN_TOKENS
             reasons = [ch["choices"][0]["finish_reason"] for ch in c.chunks if ch["choices"]]
             assert reasons[-1] == "length"
         assert "STOPPING=1" in notes.messages
@@ -121,6 +124,12 @@ def test_loading_drain_and_signals(tiny_model_dir: Path, tmp_path: Path) -> None
     finally:
         srv.stop()
         notes.close()
+
+
+def _ready_while_draining(srv: ServerProcess) -> dict[str, Any] | None:
+    """/ready's body once it answers 503 (the drain has begun), else None."""
+    r = srv.get("/ready")
+    return r.json() if r.status_code == 503 else None
 
 
 def _try(srv: ServerProcess, path: str) -> int | None:

@@ -88,20 +88,23 @@ def test_metrics_parse_and_carry_every_name(server: ServerProcess) -> None:
 
 
 def test_admin_stats_decodes_into_its_schema(server: ServerProcess) -> None:
-    stop = threading.Event()
+    stop, first = threading.Event(), threading.Event()
 
     def stream() -> None:
         body = {"model": MODEL, "prompt": "busy", "max_tokens": 300, "stream": True, "ignore_eos": True,
                 "priority": "batch"}
         with httpx.Client(timeout=60) as http, http.stream("POST", server.url + "/v1/completions", json=body) as r:
-            for _ in r.iter_lines():
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    first.set()
                 if stop.is_set():
                     return
 
     t = threading.Thread(target=stream, daemon=True)
     t.start()
-    wait_for(lambda: msgspec.json.decode(server.get("/admin/stats").content, type=AdminStats).requests)
-    # Paused, the request cannot finish before it is aborted, however fast the machine.
+    # Paused from its first token on (not after a stats poll: 300 steps can pass quickly), the
+    # request cannot finish before it is aborted, however fast the machine.
+    assert first.wait(30)
     assert server.post("/admin/pause").json() == {"paused": True}
     stats = msgspec.json.decode(server.get("/admin/stats").content, type=AdminStats)
     assert stats.server.paused
