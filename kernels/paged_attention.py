@@ -112,7 +112,11 @@ def gather_kv(
     flat_ids = block_tables[:, :blocks_needed].reshape(-1)
     gathered = cache.view(cache.shape[0], -1).index_select(0, flat_ids)  # [B * nb, bs*Hkv*D]
     gathered = gathered.view(batch, blocks_needed * block_size, *cache.shape[2:])[:, :max_len]
-    return dequantize(gathered, kv_cache_dtype, scale, out_dtype).transpose(1, 2)
+    values = dequantize(gathered, kv_cache_dtype, scale, out_dtype).transpose(1, 2)
+    # Contiguous [B, Hkv, L, D] so the matmuls take K^T and V as they are. Left strided, matmul
+    # makes its own copy, and for K^T an element-wise transposed one: 3x slower at batch 64.
+    # (empty + copy_ is ~2x faster than .contiguous() on the CPU here.)
+    return torch.empty(values.shape, dtype=values.dtype, device=values.device).copy_(values)
 
 
 def paged_attention(
