@@ -38,17 +38,20 @@ class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self.generator = torch.Generator().manual_seed(seed)
 
+    @torch.inference_mode()
     def __call__(
         self, logits: torch.Tensor, requests: list[SampleRequest]
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """logits: [N, vocab] float32, one row per request."""
-        logits = logits.float()
-        if logits.is_inference():
-            # float32 models: .float() is a no-op and the forward ran under inference_mode;
-            # the bans below write in place, which torch refuses on an inference tensor.
-            logits = logits.clone()
-        rows, vocab = logits.shape
+        """logits: [N, vocab] in the model's dtype, one row per request."""
         want_logprobs = any(r.params.logprobs is not None for r in requests)
+        all_greedy = all(r.params.greedy for r in requests)
+        given = logits
+        # float32 for all of it, argmax included: bf16 argmax is ~4x slower than the conversion
+        # and a float32 argmax together (64 x 49152 logits: 5.7 vs 1.5 ms).
+        logits = logits.float()
+        if logits is given and any(r.banned_token_ids for r in requests):
+            logits = logits.clone()  # the bans write in place: never into the caller's tensor
+        rows, vocab = logits.shape
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
 
         for i, req in enumerate(requests):
@@ -57,7 +60,7 @@ class Sampler:
 
         greedy = torch.tensor([r.params.greedy for r in requests])
         tokens = logits.argmax(dim=-1)
-        if not bool(greedy.all()):
+        if not all_greedy:
             sampled = self._sample(logits, requests, greedy)
             tokens = torch.where(greedy, tokens, sampled)
         token_list = tokens.tolist()

@@ -197,7 +197,8 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        # In the model's dtype: the sampler converts only when it needs float32.
+        return self.lm_head(hidden)
 
     # -- weights ---------------------------------------------------------------------------------
     _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
