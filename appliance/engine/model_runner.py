@@ -14,7 +14,7 @@ import torch
 from appliance.core.scheduler import ScheduledRequest, SchedulerOutput
 from appliance.engine.sampler import Sampler, SampleRequest, TokenLogprobs
 from appliance.layers.attention import AttentionMetadata, PagedBatch
-from appliance.layers.linear import select_cpu_gemm
+from appliance.layers.linear import cpu_gemm_for
 from appliance.models.llama import LlamaForCausalLM
 
 
@@ -108,14 +108,14 @@ class ModelRunner:
             return RunnerOutput({}, {})
         batch = sorted(out.scheduled, key=lambda r: len(r.token_ids) > 1)
         input_ids, positions, meta, last_rows = self._prepare(batch)
-        select_cpu_gemm(input_ids.shape[0], self.device)
-        hidden = self.model(input_ids, positions, meta, self.kv.device_caches)
+        with cpu_gemm_for(input_ids.shape[0], self.device):
+            hidden = self.model(input_ids, positions, meta, self.kv.device_caches)
         sampling = [(i, r) for i, r in enumerate(batch) if r.sample]
         if not sampling:
             return RunnerOutput({}, {})
         rows = torch.tensor([last_rows[i] for i, _ in sampling], device=self.device)
-        select_cpu_gemm(len(sampling), self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        with cpu_gemm_for(len(sampling), self.device):
+            logits = self.model.compute_logits(hidden.index_select(0, rows))
         if not self.samples:
             return RunnerOutput({}, {})
         logits = logits.cpu()

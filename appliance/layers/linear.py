@@ -7,6 +7,9 @@ tensors through `load(part, tensor)` and keeps only this rank's slice.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -19,10 +22,19 @@ from appliance.layers.parallel import all_reduce, tp_rank, tp_size
 NATIVE_GEMM_MAX_ROWS = 2
 
 
-def select_cpu_gemm(rows: int, device: torch.device) -> None:
-    """Route this pass's matmuls of `rows` rows to the faster CPU kernel (a global switch)."""
-    if device.type == "cpu":
-        torch.backends.mkldnn.enabled = rows > NATIVE_GEMM_MAX_ROWS
+@contextmanager
+def cpu_gemm_for(rows: int, device: torch.device) -> Iterator[None]:
+    """Route the matmuls of a pass over `rows` rows to the faster CPU kernel. The switch is
+    global in torch, so it is restored on the way out for whatever runs next."""
+    if device.type != "cpu":
+        yield
+        return
+    before = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = rows > NATIVE_GEMM_MAX_ROWS
+    try:
+        yield
+    finally:
+        torch.backends.mkldnn.enabled = before
 
 
 class MergedColumnLinear(nn.Module):
