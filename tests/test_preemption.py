@@ -60,6 +60,11 @@ def test_preempted_outputs_equal_unpreempted_runs(
         scheduler__preemption_mode=mode,
         model__max_model_len=256,
     )
+    # The host swap pool is allocated empty: poison it, so a read of a swap block that was
+    # never written would show in the outputs.
+    for k, v in engine.runner.kv.host_caches:
+        k.fill_(float("nan"))
+        v.fill_(float("nan"))
     jobs = workload(engine.loaded.args.vocab_size)
     results = engine.generate([p for p, _ in jobs], [sp for _, sp in jobs])
     assert [r.token_ids for r in results] == alone_outputs
@@ -88,6 +93,11 @@ def test_swap_pool_full_falls_back_to_recompute(
         scheduler__preemption_mode="swap",
         model__max_model_len=256,
     )
+    # The host swap pool is allocated empty: poison it, so a read of a swap block that was
+    # never written would show in the outputs.
+    for k, v in engine.runner.kv.host_caches:
+        k.fill_(float("nan"))
+        v.fill_(float("nan"))
     jobs = workload(engine.loaded.args.vocab_size)
     results = engine.generate([p for p, _ in jobs], [sp for _, sp in jobs])
     assert [r.token_ids for r in results] == alone_outputs

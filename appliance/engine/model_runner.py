@@ -52,10 +52,12 @@ class KVCachePool:
         ]
         swap_shape = (num_swap_blocks, block_size, num_kv_heads, head_dim)
         pin = device.type == "cuda"
+        # Empty, not zeros: a swap block is only read after a whole device block was copied
+        # into it, and untouched pages cost nothing (zero-filling took ~1 s per GiB at start).
         self.host_caches = [
             (
-                torch.zeros(swap_shape, dtype=dt, pin_memory=pin),
-                torch.zeros(swap_shape, dtype=dt, pin_memory=pin),
+                torch.empty(swap_shape, dtype=dt, pin_memory=pin),
+                torch.empty(swap_shape, dtype=dt, pin_memory=pin),
             )
             for dt in (dtypes if num_swap_blocks else [])
         ]
