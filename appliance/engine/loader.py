@@ -18,6 +18,7 @@ from appliance.engine import memory
 from appliance.engine.kv_quant import configure_kv_cache
 from appliance.engine.model_runner import KVCachePool, ModelRunner
 from appliance.kernels import get_attention_backend
+from appliance.layers.linear import cpu_prepack_supported, pack_linears_for_cpu
 from appliance.layers.parallel import tp_rank, tp_size
 from appliance.layers.rotary import RotaryEmbedding
 from appliance.models.hf_files import has_model, iter_safetensors, load_hf_config, load_tokenizer
@@ -162,6 +163,8 @@ def load_model(
     model.model.rotary.cos, model.model.rotary.sin = fresh.cos, fresh.sin
     model.load_weights((name, tensor.to(dtype)) for name, tensor in iter_safetensors(model_dir))
     model.eval()
+    if device.type == "cpu" and config.model.cpu_prepack_weights and cpu_prepack_supported(dtype):
+        pack_linears_for_cpu(model, config.scheduler.max_num_seqs)
     # Triton kernels on CUDA, the torch reference elsewhere (the same signatures).
     write_kv, attend = get_attention_backend(device)
     for attn in model.attention_layers():

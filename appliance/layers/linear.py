@@ -37,7 +37,43 @@ def cpu_gemm_for(rows: int, device: torch.device) -> Iterator[None]:
         torch.backends.mkldnn.enabled = before
 
 
-class MergedColumnLinear(nn.Module):
+class _CpuPackable(nn.Module):
+    """A linear whose weight can be reordered once into oneDNN's blocked layout on the CPU."""
+
+    weight: nn.Parameter
+    packed: torch.Tensor | None = None
+
+    def pack_for_cpu(self, batch_hint: int) -> None:
+        """Replace the plain weight by oneDNN's prepacked one (bit-identical results). A plain
+        bf16 weight is reordered on every call: prepacked, a 64-row matmul of the small demo
+        model takes 631 instead of 841 us, an 8-row one 176 instead of 361 us; one row pays
+        146 against ATen's GEMV's 118 us. The plain copy is released: one layout in memory."""
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), batch_hint)
+        self.weight.data = torch.empty(0, dtype=self.weight.dtype)
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+        return F.linear(x, self.weight, bias)
+
+
+def cpu_prepack_supported(dtype: torch.dtype) -> bool:
+    return (
+        dtype in (torch.bfloat16, torch.float16)
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    )
+
+
+def pack_linears_for_cpu(model: nn.Module, batch_hint: int) -> int:
+    """Prepack every q/k/v, o, gate/up and down weight; returns how many."""
+    layers = [m for m in model.modules() if isinstance(m, _CpuPackable)]
+    for layer in layers:
+        layer.pack_for_cpu(batch_hint)
+    return len(layers)
+
+
+class MergedColumnLinear(_CpuPackable):
     """Several column-parallel projections in one matmul (q|k|v or gate|up).
 
     `parts` are (name, rows on this rank, head size for replicated-head slicing or 0)."""
@@ -57,7 +93,7 @@ class MergedColumnLinear(nn.Module):
         self.shard_index: dict[str, int] = {name: tp_rank() for name, _, _ in parts}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self._matmul(x, self.bias)
 
     def load(self, part: str, tensor: torch.Tensor, is_bias: bool = False) -> None:
         offset, rows = self.offsets[part]
@@ -68,7 +104,7 @@ class MergedColumnLinear(nn.Module):
         target.data[offset : offset + rows].copy_(piece)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_CpuPackable):
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         size = tp_size()
@@ -77,7 +113,7 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = all_reduce(F.linear(x, self.weight))
+        out = all_reduce(self._matmul(x, None))
         return out + self.bias if self.bias is not None else out
 
     def load(self, tensor: torch.Tensor, is_bias: bool = False) -> None:
