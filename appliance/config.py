@@ -47,7 +47,7 @@ class ModelConfig(_Section):
     # Reference architecture `appliance plan` reads (templates/models/<name>/config.json) while
     # `path` holds no model yet, e.g. "llama-2-13b": plan before the weights are on the box.
     architecture: str = ""
-    # CPU, bf16/fp16: reorder the layers' weights once into oneDNN's blocked layout (faster
+    # CPU, bf16: reorder the layers' weights once into oneDNN's blocked layout (faster
     # matmuls from two rows up, slightly slower at one; the same memory and the same results).
     cpu_prepack_weights: bool = True
 

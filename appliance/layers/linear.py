@@ -59,7 +59,8 @@ class _CpuPackable(nn.Module):
 
 def cpu_prepack_supported(dtype: torch.dtype) -> bool:
     return (
-        dtype in (torch.bfloat16, torch.float16)
+        # bf16 only: oneDNN's fp16 kernels need CPU support that many hosts lack.
+        dtype == torch.bfloat16
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
     )
