@@ -112,11 +112,14 @@ def gather_kv(
     flat_ids = block_tables[:, :blocks_needed].reshape(-1)
     gathered = cache.view(cache.shape[0], -1).index_select(0, flat_ids)  # [B * nb, bs*Hkv*D]
     gathered = gathered.view(batch, blocks_needed * block_size, *cache.shape[2:])[:, :max_len]
-    values = dequantize(gathered, kv_cache_dtype, scale, out_dtype).transpose(1, 2)
+    if kv_cache_dtype != "auto":
+        gathered = dequantize(gathered, kv_cache_dtype, scale, out_dtype)
+    values = gathered.transpose(1, 2)
     # Contiguous [B, Hkv, L, D] so the matmuls take K^T and V as they are. Left strided, matmul
     # makes its own copy, and for K^T an element-wise transposed one: 3x slower at batch 64.
-    # (empty + copy_ is ~2x faster than .contiguous() on the CPU here.)
-    return torch.empty(values.shape, dtype=values.dtype, device=values.device).copy_(values)
+    # (empty + copy_ is ~2x faster than .contiguous() on the CPU here, and converts a 16-bit
+    # cache to out_dtype in the same pass.)
+    return torch.empty(values.shape, dtype=out_dtype, device=values.device).copy_(values)
 
 
 def paged_attention(
@@ -143,19 +146,19 @@ def paged_attention(
     device = query.device
     query_lens = query_start_loc[1:] - query_start_loc[:-1]
 
-    keys = gather_kv(k_cache, block_tables, max_seq_len, kv_cache_dtype, k_scale, query.dtype)
-    values = gather_kv(v_cache, block_tables, max_seq_len, kv_cache_dtype, v_scale, query.dtype)
+    # Decode of one or two sequences on the CPU computes in float32: their K/V are a few hundred
+    # KB, and there the float32 matmuls (MKL) beat the 16-bit ones, whose per-call cost
+    # dominates (73 vs 111 us a layer).
+    small_cpu_decode = max_query_len == 1 and batch <= 2 and device.type == "cpu"
+    kv_dtype = torch.float32 if small_cpu_decode else query.dtype
+    keys = gather_kv(k_cache, block_tables, max_seq_len, kv_cache_dtype, k_scale, kv_dtype)
+    values = gather_kv(v_cache, block_tables, max_seq_len, kv_cache_dtype, v_scale, kv_dtype)
 
     if max_query_len == 1:
         # Decode batch: one query per sequence. Two batched matmuls over the head group:
         # the CPU's fused SDPA kernel is ~20x slower than this for single-query bf16.
         num_kv_heads = k_cache.shape[2]
-        q = query.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        out_dtype = query.dtype
-        if batch <= 2 and device.type == "cpu" and out_dtype != torch.float32:
-            # A lone sequence's K/V are a few hundred KB: float32 matmuls (MKL) beat the
-            # bf16 ones, whose per-call cost dominates at this size (73 vs 111 us a layer).
-            q, keys, values = q.float(), keys.float(), values.float()
+        q = query.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim).to(kv_dtype)
         scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale
         if batch > 1 or int(seq_lens[0]) < max_seq_len:  # else no key is padding
             key_pos = torch.arange(max_seq_len, device=device)
@@ -163,7 +166,7 @@ def paged_attention(
             scores.masked_fill_(padding, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out = torch.matmul(probs.to(values.dtype), values)
-        return out.reshape(num_tokens, num_heads, head_dim).to(out_dtype)
+        return out.reshape(num_tokens, num_heads, head_dim).to(query.dtype)
 
     # Scatter the ragged queries into a padded [B, max_q] grid.
     row = torch.arange(num_tokens, device=device)

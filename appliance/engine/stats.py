@@ -62,7 +62,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
 class StepHistory:
     """The last `maxlen` step records (about a minute of steps for the console)."""
 
-    def __init__(self, maxlen: int = 4096) -> None:
+    def __init__(self, maxlen: int | None = 4096) -> None:
         self.records: deque[StepRecord] = deque(maxlen=maxlen)
 
     def append(self, record: StepRecord) -> None:

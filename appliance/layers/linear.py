@@ -66,12 +66,11 @@ def cpu_prepack_supported(dtype: torch.dtype) -> bool:
     )
 
 
-def pack_linears_for_cpu(model: nn.Module, batch_hint: int) -> int:
-    """Prepack every q/k/v, o, gate/up and down weight; returns how many."""
-    layers = [m for m in model.modules() if isinstance(m, _CpuPackable)]
-    for layer in layers:
-        layer.pack_for_cpu(batch_hint)
-    return len(layers)
+def pack_linears_for_cpu(model: nn.Module, batch_hint: int) -> None:
+    """Prepack every q/k/v, o, gate/up and down weight."""
+    for module in model.modules():
+        if isinstance(module, _CpuPackable):
+            module.pack_for_cpu(batch_hint)
 
 
 class MergedColumnLinear(_CpuPackable):

@@ -126,11 +126,10 @@ async def abort(request: Request[Any, Any, Any], request_id: str) -> Response[by
 
 def _set_paused(request: Request[Any, Any, Any], paused: bool) -> Response[bytes]:
     state = _state(request)
-    client = state.client
-    if client is None or client.dead:
-        raise APIError(503, f"no engine running ({state.phase})", code=state.phase)
-    client.set_paused(paused)
-    state.paused = paused
+    try:
+        state.set_paused(paused)
+    except EngineError as exc:
+        raise APIError(503, str(exc), code=state.phase) from None
     return _json({"paused": paused})
 
 

@@ -8,6 +8,7 @@ answers 503, which is what a load balancer needs to route around this box.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
@@ -170,13 +171,21 @@ class ServerState:
         if client is not None:
             await client.shutdown()
 
+    def set_paused(self, paused: bool) -> None:
+        """Stop or restart the engine core's steps (/admin/pause, /admin/resume)."""
+        client = self.client
+        if client is None or client.dead:
+            raise EngineError(f"no engine running ({self.phase})")
+        client.set_paused(paused)
+        self.paused = paused
+
     # -- draining --------------------------------------------------------------------------------
     async def wait_idle(self, timeout_s: float) -> bool:
         """Wait until no generation is in flight; False (after aborting them) on timeout."""
         deadline = time.monotonic() + timeout_s
-        if self.paused and self.client is not None and not self.client.dead:
-            self.client.set_paused(False)  # a drain finishes work; a paused engine never would
-            self.paused = False
+        if self.paused:
+            with contextlib.suppress(EngineError):  # a dead engine has nothing left to finish
+                self.set_paused(False)  # a drain finishes work; a paused engine never would
         while self.inflight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if not self.inflight:
