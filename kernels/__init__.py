@@ -23,7 +23,44 @@ def get_attention_backend(device: torch.device | str) -> AttentionBackend:
         from .triton_attention import paged_attention_triton, write_kv_triton
 
         return write_kv_triton, paged_attention_triton
-    from .paged_attention import paged_attention, write_kv
+    from .paged_attention import write_kv
 
-    return write_kv, paged_attention
+    return write_kv, cpu_paged_attention
+
+
+def cpu_paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+    kv_cache_dtype: str = "auto",
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The CPU backend: decode batches over a model-dtype cache go to the native kernel
+    (cpu_decode.c), which reads each K/V row in place (the torch path first gathers the
+    context into padded copies: ~40% of a 64-sequence decode step of the small demo model);
+    everything else to the torch reference."""
+    from . import cpu_native
+    from .paged_attention import paged_attention
+
+    if (
+        max_query_len == 1
+        and kv_cache_dtype == "auto"
+        and query.device.type == "cpu"
+        and query.dtype == k_cache.dtype
+        and cpu_native.supports(query.dtype, query.shape[-1], query.shape[1] // k_cache.shape[2])
+    ):
+        return cpu_native.paged_decode_attention(
+            query, k_cache, v_cache, block_tables, seq_lens, scale
+        )
+    return paged_attention(
+        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+        max_query_len, max_seq_len, kv_cache_dtype, k_scale, v_scale,
+    )  # fmt: skip
 

@@ -23,7 +23,7 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from appliance.kernels import get_attention_backend  # noqa: E402
+from appliance.kernels import cpu_paged_attention, get_attention_backend  # noqa: E402
 from appliance.kernels.paged_attention import (  # noqa: E402
     FP8_FORMATS,
     cache_storage_dtype,
@@ -302,7 +302,7 @@ def test_dispatcher_matches_reference_signature(max_query_len: int) -> None:
 
 
 def test_backend_selection() -> None:
-    assert get_attention_backend(torch.device("cpu")) == (write_kv, paged_attention)
+    assert get_attention_backend(torch.device("cpu")) == (write_kv, cpu_paged_attention)
     assert get_attention_backend("cuda") == (write_kv_triton, paged_attention_triton)
 
 

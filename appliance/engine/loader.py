@@ -15,9 +15,10 @@ import torch
 
 from appliance.config import ApplianceConfig, ConfigError
 from appliance.engine import memory
+from appliance.engine.cpu_decode import try_fused_cpu_decode
 from appliance.engine.kv_quant import configure_kv_cache
 from appliance.engine.model_runner import KVCachePool, ModelRunner
-from appliance.kernels import get_attention_backend
+from appliance.kernels import cpu_native, get_attention_backend
 from appliance.layers.linear import cpu_prepack_supported, pack_linears_for_cpu
 from appliance.layers.parallel import tp_rank, tp_size
 from appliance.layers.rotary import RotaryEmbedding
@@ -163,8 +164,15 @@ def load_model(
     model.model.rotary.cos, model.model.rotary.sin = fresh.cos, fresh.sin
     model.load_weights((name, tensor.to(dtype)) for name, tensor in iter_safetensors(model_dir))
     model.eval()
+    native_decode = (
+        device.type == "cpu"
+        and config.model.cpu_decode_kernel
+        and tp_size() == 1
+        and config.cache.kv_cache_dtype == "auto"
+        and cpu_native.supports(dtype, args.head_dim, args.num_heads // args.num_kv_heads)
+    )
     if device.type == "cpu" and config.model.cpu_prepack_weights and cpu_prepack_supported(dtype):
-        pack_linears_for_cpu(model, config.scheduler.max_num_seqs)
+        pack_linears_for_cpu(model, config.scheduler.max_num_seqs, keep_plain=native_decode)
     # Triton kernels on CUDA, the torch reference elsewhere (the same signatures).
     write_kv, attend = get_attention_backend(device)
     for attn in model.attention_layers():
@@ -214,6 +222,8 @@ def load_model(
     )
     eos = _eos_ids(hf_config, tokenizer)
     runner = ModelRunner(model, pool, cache.block_size, device, eos)
+    if native_decode:
+        runner.fused_decode = try_fused_cpu_decode(model, pool.device_caches, cache.block_size)
     times["allocate_kv"] = time.perf_counter() - t
     say(
         f"KV cache: {num_blocks} blocks x {cache.block_size} tokens "

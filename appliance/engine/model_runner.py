@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from appliance.core.scheduler import ScheduledRequest, SchedulerOutput
+from appliance.engine.cpu_decode import MAX_BATCH as FUSED_DECODE_MAX_BATCH
+from appliance.engine.cpu_decode import FusedCpuDecode
 from appliance.engine.sampler import Sampler, SampleRequest, TokenLogprobs
 from appliance.layers.attention import AttentionMetadata, PagedBatch
 from appliance.layers.linear import cpu_gemm_for
@@ -102,6 +104,9 @@ class ModelRunner:
         # False on tensor-parallel workers: they run the forward (its collectives need every
         # rank) but only the driver samples.
         self.samples = True
+        # Set by the loader on the CPU when the native decode kernels are built (cpu_decode.py).
+        self.fused_decode: FusedCpuDecode | None = None
+        self.native_decode_steps = 0
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         self.kv.swap_out(out.blocks_to_swap_out)
@@ -110,14 +115,28 @@ class ModelRunner:
             return RunnerOutput({}, {})
         batch = sorted(out.scheduled, key=lambda r: len(r.token_ids) > 1)
         input_ids, positions, meta, last_rows = self._prepare(batch)
-        with cpu_gemm_for(input_ids.shape[0], self.device):
-            hidden = self.model(input_ids, positions, meta, self.kv.device_caches)
         sampling = [(i, r) for i, r in enumerate(batch) if r.sample]
+        rows = torch.tensor([last_rows[i] for i, _ in sampling], device=self.device)
+        decode = meta.decode
+        if (
+            self.fused_decode is not None
+            and meta.prefill is None
+            and decode is not None
+            and decode.num_tokens <= FUSED_DECODE_MAX_BATCH
+        ):
+            logits = self.fused_decode(
+                input_ids, positions, meta.slot_mapping, decode.block_tables, decode.seq_lens
+            ).index_select(0, rows)
+            self.native_decode_steps += 1
+        else:
+            with cpu_gemm_for(input_ids.shape[0], self.device):
+                hidden = self.model(input_ids, positions, meta, self.kv.device_caches)
+            if not sampling:
+                return RunnerOutput({}, {})
+            with cpu_gemm_for(len(sampling), self.device):
+                logits = self.model.compute_logits(hidden.index_select(0, rows))
         if not sampling:
             return RunnerOutput({}, {})
-        rows = torch.tensor([last_rows[i] for i, _ in sampling], device=self.device)
-        with cpu_gemm_for(len(sampling), self.device):
-            logits = self.model.compute_logits(hidden.index_select(0, rows))
         if not self.samples:
             return RunnerOutput({}, {})
         logits = logits.cpu()

@@ -43,13 +43,15 @@ class _CpuPackable(nn.Module):
     weight: nn.Parameter
     packed: torch.Tensor | None = None
 
-    def pack_for_cpu(self, batch_hint: int) -> None:
-        """Replace the plain weight by oneDNN's prepacked one (bit-identical results). A plain
-        bf16 weight is reordered on every call: prepacked, a 64-row matmul of the small demo
-        model takes 631 instead of 841 us, an 8-row one 176 instead of 361 us; one row pays
-        146 against ATen's GEMV's 118 us. The plain copy is released: one layout in memory."""
+    def pack_for_cpu(self, batch_hint: int, keep_plain: bool = False) -> None:
+        """Add oneDNN's prepacked weight, which every matmul then uses (bit-identical results).
+        A plain bf16 weight is reordered on every call: prepacked, a 64-row matmul of the small
+        demo model takes 631 instead of 841 us, an 8-row one 176 instead of 361 us; one row
+        pays 146 against ATen's GEMV's 118 us. The plain copy is released (one layout in
+        memory) unless `keep_plain`: the native CPU decode reads it."""
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), batch_hint)
-        self.weight.data = torch.empty(0, dtype=self.weight.dtype)
+        if not keep_plain:
+            self.weight.data = torch.empty(0, dtype=self.weight.dtype)
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packed is not None:
@@ -66,11 +68,11 @@ def cpu_prepack_supported(dtype: torch.dtype) -> bool:
     )
 
 
-def pack_linears_for_cpu(model: nn.Module, batch_hint: int) -> None:
+def pack_linears_for_cpu(model: nn.Module, batch_hint: int, keep_plain: bool = False) -> None:
     """Prepack every q/k/v, o, gate/up and down weight."""
     for module in model.modules():
         if isinstance(module, _CpuPackable):
-            module.pack_for_cpu(batch_hint)
+            module.pack_for_cpu(batch_hint, keep_plain)
 
 
 class MergedColumnLinear(_CpuPackable):

@@ -1,0 +1,136 @@
+"""Decode steps of a few sequences on the CPU as one native call (kernels/cpu_decode.c).
+
+A one-sequence decode step of the small demo model is ~270 MB of weight reads, ~8 ms at this
+machine's copy bandwidth, but ~27 ms through torch: ~500 operator calls whose dispatch and
+small-tensor overheads cost as much as the reads. The native forward runs every layer, the
+final norm and the LM head in one OpenMP region. Larger batches and prefills stay on torch,
+where oneDNN's matmuls win once a step is compute-bound.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+import torch.nn.functional as F
+
+from appliance.kernels import cpu_native
+from appliance.models.llama import LlamaForCausalLM
+
+# Up to this many decodes in a step take the native forward. Its matrix-vector loops read each
+# weight row once for all rows of the batch; past ~8 rows oneDNN's blocked GEMM is faster.
+MAX_BATCH = 8
+
+
+class FusedCpuDecode:
+    """Holds the pointers of every weight and KV tensor; the tensors must outlive it and never
+    move (the model's parameters and the runner's device pool do neither)."""
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        block_size: int,
+    ) -> None:
+        lib = cpu_native.load()
+        if lib is None:
+            raise RuntimeError(f"CPU decode kernels unavailable: {cpu_native.load_error()}")
+        args = model.args
+        dtype = model.model.embed_tokens.weight.dtype
+        self.dtype = dtype
+        self._forward = getattr(lib, f"decode_forward_{cpu_native.SUFFIX[dtype]}")
+        self.block_size = block_size
+        self.args = args
+        self.embed = model.model.embed_tokens.weight
+        self.lm_head = model.lm_head.weight
+        self.final_norm = model.model.norm.weight
+        # float32 tables: the torch path rounds cos/sin to the model dtype; float32 is closer
+        # to the reference and costs nothing here.
+        self.cos = model.model.rotary.cos.float().contiguous()
+        self.sin = model.model.rotary.sin.float().contiguous()
+        self.eps = float(model.model.norm.eps)
+        layers = model.model.layers
+        first = layers[0].self_attn
+        self.scale = float(first.attn.scale)
+        self.heads, self.kv_heads = first.num_heads, first.num_kv_heads
+        self.inter = layers[0].mlp.inter
+        rows = []
+        for layer, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
+            attn, mlp = layer.self_attn, layer.mlp
+            tensors = {
+                "ln1": layer.input_layernorm.weight,
+                "wqkv": attn.qkv_proj.weight,
+                "bqkv": attn.qkv_proj.bias,
+                "wo": attn.o_proj.weight,
+                "ln2": layer.post_attention_layernorm.weight,
+                "wgu": mlp.gate_up_proj.weight,
+                "wdown": mlp.down_proj.weight,
+                "k_cache": k_cache,
+                "v_cache": v_cache,
+            }
+            rows.append([self._checked(name, t) for name, t in tensors.items()])
+            if attn.attn.spec.kv_cache_dtype != "auto":
+                raise ValueError("the native decode needs a model-dtype KV cache")
+        for name, t in (("embed", self.embed), ("lm_head", self.lm_head), ("norm", self.final_norm)):
+            self._checked(name, t)
+        self.layer_ptrs = torch.tensor(rows, dtype=torch.int64)
+        self.vocab = self.lm_head.shape[0]
+
+    def _checked(self, name: str, t: torch.Tensor | None) -> int:
+        if t is None:
+            return 0
+        if t.dtype != self.dtype or not t.is_contiguous() or t.device.type != "cpu" or t.numel() == 0:
+            raise ValueError(
+                f"native decode: {name} must be a contiguous, non-empty CPU {self.dtype} tensor "
+                f"(got {t.dtype}, shape {tuple(t.shape)})"
+            )
+        return t.data_ptr()
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+    ) -> torch.Tensor:
+        """One decode token per sequence -> float32 logits [batch, vocab]; writes each token's
+        K/V into its slot, as the torch forward does."""
+        batch = input_ids.shape[0]
+        a = self.args
+        hidden = F.embedding(input_ids, self.embed).float().contiguous()
+        logits = torch.empty(batch, self.vocab, dtype=torch.float32)
+        tables = block_tables.to(torch.int32).contiguous()
+        lens = seq_lens.to(torch.int32).contiguous()
+        pos = positions.to(torch.int64).contiguous()
+        slot_ids = slots.to(torch.int64).contiguous()
+        shape = cpu_native.shape_vector(
+            batch=batch, layers=a.num_layers, hidden=a.hidden_size, heads=self.heads,
+            kv_heads=self.kv_heads, head_dim=a.head_dim, inter=self.inter,
+            vocab=self.vocab, block_size=self.block_size, table_stride=tables.shape[1],
+            threads=torch.get_num_threads(),
+        )  # fmt: skip
+        p = cpu_native.ptr
+        rc = self._forward(
+            p(shape), p(self.layer_ptrs), p(self.final_norm), p(self.lm_head), p(self.cos),
+            p(self.sin), p(pos), p(slot_ids), p(tables), p(lens), ctypes.c_float(self.eps),
+            ctypes.c_float(self.scale), p(hidden), p(logits),
+        )  # fmt: skip
+        if rc != 0:
+            raise MemoryError("native decode: out of memory for its scratch buffers")
+        return logits[:, : a.vocab_size]
+
+
+def try_fused_cpu_decode(
+    model: LlamaForCausalLM,
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    block_size: int,
+) -> FusedCpuDecode | None:
+    """The native decode when this model, dtype and cache allow it, else None."""
+    dtype = model.model.embed_tokens.weight.dtype
+    if not cpu_native.supports(dtype, model.args.head_dim, model.args.num_heads // model.args.num_kv_heads):
+        return None
+    try:
+        return FusedCpuDecode(model, kv_caches, block_size)
+    except ValueError:
+        return None

@@ -1,0 +1,359 @@
+/* Decode steps of a Llama-family model on the CPU, in one call.
+ *
+ * A decode step of a few sequences is bound by reading the weights once. In torch it is ~500
+ * small operator calls whose dispatch costs as much as the reads; here the whole forward (every
+ * layer, the final norm and the LM head) runs inside one OpenMP region: the matrix-vector
+ * products are split across threads by output row, everything between them is small.
+ *
+ * Weights, norms, biases and the KV cache are in the model dtype T (bfloat16 or float32);
+ * activations stay in float32. Layout matches the torch path (kernels/paged_attention.py):
+ * k_cache/v_cache [num_blocks, block_size, num_kv_heads, head_dim], rotate-half rotary tables
+ * [max_position, head_dim], merged q|k|v and gate|up projections (rows = output features).
+ *
+ * Built by kernels/cpu_native.py with the box's C compiler (-march=native); also exports
+ * paged_decode_attention_* for the torch path's larger decode batches.
+ */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Per-layer pointers, in this order (see cpu_native.py LAYER_FIELDS). */
+enum { P_LN1, P_WQKV, P_BQKV, P_WO, P_LN2, P_WGU, P_WDOWN, P_KCACHE, P_VCACHE, P_COUNT };
+
+/* Shapes, in this order (see cpu_native.py SHAPE_FIELDS). */
+typedef struct {
+    int64_t batch, layers, hidden, heads, kv_heads, head_dim, inter, vocab;
+    int64_t block_size, table_stride, threads;
+} Shape;
+
+/* Tokens of one attention chunk: scores live on the stack. */
+#define CHUNK 64
+/* Limits the Python side checks (cpu_native.py MAX_GROUP / MAX_HEAD_DIM). */
+#define MAX_GROUP 16
+#define MAX_HEAD_DIM 256
+/* Tokens ahead whose K/V rows are prefetched. */
+#define PREFETCH 16
+
+static inline float bf16_load(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Round to nearest even, as torch's float -> bfloat16. */
+static inline uint16_t bf16_store(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float f32_load(float f) { return f; }
+static inline float f32_store(float f) { return f; }
+
+static inline float silu(float x) { return x / (1.0f + expf(-x)); }
+
+/* GCC/Clang vector extensions: 16 floats, lowered to whatever SIMD the -march has. */
+typedef float v16f __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+
+static inline v16f f32_loadv(const float *p) {
+    v16f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline v16f bf16_loadv(const uint16_t *p) {
+    v16h h;
+    memcpy(&h, p, sizeof h);
+    v16u u = __builtin_convertvector(h, v16u) << 16;
+    v16f v;
+    memcpy(&v, &u, sizeof v);
+    return v;
+}
+
+static inline float hsum(v16f v) {
+    float s = 0.0f;
+    for (int i = 0; i < 16; i++) s += v[i];
+    return s;
+}
+
+/* NB dot products of one weight row (loaded once per 16 columns) with NB rows of x. */
+#define DOT_ROWS(LOADV, LOAD, NB)                                                              \
+    do {                                                                                       \
+        v16f acc[NB];                                                                          \
+        for (int b = 0; b < NB; b++) acc[b] = (v16f){0};                                       \
+        int64_t j = 0;                                                                         \
+        for (; j + 16 <= k; j += 16) {                                                         \
+            v16f wv = LOADV(row + j);                                                          \
+            for (int b = 0; b < NB; b++) acc[b] += wv * f32_loadv(x + b * k + j);              \
+        }                                                                                      \
+        for (int b = 0; b < NB; b++) {                                                         \
+            float s = hsum(acc[b]);                                                            \
+            for (int64_t jj = j; jj < k; jj++) s += LOAD(row[jj]) * x[b * k + jj];             \
+            out[b] = s;                                                                        \
+        }                                                                                      \
+    } while (0)
+
+#define DEFINE_KERNELS(SUFFIX, T, LOAD, STORE, LOADV)                                                   \
+                                                                                                 \
+    /* out[b] = row . x[b, :] for nb <= 4 rows of x: one weight load feeds nb independent   \
+     * accumulator chains. */                                                                   \
+    static inline void dot_##SUFFIX(const T *row, const float *x, int64_t k, int64_t nb,       \
+                                    float *out) {                                              \
+        switch (nb) {                                                                          \
+        case 1: DOT_ROWS(LOADV, LOAD, 1); break;                                               \
+        case 2: DOT_ROWS(LOADV, LOAD, 2); break;                                               \
+        case 3: DOT_ROWS(LOADV, LOAD, 3); break;                                               \
+        default: DOT_ROWS(LOADV, LOAD, 4); break;                                              \
+        }                                                                                      \
+    }                                                                                          \
+                                                                                               \
+    /* y[b, n] (+)= x[b, :] . w[n, :] (+ bias[n]) for the rows n of this thread. */           \
+    static void matvec_##SUFFIX(const float *x, const T *w, const T *bias, float *y,           \
+                                int64_t batch, int64_t n_out, int64_t k, int accumulate) {     \
+        _Pragma("omp for schedule(static)")                                                    \
+        for (int64_t n = 0; n < n_out; n++) {                                                  \
+            const T *row = w + n * k;                                                          \
+            float b0 = bias ? LOAD(bias[n]) : 0.0f, dots[4];                                   \
+            for (int64_t b0i = 0; b0i < batch; b0i += 4) {                                     \
+                int64_t nb = batch - b0i < 4 ? batch - b0i : 4;                                \
+                dot_##SUFFIX(row, x + b0i * k, k, nb, dots);                                   \
+                for (int64_t i = 0; i < nb; i++) {                                             \
+                    float *dst = y + (b0i + i) * n_out + n;                                    \
+                    *dst = (accumulate ? *dst : 0.0f) + dots[i] + b0;                          \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+    }                                                                                          \
+                                                                                               \
+    /* act[b, i] = silu(gate_i . x) * (up_i . x): both rows of output i on one thread. */     \
+    static void gate_up_##SUFFIX(const float *x, const T *w, float *act, int64_t batch,        \
+                                 int64_t inter, int64_t k) {                                   \
+        _Pragma("omp for schedule(static)")                                                    \
+        for (int64_t i = 0; i < inter; i++) {                                                  \
+            const T *g = w + i * k, *u = w + (inter + i) * k;                                  \
+            float gd[4], ud[4];                                                                \
+            for (int64_t b0i = 0; b0i < batch; b0i += 4) {                                     \
+                int64_t nb = batch - b0i < 4 ? batch - b0i : 4;                                \
+                dot_##SUFFIX(g, x + b0i * k, k, nb, gd);                                       \
+                dot_##SUFFIX(u, x + b0i * k, k, nb, ud);                                       \
+                for (int64_t j = 0; j < nb; j++) act[(b0i + j) * inter + i] = silu(gd[j]) * ud[j]; \
+            }                                                                                  \
+        }                                                                                      \
+    }                                                                                          \
+                                                                                               \
+    static void rms_norm_##SUFFIX(const float *x, const T *weight, float *out, int64_t batch,    \
+                                  int64_t hidden, float eps) {                                   \
+        _Pragma("omp for schedule(static)")                                                      \
+        for (int64_t b = 0; b < batch; b++) {                                                    \
+            const float *xb = x + b * hidden;                                                    \
+            float ss = 0.0f;                                                                     \
+            for (int64_t j = 0; j < hidden; j++) ss += xb[j] * xb[j];                            \
+            float r = 1.0f / sqrtf(ss / (float)hidden + eps);                                    \
+            for (int64_t j = 0; j < hidden; j++) out[b * hidden + j] = LOAD(weight[j]) * xb[j] * r; \
+        }                                                                                        \
+    }                                                                                            \
+                                                                                                 \
+    /* The `group` query heads [group, head_dim] that share one KV head, over one sequence's   \
+     * context in the paged cache: each K/V row is read once for the group; online softmax a  \
+     * chunk at a time, float32 throughout; rows a few tokens ahead are prefetched (the        \
+     * blocks are scattered, so the hardware prefetcher cannot follow). */                     \
+    static void attend_group_##SUFFIX(const float *q, const T *k_cache, const T *v_cache,      \
+                                      const int32_t *table, int64_t seq_len, int64_t kv_head,  \
+                                      int64_t group, const Shape *s, float scale, float *out) { \
+        const int64_t d = s->head_dim, row = s->kv_heads * d, bs = s->block_size;              \
+        const int vec = d % 16 == 0;                                                           \
+        float m[MAX_GROUP], l[MAX_GROUP], scores[MAX_GROUP][CHUNK];                            \
+        for (int64_t h = 0; h < group; h++) {                                                  \
+            m[h] = -FLT_MAX;                                                                   \
+            l[h] = 0.0f;                                                                       \
+        }                                                                                      \
+        for (int64_t j = 0; j < group * d; j++) out[j] = 0.0f;                                 \
+        for (int64_t t0 = 0; t0 < seq_len; t0 += CHUNK) {                                      \
+            int64_t n = seq_len - t0 < CHUNK ? seq_len - t0 : CHUNK;                           \
+            for (int64_t t = 0; t < n; t++) {                                                  \
+                int64_t pos = t0 + t, ahead = pos + PREFETCH;                                  \
+                if (ahead < seq_len) {                                                         \
+                    int64_t slot = (int64_t)table[ahead / bs] * bs + ahead % bs;               \
+                    const char *kp = (const char *)(k_cache + slot * row + kv_head * d);       \
+                    const char *vp = (const char *)(v_cache + slot * row + kv_head * d);       \
+                    for (int64_t off = 0; off < d * (int64_t)sizeof(T); off += 64) {           \
+                        __builtin_prefetch(kp + off);                                          \
+                        __builtin_prefetch(vp + off);                                          \
+                    }                                                                          \
+                }                                                                              \
+                int64_t slot = (int64_t)table[pos / bs] * bs + pos % bs;                       \
+                const T *kr = k_cache + slot * row + kv_head * d;                              \
+                for (int64_t h = 0; h < group; h++) {                                          \
+                    const float *qh = q + h * d;                                               \
+                    float dot = 0.0f;                                                          \
+                    if (vec) {                                                                 \
+                        v16f acc = (v16f){0};                                                  \
+                        for (int64_t j = 0; j < d; j += 16)                                    \
+                            acc += f32_loadv(qh + j) * LOADV(kr + j);                          \
+                        dot = hsum(acc);                                                       \
+                    } else {                                                                   \
+                        for (int64_t j = 0; j < d; j++) dot += qh[j] * LOAD(kr[j]);            \
+                    }                                                                          \
+                    scores[h][t] = dot * scale;                                                \
+                }                                                                              \
+            }                                                                                  \
+            for (int64_t h = 0; h < group; h++) {                                              \
+                float cm = m[h];                                                               \
+                for (int64_t t = 0; t < n; t++) cm = scores[h][t] > cm ? scores[h][t] : cm;     \
+                float correction = expf(m[h] - cm);                                            \
+                l[h] *= correction;                                                            \
+                for (int64_t j = 0; j < d; j++) out[h * d + j] *= correction;                  \
+                for (int64_t t = 0; t < n; t++) {                                              \
+                    scores[h][t] = expf(scores[h][t] - cm);                                    \
+                    l[h] += scores[h][t];                                                      \
+                }                                                                              \
+                m[h] = cm;                                                                     \
+            }                                                                                  \
+            for (int64_t t = 0; t < n; t++) {                                                  \
+                int64_t pos = t0 + t;                                                          \
+                int64_t slot = (int64_t)table[pos / bs] * bs + pos % bs;                       \
+                const T *vr = v_cache + slot * row + kv_head * d;                              \
+                if (vec) {                                                                     \
+                    for (int64_t j = 0; j < d; j += 16) {                                      \
+                        v16f vv = LOADV(vr + j);                                               \
+                        for (int64_t h = 0; h < group; h++) {                                  \
+                            v16f o = f32_loadv(out + h * d + j) + scores[h][t] * vv;           \
+                            memcpy(out + h * d + j, &o, sizeof o);                             \
+                        }                                                                      \
+                    }                                                                          \
+                } else {                                                                       \
+                    for (int64_t h = 0; h < group; h++)                                        \
+                        for (int64_t j = 0; j < d; j++) out[h * d + j] += scores[h][t] * LOAD(vr[j]); \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+        for (int64_t h = 0; h < group; h++) {                                                  \
+            float inv = 1.0f / l[h];                                                           \
+            for (int64_t j = 0; j < d; j++) out[h * d + j] *= inv;                             \
+        }                                                                                      \
+    }                                                                                          \
+                                                                                               \
+    /* Decode attention, one query per sequence: q [batch, heads, head_dim] (float32), out the \
+     * same. Work is split by (sequence, KV head). */                                          \
+    static void attention_##SUFFIX(const float *q, const T *k_cache, const T *v_cache,         \
+                                   const int32_t *tables, const int32_t *seq_lens,             \
+                                   const Shape *s, float scale, float *out) {                  \
+        const int64_t group = s->heads / s->kv_heads, d = s->head_dim;                         \
+        _Pragma("omp for schedule(dynamic, 1)")                                                \
+        for (int64_t w = 0; w < s->batch * s->kv_heads; w++) {                                 \
+            int64_t b = w / s->kv_heads, g = w % s->kv_heads;                                  \
+            int64_t first = (b * s->heads + g * group) * d;                                    \
+            attend_group_##SUFFIX(q + first, k_cache, v_cache, tables + b * s->table_stride,   \
+                                  seq_lens[b], g, group, s, scale, out + first);               \
+        }                                                                                      \
+    }                                                                                          \
+                                                                                               \
+    /* Rotate q and k (rotate-half), then store k and v of each sequence's new token. */         \
+    static void rotate_and_store_##SUFFIX(float *qkv, const float *cos_table,                    \
+                                          const float *sin_table, const int64_t *positions,      \
+                                          const int64_t *slots, T *k_cache, T *v_cache,          \
+                                          const Shape *s) {                                      \
+        const int64_t d = s->head_dim, half = d / 2, heads = s->heads + s->kv_heads;             \
+        const int64_t width = (s->heads + 2 * s->kv_heads) * d;                                  \
+        _Pragma("omp for schedule(static)")                                                      \
+        for (int64_t w = 0; w < s->batch * heads; w++) {                                         \
+            int64_t b = w / heads, h = w % heads;                                                \
+            float *x = qkv + b * width + h * d;                                                  \
+            const float *c = cos_table + positions[b] * d, *sn = sin_table + positions[b] * d;   \
+            for (int64_t j = 0; j < half; j++) {                                                 \
+                float x1 = x[j], x2 = x[j + half];                                               \
+                x[j] = x1 * c[j] - x2 * sn[j];                                                   \
+                x[j + half] = x2 * c[j + half] + x1 * sn[j + half];                              \
+            }                                                                                    \
+            if (h >= s->heads && slots[b] >= 0) {                                                \
+                int64_t kv = h - s->heads;                                                       \
+                T *kd = k_cache + (slots[b] * s->kv_heads + kv) * d;                             \
+                T *vd = v_cache + (slots[b] * s->kv_heads + kv) * d;                             \
+                const float *v = qkv + b * width + (s->heads + s->kv_heads + kv) * d;            \
+                for (int64_t j = 0; j < d; j++) {                                                \
+                    kd[j] = STORE(x[j]);                                                         \
+                    vd[j] = STORE(v[j]);                                                         \
+                }                                                                                \
+            }                                                                                    \
+        }                                                                                        \
+    }                                                                                            \
+                                                                                                 \
+    /* The whole decode forward. hidden [batch, hidden] holds the token embeddings on entry;     \
+     * logits [batch, vocab] receive the LM head's output. Returns 0, or -1 if out of memory. */ \
+    int decode_forward_##SUFFIX(const int64_t *shape, const int64_t *layer_ptrs,                 \
+                                const T *final_norm, const T *lm_head, const float *cos_table,   \
+                                const float *sin_table, const int64_t *positions,                \
+                                const int64_t *slots, const int32_t *tables,                     \
+                                const int32_t *seq_lens, float eps, float scale, float *hidden,  \
+                                float *logits) {                                                 \
+        const Shape *s = (const Shape *)shape;                                                   \
+        const int64_t hs = s->hidden, qkv_w = (s->heads + 2 * s->kv_heads) * s->head_dim;        \
+        const int64_t q_w = s->heads * s->head_dim;                                              \
+        size_t floats = (size_t)s->batch * (hs + qkv_w + q_w + s->inter);                        \
+        float *scratch = malloc(floats * sizeof(float));                                         \
+        if (!scratch) return -1;                                                                 \
+        float *normed = scratch, *qkv = normed + s->batch * hs;                                  \
+        float *attn = qkv + s->batch * qkv_w, *act = attn + s->batch * q_w;                      \
+        _Pragma("omp parallel num_threads(s->threads)")                                          \
+        {                                                                                        \
+            for (int64_t layer = 0; layer < s->layers; layer++) {                                \
+                const int64_t *p = layer_ptrs + layer * P_COUNT;                                 \
+                T *k_cache = (T *)(intptr_t)p[P_KCACHE], *v_cache = (T *)(intptr_t)p[P_VCACHE];  \
+                rms_norm_##SUFFIX(hidden, (const T *)(intptr_t)p[P_LN1], normed, s->batch, hs,   \
+                                  eps);                                                          \
+                matvec_##SUFFIX(normed, (const T *)(intptr_t)p[P_WQKV],                          \
+                                (const T *)(intptr_t)p[P_BQKV], qkv, s->batch, qkv_w, hs, 0);    \
+                rotate_and_store_##SUFFIX(qkv, cos_table, sin_table, positions, slots, k_cache,  \
+                                          v_cache, s);                                           \
+                /* Queries are the first heads*head_dim columns of each qkv row. */              \
+                _Pragma("omp for schedule(static)")                                              \
+                for (int64_t b = 0; b < s->batch; b++)                                           \
+                    memcpy(attn + b * q_w, qkv + b * qkv_w, q_w * sizeof(float));                \
+                attention_##SUFFIX(attn, k_cache, v_cache, tables, seq_lens, s, scale, qkv);     \
+                matvec_##SUFFIX(qkv, (const T *)(intptr_t)p[P_WO], NULL, hidden, s->batch, hs,   \
+                                q_w, 1);                                                         \
+                rms_norm_##SUFFIX(hidden, (const T *)(intptr_t)p[P_LN2], normed, s->batch, hs,   \
+                                  eps);                                                          \
+                gate_up_##SUFFIX(normed, (const T *)(intptr_t)p[P_WGU], act, s->batch,           \
+                                 s->inter, hs);                                                  \
+                matvec_##SUFFIX(act, (const T *)(intptr_t)p[P_WDOWN], NULL, hidden, s->batch,    \
+                                hs, s->inter, 1);                                                \
+            }                                                                                    \
+            rms_norm_##SUFFIX(hidden, final_norm, normed, s->batch, hs, eps);                    \
+            matvec_##SUFFIX(normed, lm_head, NULL, logits, s->batch, s->vocab, hs, 0);           \
+        }                                                                                        \
+        free(scratch);                                                                           \
+        return 0;                                                                                \
+    }                                                                                            \
+                                                                                                 \
+    /* Decode attention alone, for the torch path: q/out [batch, heads, head_dim] in T. */     \
+    int paged_decode_attention_##SUFFIX(const int64_t *shape, const T *q, const T *k_cache,    \
+                                        const T *v_cache, const int32_t *tables,               \
+                                        const int32_t *seq_lens, float scale, T *out) {        \
+        const Shape *s = (const Shape *)shape;                                                 \
+        const int64_t d = s->head_dim, group = s->heads / s->kv_heads;                         \
+        _Pragma("omp parallel num_threads(s->threads)")                                        \
+        {                                                                                      \
+            float qf[MAX_GROUP * MAX_HEAD_DIM], of[MAX_GROUP * MAX_HEAD_DIM];                  \
+            _Pragma("omp for schedule(dynamic, 1)")                                            \
+            for (int64_t w = 0; w < s->batch * s->kv_heads; w++) {                             \
+                int64_t b = w / s->kv_heads, g = w % s->kv_heads;                              \
+                int64_t first = (b * s->heads + g * group) * d;                                \
+                for (int64_t j = 0; j < group * d; j++) qf[j] = LOAD(q[first + j]);            \
+                attend_group_##SUFFIX(qf, k_cache, v_cache, tables + b * s->table_stride,      \
+                                      seq_lens[b], g, group, s, scale, of);                    \
+                for (int64_t j = 0; j < group * d; j++) out[first + j] = STORE(of[j]);         \
+            }                                                                                  \
+        }                                                                                      \
+        return 0;                                                                              \
+    }
+
+DEFINE_KERNELS(bf16, uint16_t, bf16_load, bf16_store, bf16_loadv)
+DEFINE_KERNELS(f32, float, f32_load, f32_store, f32_loadv)

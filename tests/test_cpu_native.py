@@ -1,0 +1,205 @@
+"""The native CPU decode kernels (kernels/cpu_decode.c) against the torch reference: decode
+attention over the paged cache at several block sizes, head groupings and head sizes; the
+whole-model decode forward against the torch forward (logits and the K/V it writes), on a
+Llama and a Qwen2-shaped model; and the engine's fallback when the kernels cannot be built."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from appliance.kernels import cpu_native, cpu_paged_attention
+from appliance.kernels.paged_attention import paged_attention
+
+from appliance.config import load_config
+from appliance.engine.cpu_decode import MAX_BATCH
+from appliance.engine.llm_engine import Engine
+from appliance.layers.linear import cpu_prepack_supported
+from appliance.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.skipif(
+    cpu_native.load() is None, reason=f"native kernels unavailable: {cpu_native.load_error()}"
+)
+
+
+def random_paged_batch(
+    seq_lens: list[int], block_size: int, heads: int, kv_heads: int, head_dim: int, seed: int
+) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 5
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    # Scattered, shuffled block ids, padded with 0 as the runner pads its tables.
+    ids = torch.randperm(num_blocks, generator=gen).tolist()
+    width = max(blocks_per_seq)
+    rows, start = [], 0
+    for n in blocks_per_seq:
+        rows.append(ids[start : start + n] + [0] * (width - n))
+        start += n
+    query = torch.randn(len(seq_lens), heads, head_dim, generator=gen)
+    return query, k_cache, v_cache, torch.tensor(rows), torch.tensor(seq_lens)
+
+
+@pytest.mark.parametrize(
+    ("block_size", "heads", "kv_heads", "head_dim"),
+    [(16, 9, 3, 64), (1, 4, 4, 32), (32, 8, 1, 128), (16, 6, 2, 40)],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_matches_torch_reference(
+    block_size: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> None:
+    # Lengths cross the kernel's 64-token chunks and the block boundaries; one is a lone token.
+    seq_lens = [1, 17, 64, 65, 150, 300]
+    query, k_cache, v_cache, tables, lens = random_paged_batch(
+        seq_lens, block_size, heads, kv_heads, head_dim, seed=block_size + head_dim
+    )
+    query, k_cache, v_cache = query.to(dtype), k_cache.to(dtype), v_cache.to(dtype)
+    scale = head_dim**-0.5
+    out = cpu_native.paged_decode_attention(query, k_cache, v_cache, tables, lens, scale)
+    # The reference in float64 on the same (already rounded) inputs.
+    reference = paged_attention(
+        query.double(), k_cache.double(), v_cache.double(), tables, lens,
+        torch.arange(len(seq_lens) + 1), scale, 1, max(seq_lens),
+    )  # fmt: skip
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
+    torch.testing.assert_close(out.double(), reference, **tol)
+    assert out.dtype == dtype
+
+
+@pytest.mark.parametrize("max_query_len", [1, 5])
+def test_cpu_backend_sends_decodes_native_and_the_rest_to_torch(
+    max_query_len: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seq_lens = [9, 40, 33]
+    query, k_cache, v_cache, tables, lens = random_paged_batch(seq_lens, 16, 4, 2, 32, seed=3)
+    query = query.repeat_interleave(max_query_len, dim=0)
+    qsl = torch.arange(len(seq_lens) + 1) * max_query_len
+    args = (query, k_cache, v_cache, tables, lens, qsl, 0.2, max_query_len, max(seq_lens))
+    calls: list[int] = []
+    native = cpu_native.paged_decode_attention
+    monkeypatch.setattr(cpu_native, "paged_decode_attention", lambda *a: calls.append(1) or native(*a))
+    out = cpu_paged_attention(*args)
+    torch.testing.assert_close(out, paged_attention(*args), atol=1e-5, rtol=1e-5)
+    assert len(calls) == (max_query_len == 1)
+    # A quantized cache always takes the torch path (the kernels read model-dtype caches).
+    calls.clear()
+    scale = torch.ones(2)
+    cpu_paged_attention(*args[:7], max_query_len, max(seq_lens), "int8", scale, scale)
+    assert not calls
+
+
+def engine(model_dir: Path, dtype: str, native: bool, block_size: int = 16) -> Engine:
+    return Engine(
+        load_config(
+            None,
+            {
+                "model.path": str(model_dir),
+                "model.dtype": dtype,
+                "model.cpu_decode_kernel": native,
+                "cache.block_size": block_size,
+                "cache.kv_cache_memory": 0.1,
+                "hardware.device": "cpu",
+            },
+        )
+    )
+
+
+def lockstep(
+    model_dir: Path, dtype: str, block_size: int, batch: int
+) -> tuple[list[Engine], list[list[list[float]]]]:
+    """Run the same requests on a native-decode engine and a torch-only one, step by step;
+    return both engines and each one's top-5 logprobs of every sampled token."""
+    engines = [engine(model_dir, dtype, native, block_size) for native in (True, False)]
+    assert engines[0].loaded.runner.fused_decode is not None
+    assert engines[1].loaded.runner.fused_decode is None
+    rng = random.Random(batch)
+    prompts = [[rng.randrange(10, 4000) for _ in range(rng.randrange(1, 90))] for _ in range(batch)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=5)
+    for eng in engines:
+        for p in prompts:
+            eng.add_request(p, params)
+    logprobs: list[list[list[float]]] = [[], []]
+    while engines[0].has_unfinished():
+        for i, eng in enumerate(engines):
+            for out in eng.step():
+                for lp in out.new_logprobs or []:
+                    # Values only, best first: robust to ties between token ids.
+                    logprobs[i].append([lp.logprob, *(v for _, v in lp.top)])
+    assert not engines[1].has_unfinished()
+    return engines, logprobs
+
+
+@pytest.mark.parametrize(("block_size", "batch"), [(16, 1), (1, 3), (32, MAX_BATCH)])
+def test_native_decode_matches_torch_forward_float32(
+    tiny_model_dir: Path, block_size: int, batch: int
+) -> None:
+    (native, plain), (lp_native, lp_plain) = lockstep(tiny_model_dir, "float32", block_size, batch)
+    assert native.loaded.runner.native_decode_steps > 0
+    assert plain.loaded.runner.native_decode_steps == 0
+    torch.testing.assert_close(torch.tensor(lp_native), torch.tensor(lp_plain), atol=1e-4, rtol=1e-4)
+    # The K/V the native forward wrote equal the torch forward's.
+    for (k1, v1), (k2, v2) in zip(
+        native.loaded.runner.kv.device_caches, plain.loaded.runner.kv.device_caches, strict=True
+    ):
+        torch.testing.assert_close(k1, k2, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v1, v2, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not cpu_prepack_supported(torch.bfloat16), reason="torch built without oneDNN")
+def test_prepacked_linears_keep_the_plain_weight_the_native_decode_reads(
+    tiny_model_dir: Path,
+) -> None:
+    eng = engine(tiny_model_dir, "bfloat16", native=True)
+    down = eng.loaded.model.model.layers[0].mlp.down_proj
+    assert down.packed is not None and down.weight.numel() > 0
+    assert eng.loaded.runner.fused_decode is not None
+    out = eng.generate([[5, 6, 7], [9, 10]], SamplingParams(max_tokens=6, temperature=0.0))
+    assert [len(o.token_ids) for o in out] == [6, 6]
+    assert eng.loaded.runner.native_decode_steps > 0
+
+
+def test_native_decode_on_qwen2_bias_and_tied_embeddings(qwen2_model_dir: Path) -> None:
+    _, (lp_native, lp_plain) = lockstep(qwen2_model_dir, "float32", 16, 4)
+    torch.testing.assert_close(torch.tensor(lp_native), torch.tensor(lp_plain), atol=1e-4, rtol=1e-4)
+
+
+def test_native_decode_bf16_close_to_float32(tiny_model_dir: Path) -> None:
+    """In bf16 the native forward keeps activations in float32 where torch rounds each op's
+    output to bf16: compare both with the float32 model's logprobs, the native one must be at
+    least as close."""
+    _, (lp_native, lp_plain) = lockstep(tiny_model_dir, "bfloat16", 16, 1)
+    _, (lp_ref, _) = lockstep(tiny_model_dir, "float32", 16, 1)
+    ref = torch.tensor(lp_ref)
+    err_native = (torch.tensor(lp_native) - ref).abs().max().item()
+    err_plain = (torch.tensor(lp_plain) - ref).abs().max().item()
+    assert err_native <= err_plain + 1e-3, (err_native, err_plain)
+
+
+def test_without_a_compiler_the_engine_falls_back_to_torch(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("APPLIANCE_KERNEL_CACHE", str(tmp_path / "kernels"))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    cpu_native.load.cache_clear()
+    try:
+        assert cpu_native.load() is None
+        assert "no-such-compiler" in (cpu_native.load_error() or "")
+        eng = engine(tiny_model_dir, "float32", native=True)
+        assert eng.loaded.runner.fused_decode is None
+        out = eng.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0.0))
+        assert len(out[0].token_ids) == 4
+    finally:
+        monkeypatch.undo()
+        cpu_native.load.cache_clear()
+    assert cpu_native.load() is not None and cpu_native.load_error() is None
+
+
+def test_build_is_cached_per_source_and_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("APPLIANCE_KERNEL_CACHE", str(tmp_path))
+    first = cpu_native.build()
+    mtime = first.stat().st_mtime_ns
+    assert cpu_native.build() == first and first.stat().st_mtime_ns == mtime
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]
