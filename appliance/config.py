@@ -48,9 +48,9 @@ class ModelConfig(_Section):
     # `path` holds no model yet, e.g. "llama-2-13b": plan before the weights are on the box.
     architecture: str = ""
     # CPU, bf16: reorder the layers' weights once into oneDNN's blocked layout (faster
-    # matmuls from two rows up, slightly slower at one; the same memory and the same results).
+    # matmuls from two rows up, slightly slower at one; the same results).
     cpu_prepack_weights: bool = True
-    # CPU, bf16/float32: run decode steps of up to 8 sequences as one native call
+    # CPU, bf16/float32: run decode steps of up to 6 sequences as one native call
     # (kernels/cpu_decode.c, compiled on first start with the box's C compiler; without one
     # the torch path runs). With cpu_prepack_weights the linears then keep both layouts.
     cpu_decode_kernel: bool = True

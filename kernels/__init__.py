@@ -54,7 +54,7 @@ def cpu_paged_attention(
         and kv_cache_dtype == "auto"
         and query.device.type == "cpu"
         and query.dtype == k_cache.dtype
-        and cpu_native.supports(query.dtype, query.shape[-1], query.shape[1] // k_cache.shape[2])
+        and cpu_native.supports(query.dtype, query.shape[1] // k_cache.shape[2])
     ):
         return cpu_native.paged_decode_attention(
             query, k_cache, v_cache, block_tables, seq_lens, scale

@@ -32,6 +32,8 @@ typedef struct {
 #define CHUNK 64
 /* Limits the Python side checks (cpu_native.py MAX_GROUP / MAX_HEAD_DIM). */
 #define MAX_GROUP 16
+/* Query heads one attention work item holds scores for (a multiple of MAX_GROUP). */
+#define MAX_QUERY_HEADS 64
 #define MAX_HEAD_DIM 256
 /* Tokens ahead whose K/V rows are prefetched. */
 #define PREFETCH 16
@@ -81,6 +83,33 @@ static inline float hsum(v16f v) {
     float s = 0.0f;
     for (int i = 0; i < 16; i++) s += v[i];
     return s;
+}
+
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+/* e^x for 16 lanes (Cephes' expf polynomial, ~1 ulp on [-87, 88]; below -87 it is 0, as the
+ * softmax wants for masked or far-below-max scores). glibc's expf is scalar here. */
+static inline v16f exp_v16(v16f x) {
+    v16i too_small = x < -87.0f;
+    v16i too_big = x > 88.0f;
+    x = (v16f)(((v16i)x & ~too_big) | ((v16i)((v16f){0} + 88.0f) & too_big));
+    x = (v16f)(((v16i)x & ~too_small) | ((v16i)((v16f){0} - 87.0f) & too_small));
+    /* n = floor(x log2(e) + 1/2) by conversion (the add-a-magic-number trick does not survive
+     * -fassociative-math). */
+    v16f y = x * 1.44269504088896341f + 0.5f;
+    v16i ni = __builtin_convertvector(y, v16i);
+    ni += (v16i)(__builtin_convertvector(ni, v16f) > y); /* truncation went up: minus one */
+    v16f n = __builtin_convertvector(ni, v16f);
+    v16f r = x - n * 0.693359375f - n * -2.12194440e-4f;
+    v16f p = (v16f){0} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    v16f scaled = (v16f)((v16i)p + (ni << 23));
+    return (v16f)((v16i)scaled & ~too_small);
 }
 
 /* NB dot products of one weight row (loaded once per 16 columns) with NB rows of x. */
@@ -160,98 +189,116 @@ static inline float hsum(v16f v) {
         }                                                                                        \
     }                                                                                            \
                                                                                                  \
-    /* The `group` query heads [group, head_dim] that share one KV head, over one sequence's   \
-     * context in the paged cache: each K/V row is read once for the group; online softmax a  \
-     * chunk at a time, float32 throughout; rows a few tokens ahead are prefetched (the        \
-     * blocks are scattered, so the hardware prefetcher cannot follow). */                     \
-    static void attend_group_##SUFFIX(const float *q, const T *k_cache, const T *v_cache,      \
-                                      const int32_t *table, int64_t seq_len, int64_t kv_head,  \
-                                      int64_t group, const Shape *s, float scale, float *out) { \
+    /* Query heads [nkv * group, head_dim] of KV heads g0 .. g0+nkv-1 over one sequence's      \
+     * context in the paged cache: each K/V row is read once for all of them; online softmax a \
+     * chunk at a time, float32 throughout; rows some tokens ahead are prefetched (the blocks  \
+     * are scattered, so the hardware prefetcher cannot follow). */                            \
+    static void attend_heads_##SUFFIX(const float *q, const T *k_cache, const T *v_cache,      \
+                                      const int32_t *table, int64_t seq_len, int64_t g0,       \
+                                      int64_t nkv, int64_t group, const Shape *s, float scale, \
+                                      float *out) {                                            \
         const int64_t d = s->head_dim, row = s->kv_heads * d, bs = s->block_size;              \
+        const int64_t nq = nkv * group, span = nkv * d * (int64_t)sizeof(T);                   \
         const int vec = d % 16 == 0;                                                           \
-        float m[MAX_GROUP], l[MAX_GROUP], scores[MAX_GROUP][CHUNK];                            \
-        for (int64_t h = 0; h < group; h++) {                                                  \
+        float m[MAX_QUERY_HEADS], l[MAX_QUERY_HEADS];                                          \
+        float scores[MAX_QUERY_HEADS][CHUNK] = {{0}};                                          \
+        for (int64_t h = 0; h < nq; h++) {                                                     \
             m[h] = -FLT_MAX;                                                                   \
             l[h] = 0.0f;                                                                       \
         }                                                                                      \
-        for (int64_t j = 0; j < group * d; j++) out[j] = 0.0f;                                 \
+        for (int64_t j = 0; j < nq * d; j++) out[j] = 0.0f;                                    \
         for (int64_t t0 = 0; t0 < seq_len; t0 += CHUNK) {                                      \
             int64_t n = seq_len - t0 < CHUNK ? seq_len - t0 : CHUNK;                           \
             for (int64_t t = 0; t < n; t++) {                                                  \
                 int64_t pos = t0 + t, ahead = pos + PREFETCH;                                  \
                 if (ahead < seq_len) {                                                         \
                     int64_t slot = (int64_t)table[ahead / bs] * bs + ahead % bs;               \
-                    const char *kp = (const char *)(k_cache + slot * row + kv_head * d);       \
-                    const char *vp = (const char *)(v_cache + slot * row + kv_head * d);       \
-                    for (int64_t off = 0; off < d * (int64_t)sizeof(T); off += 64) {           \
+                    const char *kp = (const char *)(k_cache + slot * row + g0 * d);            \
+                    const char *vp = (const char *)(v_cache + slot * row + g0 * d);            \
+                    for (int64_t off = 0; off < span; off += 64) {                             \
                         __builtin_prefetch(kp + off);                                          \
                         __builtin_prefetch(vp + off);                                          \
                     }                                                                          \
                 }                                                                              \
                 int64_t slot = (int64_t)table[pos / bs] * bs + pos % bs;                       \
-                const T *kr = k_cache + slot * row + kv_head * d;                              \
-                for (int64_t h = 0; h < group; h++) {                                          \
-                    const float *qh = q + h * d;                                               \
-                    float dot = 0.0f;                                                          \
-                    if (vec) {                                                                 \
-                        v16f acc = (v16f){0};                                                  \
-                        for (int64_t j = 0; j < d; j += 16)                                    \
-                            acc += f32_loadv(qh + j) * LOADV(kr + j);                          \
-                        dot = hsum(acc);                                                       \
-                    } else {                                                                   \
-                        for (int64_t j = 0; j < d; j++) dot += qh[j] * LOAD(kr[j]);            \
+                for (int64_t gi = 0; gi < nkv; gi++) {                                         \
+                    const T *kr = k_cache + slot * row + (g0 + gi) * d;                        \
+                    for (int64_t h = gi * group; h < (gi + 1) * group; h++) {                  \
+                        const float *qh = q + h * d;                                           \
+                        float dot = 0.0f;                                                      \
+                        if (vec) {                                                             \
+                            v16f acc = (v16f){0};                                              \
+                            for (int64_t j = 0; j < d; j += 16)                                \
+                                acc += f32_loadv(qh + j) * LOADV(kr + j);                      \
+                            dot = hsum(acc);                                                   \
+                        } else {                                                               \
+                            for (int64_t j = 0; j < d; j++) dot += qh[j] * LOAD(kr[j]);        \
+                        }                                                                      \
+                        scores[h][t] = dot * scale;                                            \
                     }                                                                          \
-                    scores[h][t] = dot * scale;                                                \
                 }                                                                              \
             }                                                                                  \
-            for (int64_t h = 0; h < group; h++) {                                              \
+            for (int64_t h = 0; h < nq; h++) {                                                 \
                 float cm = m[h];                                                               \
                 for (int64_t t = 0; t < n; t++) cm = scores[h][t] > cm ? scores[h][t] : cm;     \
                 float correction = expf(m[h] - cm);                                            \
                 l[h] *= correction;                                                            \
                 for (int64_t j = 0; j < d; j++) out[h * d + j] *= correction;                  \
-                for (int64_t t = 0; t < n; t++) {                                              \
-                    scores[h][t] = expf(scores[h][t] - cm);                                    \
-                    l[h] += scores[h][t];                                                      \
+                /* Whole vectors: lanes past n hold stale scores, computed and never used. */  \
+                for (int64_t t = 0; t < n; t += 16) {                                          \
+                    v16f e = exp_v16(f32_loadv(&scores[h][t]) - cm);                           \
+                    memcpy(&scores[h][t], &e, sizeof e);                                       \
                 }                                                                              \
+                for (int64_t t = 0; t < n; t++) l[h] += scores[h][t];                          \
                 m[h] = cm;                                                                     \
             }                                                                                  \
             for (int64_t t = 0; t < n; t++) {                                                  \
                 int64_t pos = t0 + t;                                                          \
                 int64_t slot = (int64_t)table[pos / bs] * bs + pos % bs;                       \
-                const T *vr = v_cache + slot * row + kv_head * d;                              \
-                if (vec) {                                                                     \
-                    for (int64_t j = 0; j < d; j += 16) {                                      \
-                        v16f vv = LOADV(vr + j);                                               \
-                        for (int64_t h = 0; h < group; h++) {                                  \
-                            v16f o = f32_loadv(out + h * d + j) + scores[h][t] * vv;           \
-                            memcpy(out + h * d + j, &o, sizeof o);                             \
+                for (int64_t gi = 0; gi < nkv; gi++) {                                         \
+                    const T *vr = v_cache + slot * row + (g0 + gi) * d;                        \
+                    for (int64_t h = gi * group; h < (gi + 1) * group; h++) {                  \
+                        float p = scores[h][t];                                                \
+                        float *o = out + h * d;                                                \
+                        if (vec) {                                                             \
+                            for (int64_t j = 0; j < d; j += 16) {                              \
+                                v16f acc = f32_loadv(o + j) + p * LOADV(vr + j);               \
+                                memcpy(o + j, &acc, sizeof acc);                               \
+                            }                                                                  \
+                        } else {                                                               \
+                            for (int64_t j = 0; j < d; j++) o[j] += p * LOAD(vr[j]);           \
                         }                                                                      \
                     }                                                                          \
-                } else {                                                                       \
-                    for (int64_t h = 0; h < group; h++)                                        \
-                        for (int64_t j = 0; j < d; j++) out[h * d + j] += scores[h][t] * LOAD(vr[j]); \
                 }                                                                              \
             }                                                                                  \
         }                                                                                      \
-        for (int64_t h = 0; h < group; h++) {                                                  \
+        for (int64_t h = 0; h < nq; h++) {                                                     \
             float inv = 1.0f / l[h];                                                           \
             for (int64_t j = 0; j < d; j++) out[h * d + j] *= inv;                             \
         }                                                                                      \
     }                                                                                          \
                                                                                                \
     /* Decode attention, one query per sequence: q [batch, heads, head_dim] (float32), out the \
-     * same. Work is split by (sequence, KV head). */                                          \
+     * same. With enough sequences to keep the threads busy, one work item takes a sequence's  \
+     * KV heads together (each token's K/V row is then one contiguous read); otherwise one KV  \
+     * head each. */                                                                           \
     static void attention_##SUFFIX(const float *q, const T *k_cache, const T *v_cache,         \
                                    const int32_t *tables, const int32_t *seq_lens,             \
                                    const Shape *s, float scale, float *out) {                  \
         const int64_t group = s->heads / s->kv_heads, d = s->head_dim;                         \
+        int64_t per_item = 1;                                                                  \
+        if (s->batch >= 4 * s->threads) {                                                      \
+            per_item = MAX_QUERY_HEADS / group;                                                \
+            if (per_item > s->kv_heads) per_item = s->kv_heads;                                \
+        }                                                                                      \
+        const int64_t items_per_seq = (s->kv_heads + per_item - 1) / per_item;                 \
         _Pragma("omp for schedule(dynamic, 1)")                                                \
-        for (int64_t w = 0; w < s->batch * s->kv_heads; w++) {                                 \
-            int64_t b = w / s->kv_heads, g = w % s->kv_heads;                                  \
-            int64_t first = (b * s->heads + g * group) * d;                                    \
-            attend_group_##SUFFIX(q + first, k_cache, v_cache, tables + b * s->table_stride,   \
-                                  seq_lens[b], g, group, s, scale, out + first);               \
+        for (int64_t w = 0; w < s->batch * items_per_seq; w++) {                               \
+            int64_t b = w / items_per_seq, g0 = (w % items_per_seq) * per_item;                \
+            int64_t nkv = s->kv_heads - g0 < per_item ? s->kv_heads - g0 : per_item;           \
+            int64_t first = (b * s->heads + g0 * group) * d;                                   \
+            attend_heads_##SUFFIX(q + first, k_cache, v_cache, tables + b * s->table_stride,   \
+                                  seq_lens[b], g0, nkv, group, s, scale, out + first);         \
         }                                                                                      \
     }                                                                                          \
                                                                                                \
@@ -333,25 +380,25 @@ static inline float hsum(v16f v) {
         return 0;                                                                                \
     }                                                                                            \
                                                                                                  \
-    /* Decode attention alone, for the torch path: q/out [batch, heads, head_dim] in T. */     \
+    /* Decode attention alone, for the torch path: q/out [batch, heads, head_dim] in T.       \
+     * Returns 0, or -1 if out of memory. */                                                   \
     int paged_decode_attention_##SUFFIX(const int64_t *shape, const T *q, const T *k_cache,    \
                                         const T *v_cache, const int32_t *tables,               \
                                         const int32_t *seq_lens, float scale, T *out) {        \
         const Shape *s = (const Shape *)shape;                                                 \
-        const int64_t d = s->head_dim, group = s->heads / s->kv_heads;                         \
+        const int64_t n = s->batch * s->heads * s->head_dim;                                   \
+        float *qf = malloc(2 * (size_t)n * sizeof(float));                                     \
+        if (!qf) return -1;                                                                    \
+        float *of = qf + n;                                                                    \
         _Pragma("omp parallel num_threads(s->threads)")                                        \
         {                                                                                      \
-            float qf[MAX_GROUP * MAX_HEAD_DIM], of[MAX_GROUP * MAX_HEAD_DIM];                  \
-            _Pragma("omp for schedule(dynamic, 1)")                                            \
-            for (int64_t w = 0; w < s->batch * s->kv_heads; w++) {                             \
-                int64_t b = w / s->kv_heads, g = w % s->kv_heads;                              \
-                int64_t first = (b * s->heads + g * group) * d;                                \
-                for (int64_t j = 0; j < group * d; j++) qf[j] = LOAD(q[first + j]);            \
-                attend_group_##SUFFIX(qf, k_cache, v_cache, tables + b * s->table_stride,      \
-                                      seq_lens[b], g, group, s, scale, of);                    \
-                for (int64_t j = 0; j < group * d; j++) out[first + j] = STORE(of[j]);         \
-            }                                                                                  \
+            _Pragma("omp for schedule(static)")                                                \
+            for (int64_t j = 0; j < n; j++) qf[j] = LOAD(q[j]);                                \
+            attention_##SUFFIX(qf, k_cache, v_cache, tables, seq_lens, s, scale, of);          \
+            _Pragma("omp for schedule(static)")                                                \
+            for (int64_t j = 0; j < n; j++) out[j] = STORE(of[j]);                             \
         }                                                                                      \
+        free(qf);                                                                              \
         return 0;                                                                              \
     }
 

@@ -42,8 +42,7 @@ SHAPE_FIELDS = (
     "block_size", "table_stride", "threads",
 )  # fmt: skip
 SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
-MAX_HEAD_DIM = 256
-MAX_GROUP = 16
+MAX_QUERY_HEADS = 64
 
 _error: str | None = None
 
@@ -147,11 +146,9 @@ def shape_vector(**values: int) -> torch.Tensor:
     return torch.tensor([values[name] for name in SHAPE_FIELDS], dtype=torch.int64)
 
 
-def supports(dtype: torch.dtype, head_dim: int, group: int) -> bool:
-    """Whether the kernels take this dtype, head size and query heads per KV head."""
-    return (
-        dtype in SUFFIX and head_dim <= MAX_HEAD_DIM and group <= MAX_GROUP and load() is not None
-    )
+def supports(dtype: torch.dtype, group: int) -> bool:
+    """Whether the kernels take this dtype and number of query heads per KV head."""
+    return dtype in SUFFIX and group <= MAX_QUERY_HEADS and load() is not None
 
 
 def paged_decode_attention(
@@ -179,6 +176,8 @@ def paged_decode_attention(
         threads=torch.get_num_threads(),
     )  # fmt: skip
     fn = getattr(lib, f"paged_decode_attention_{SUFFIX[query.dtype]}")
-    fn(ptr(shape), ptr(q), ptr(k_cache), ptr(v_cache), ptr(tables), ptr(lens),
-       ctypes.c_float(scale), ptr(out))  # fmt: skip
+    rc = fn(ptr(shape), ptr(q), ptr(k_cache), ptr(v_cache), ptr(tables), ptr(lens),
+            ctypes.c_float(scale), ptr(out))  # fmt: skip
+    if rc != 0:
+        raise MemoryError("paged_decode_attention: out of memory for its scratch buffers")
     return out

@@ -48,11 +48,13 @@ def random_paged_batch(
     [(16, 9, 3, 64), (1, 4, 4, 32), (32, 8, 1, 128), (16, 6, 2, 40)],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("copies", [1, 4])
 def test_decode_attention_matches_torch_reference(
-    block_size: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype
+    block_size: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, copies: int
 ) -> None:
     # Lengths cross the kernel's 64-token chunks and the block boundaries; one is a lone token.
-    seq_lens = [1, 17, 64, 65, 150, 300]
+    # 24 sequences are enough for the kernel to take all KV heads of a sequence per work item.
+    seq_lens = [1, 17, 64, 65, 150, 300] * copies
     query, k_cache, v_cache, tables, lens = random_paged_batch(
         seq_lens, block_size, heads, kv_heads, head_dim, seed=block_size + head_dim
     )
@@ -144,8 +146,8 @@ def test_native_decode_matches_torch_forward_float32(
     for (k1, v1), (k2, v2) in zip(
         native.loaded.runner.kv.device_caches, plain.loaded.runner.kv.device_caches, strict=True
     ):
-        torch.testing.assert_close(k1, k2, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(v1, v2, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(k1, k2, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(v1, v2, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.skipif(not cpu_prepack_supported(torch.bfloat16), reason="torch built without oneDNN")

@@ -169,7 +169,7 @@ def load_model(
         and config.model.cpu_decode_kernel
         and tp_size() == 1
         and config.cache.kv_cache_dtype == "auto"
-        and cpu_native.supports(dtype, args.head_dim, args.num_heads // args.num_kv_heads)
+        and cpu_native.supports(dtype, args.num_heads // args.num_kv_heads)
     )
     if device.type == "cpu" and config.model.cpu_prepack_weights and cpu_prepack_supported(dtype):
         pack_linears_for_cpu(model, config.scheduler.max_num_seqs, keep_plain=native_decode)
