@@ -163,6 +163,37 @@ def test_prepacked_linears_keep_the_plain_weight_the_native_decode_reads(
     assert eng.loaded.runner.native_decode_steps > 0
 
 
+@pytest.fixture(scope="module")
+def odd_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Llama whose sizes are not multiples of the kernels' 16-float vectors (hidden 200,
+    head size 40, intermediate 344): every scalar tail of the native forward runs."""
+    import shutil
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = tmp_path_factory.mktemp("odd-llama")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_model_dir / name, out / name)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=4096, hidden_size=200, intermediate_size=344, num_hidden_layers=2,
+        num_attention_heads=5, num_key_value_heads=1, head_dim=40, max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():  # sharper than HF's N(0, 0.02), as the demo models
+            p.normal_(0.0, 1.6 / p.shape[-1] ** 0.5) if p.dim() == 2 else p.uniform_(0.8, 1.2)
+    model.save_pretrained(out)
+    return out
+
+
+def test_native_decode_with_sizes_off_the_vector_width(odd_model_dir: Path) -> None:
+    (native, _), (lp_native, lp_plain) = lockstep(odd_model_dir, "float32", 16, 3)
+    assert native.loaded.runner.native_decode_steps > 0
+    torch.testing.assert_close(torch.tensor(lp_native), torch.tensor(lp_plain), atol=1e-4, rtol=1e-4)
+
+
 def test_native_decode_on_qwen2_bias_and_tied_embeddings(qwen2_model_dir: Path) -> None:
     _, (lp_native, lp_plain) = lockstep(qwen2_model_dir, "float32", 16, 4)
     torch.testing.assert_close(torch.tensor(lp_native), torch.tensor(lp_plain), atol=1e-4, rtol=1e-4)

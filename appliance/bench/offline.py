@@ -14,7 +14,7 @@ from appliance.bench import mixed
 from appliance.bench.hardware import copy_bandwidth, matmul_flops
 from appliance.config import load_config, parse_override_value
 from appliance.engine.llm_engine import Engine
-from appliance.engine.loader import LoadedModel, load_model
+from appliance.engine.loader import LoadedModel, describe_native_decode, load_model
 from appliance.engine.stats import StepHistory, StepRecord
 from appliance.sampling_params import SamplingParams
 
@@ -197,6 +197,8 @@ def main(ns: argparse.Namespace) -> int:
         f"measured: copy bandwidth {rates.copy_bytes_per_s / 1e9:.1f} GB/s, "
         f"matmul {rates.matmul_flops_per_s / 1e9:.0f} GFLOP/s"
     )
+    if loaded.device.type == "cpu":
+        print(f"native CPU decode: {describe_native_decode(loaded.runner, config)}")
     kv = kv_summary(loaded, config, ns.prompt_len + ns.output_len)
     keep = f", 16-bit layers {kv['kv_cache_keep_16bit']}" if kv["kv_cache_keep_16bit"] else ""
     print(

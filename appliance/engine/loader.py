@@ -15,6 +15,7 @@ import torch
 
 from appliance.config import ApplianceConfig, ConfigError
 from appliance.engine import memory
+from appliance.engine.cpu_decode import MAX_BATCH as FUSED_DECODE_MAX_BATCH
 from appliance.engine.cpu_decode import try_fused_cpu_decode
 from appliance.engine.kv_quant import configure_kv_cache
 from appliance.engine.model_runner import KVCachePool, ModelRunner
@@ -112,6 +113,17 @@ def _eos_ids(hf_config: Any, tokenizer: Any) -> frozenset[int]:
         elif isinstance(source, list):
             ids.update(source)
     return frozenset(ids)
+
+
+def describe_native_decode(runner: ModelRunner, config: ApplianceConfig) -> str:
+    """Whether decode steps run the native kernels, and if not, why (for logs and benches)."""
+    if runner.fused_decode is not None:
+        return f"on for decode steps of up to {FUSED_DECODE_MAX_BATCH} sequences"
+    if not config.model.cpu_decode_kernel:
+        return "off (model.cpu_decode_kernel = false)"
+    if cpu_native.load() is None:
+        return f"off ({cpu_native.load_error()})"
+    return "off (needs tensor_parallel_size 1, kv_cache_dtype auto, bf16 or float32)"
 
 
 def load_model(
@@ -224,6 +236,8 @@ def load_model(
     runner = ModelRunner(model, pool, cache.block_size, device, eos)
     if native_decode:
         runner.fused_decode = try_fused_cpu_decode(model, pool.device_caches, cache.block_size)
+    if device.type == "cpu" and config.model.cpu_decode_kernel:
+        say(f"native CPU decode: {describe_native_decode(runner, config)}")
     times["allocate_kv"] = time.perf_counter() - t
     say(
         f"KV cache: {num_blocks} blocks x {cache.block_size} tokens "
