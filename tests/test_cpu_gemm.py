@@ -74,5 +74,6 @@ def test_prepacked_bf16_weights_give_the_plain_weights_tokens(
     plain_engine, plain = run(False)
     layer = packed_engine.loaded.model.model.layers[0]
     assert layer.mlp.down_proj.packed is not None and layer.mlp.down_proj.weight.numel() == 0
+    assert packed_engine.loaded.model.lm_head.packed is not None
     assert plain_engine.loaded.model.model.layers[0].mlp.down_proj.packed is None
     assert packed == plain

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from appliance.layers import linear
 from appliance.layers.parallel import all_gather_last_dim, all_reduce, tp_rank, tp_size
 
 
@@ -46,8 +47,20 @@ class ParallelLMHead(nn.Module):
     def weight(self) -> torch.Tensor:
         return (self.tied if self.tied is not None else self.embedding).weight
 
+    # oneDNN's prepacked copy of the weight (CPU, bf16), for logits of several rows at once:
+    # 64 rows of the small demo model take 10.8 instead of 13.0 ms. The plain weight stays (the
+    # embedding lookup and the native decode read it).
+    packed: torch.Tensor | None = None
+
+    def pack_for_cpu(self, batch_hint: int) -> None:
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), batch_hint)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = all_gather_last_dim(F.linear(hidden, self.weight))
+        if self.packed is not None and hidden.shape[0] > linear.NATIVE_GEMM_MAX_ROWS:
+            local = torch.ops.mkldnn._linear_pointwise(hidden, self.packed, None, "none", [], "")
+        else:
+            local = F.linear(hidden, self.weight)
+        logits = all_gather_last_dim(local)
         return logits[..., : self.vocab_size]
 
     def load(self, tensor: torch.Tensor) -> None:
