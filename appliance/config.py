@@ -50,10 +50,11 @@ class ModelConfig(_Section):
     # CPU, bf16: reorder the layers' weights once into oneDNN's blocked layout (faster
     # matmuls from two rows up, slightly slower at one; the same results).
     cpu_prepack_weights: bool = True
-    # CPU, bf16/float32: run decode steps of up to 6 sequences as one native call
-    # (kernels/cpu_decode.c, compiled on first start with the box's C compiler; without one
-    # the torch path runs). With cpu_prepack_weights the linears then keep both layouts.
-    cpu_decode_kernel: bool = True
+    # CPU, bf16/float32: native kernels (kernels/cpu_decode.c, compiled on first start with the
+    # box's C compiler; without one the torch path runs): decode steps of up to 6 sequences as
+    # one call, and decode attention and the element-wise steps of every other forward. With
+    # cpu_prepack_weights the linears then keep both layouts.
+    cpu_native_kernels: bool = True
 
 
 class CacheConfig(_Section):

@@ -12,8 +12,9 @@ import torch
 AttentionBackend = tuple[Callable[..., None], Callable[..., torch.Tensor]]
 
 
-def get_attention_backend(device: torch.device | str) -> AttentionBackend:
-    """(write_kv, paged_attention) for ``device``: Triton kernels on CUDA, torch elsewhere.
+def get_attention_backend(device: torch.device | str, native_cpu: bool = True) -> AttentionBackend:
+    """(write_kv, paged_attention) for ``device``: Triton kernels on CUDA; on the CPU the
+    native decode attention when `native_cpu` (else the torch reference alone).
 
     Both pairs share the signatures of `paged_attention.write_kv` and
     `paged_attention.paged_attention`.
@@ -23,9 +24,9 @@ def get_attention_backend(device: torch.device | str) -> AttentionBackend:
         from .triton_attention import paged_attention_triton, write_kv_triton
 
         return write_kv_triton, paged_attention_triton
-    from .paged_attention import write_kv
+    from .paged_attention import paged_attention, write_kv
 
-    return write_kv, cpu_paged_attention
+    return write_kv, cpu_paged_attention if native_cpu else paged_attention
 
 
 def cpu_paged_attention(

@@ -79,6 +79,25 @@ static inline v16f bf16_loadv(const uint16_t *p) {
     return v;
 }
 
+/* Round 16 floats to bfloat16 (nearest even; finite inputs), kept as floats / stored. */
+static inline v16f bf16_roundv(v16f v) {
+    v16u u;
+    memcpy(&u, &v, sizeof u);
+    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    memcpy(&v, &u, sizeof v);
+    return v;
+}
+
+static inline void bf16_storev(uint16_t *p, v16f v) {
+    v16u u;
+    memcpy(&u, &v, sizeof u);
+    v16h h = __builtin_convertvector((u + 0x7fffu + ((u >> 16) & 1u)) >> 16, v16h);
+    memcpy(p, &h, sizeof h);
+}
+
+static inline v16f f32_roundv(v16f v) { return v; }
+static inline void f32_storev(float *p, v16f v) { memcpy(p, &v, sizeof v); }
+
 static inline float hsum(v16f v) {
     float s = 0.0f;
     for (int i = 0; i < 16; i++) s += v[i];
@@ -404,3 +423,69 @@ static inline v16f exp_v16(v16f x) {
 
 DEFINE_KERNELS(bf16, uint16_t, bf16_load, bf16_store, bf16_loadv)
 DEFINE_KERNELS(f32, float, f32_load, f32_store, f32_loadv)
+
+/* Element-wise steps of the torch forward (prefills and decode batches over the native
+ * forward's limit), each one pass over memory instead of several torch operators. They round
+ * where torch's model-dtype ops round, so bf16 results stay close to the torch path's. */
+#define DEFINE_LAYER_OPS(SUFFIX, T, LOAD, STORE, LOADV, ROUNDV, STOREV)                                               \
+                                                                                               \
+    /* If `add` is given, x += add (in T, as `hidden + o` in torch); then                      \
+     * out = weight * T(x * rsqrt(mean(x^2) + eps)), row by row. */                            \
+    void add_rms_norm_##SUFFIX(T *x, const T *add, const T *weight, T *out, int64_t rows,      \
+                               int64_t hidden, float eps, int64_t threads) {                   \
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")                      \
+        for (int64_t r = 0; r < rows; r++) {                                                   \
+            T *xr = x + r * hidden;                                                            \
+            float ss = 0.0f;                                                                   \
+            for (int64_t j = 0; j < hidden; j++) {                                             \
+                if (add) xr[j] = STORE(LOAD(xr[j]) + LOAD(add[r * hidden + j]));               \
+                float v = LOAD(xr[j]);                                                         \
+                ss += v * v;                                                                   \
+            }                                                                                  \
+            float inv = 1.0f / sqrtf(ss / (float)hidden + eps);                                \
+            for (int64_t j = 0; j < hidden; j++)                                               \
+                out[r * hidden + j] = STORE(LOAD(weight[j]) * LOAD(STORE(LOAD(xr[j]) * inv)));  \
+        }                                                                                      \
+    }                                                                                          \
+                                                                                               \
+    /* Rotate-half rotary on the first `heads` head_dim-wide slices of each row of x (q and k  \
+     * side by side in the merged qkv output; rows `stride` apart), in place. */               \
+    void rotary_##SUFFIX(T *x, int64_t rows, int64_t stride, int64_t heads, int64_t head_dim,  \
+                         const float *cos_table, const float *sin_table,                       \
+                         const int64_t *positions, int64_t threads) {                          \
+        const int64_t half = head_dim / 2;                                                     \
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")                      \
+        for (int64_t r = 0; r < rows; r++) {                                                   \
+            const float *c = cos_table + positions[r] * head_dim;                              \
+            const float *s = sin_table + positions[r] * head_dim;                              \
+            for (int64_t h = 0; h < heads; h++) {                                              \
+                T *v = x + r * stride + h * head_dim;                                          \
+                for (int64_t j = 0; j < half; j++) {                                           \
+                    float x1 = LOAD(v[j]), x2 = LOAD(v[j + half]);                             \
+                    v[j] = STORE(x1 * c[j] - x2 * s[j]);                                       \
+                    v[j + half] = STORE(x2 * c[j + half] + x1 * s[j + half]);                  \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+    }                                                                                          \
+                                                                                               \
+    /* out[r, i] = silu(gate_up[r, i]) * gate_up[r, inter + i], rounding silu's output to T    \
+     * first, as torch's two ops do. */                                                        \
+    void silu_mul_##SUFFIX(const T *gate_up, T *out, int64_t rows, int64_t inter,              \
+                           int64_t threads) {                                                  \
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")                      \
+        for (int64_t r = 0; r < rows; r++) {                                                   \
+            const T *g = gate_up + r * 2 * inter, *u = g + inter;                              \
+            T *o = out + r * inter;                                                            \
+            int64_t i = 0;                                                                     \
+            for (; i + 16 <= inter; i += 16) {                                                 \
+                v16f gv = LOADV(g + i);                                                        \
+                v16f sv = ROUNDV(gv / (1.0f + exp_v16(-gv)));                                  \
+                STOREV(o + i, sv * LOADV(u + i));                                              \
+            }                                                                                  \
+            for (; i < inter; i++) o[i] = STORE(LOAD(STORE(silu(LOAD(g[i])))) * LOAD(u[i]));   \
+        }                                                                                      \
+    }
+
+DEFINE_LAYER_OPS(bf16, uint16_t, bf16_load, bf16_store, bf16_loadv, bf16_roundv, bf16_storev)
+DEFINE_LAYER_OPS(f32, float, f32_load, f32_store, f32_loadv, f32_roundv, f32_storev)

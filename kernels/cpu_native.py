@@ -181,3 +181,62 @@ def paged_decode_attention(
     if rc != 0:
         raise MemoryError("paged_decode_attention: out of memory for its scratch buffers")
     return out
+
+
+# -- element-wise steps of the torch forward (DEFINE_LAYER_OPS in cpu_decode.c) -----------------
+
+
+def _op(name: str, dtype: torch.dtype):  # type: ignore[no-untyped-def]
+    lib = load()
+    assert lib is not None and dtype in SUFFIX, f"{name}: native kernels unavailable for {dtype}"
+    return getattr(lib, f"{name}_{SUFFIX[dtype]}")
+
+
+def add_rms_norm(
+    x: torch.Tensor, add: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """RMSNorm of x [rows, hidden] (contiguous) as appliance.layers.norm computes it; with
+    `add`, first x += add in place (the residual stream)."""
+    assert x.is_contiguous() and weight.dtype == x.dtype
+    if add is not None:
+        add = add.contiguous()
+        assert add.shape == x.shape and add.dtype == x.dtype
+    out = torch.empty_like(x)
+    rows, hidden = x.shape
+    _op("add_rms_norm", x.dtype)(
+        ptr(x), ptr(add), ptr(weight), ptr(out), ctypes.c_int64(rows), ctypes.c_int64(hidden),
+        ctypes.c_float(eps), ctypes.c_int64(torch.get_num_threads()),
+    )  # fmt: skip
+    return out
+
+
+def rotary_(
+    x: torch.Tensor,
+    heads: int,
+    head_dim: int,
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+    positions: torch.Tensor,
+) -> None:
+    """Rotate-half rotary, in place, on the first `heads` heads of each row of x [rows, width]
+    (rows contiguous inside; q then k in the merged qkv output). Tables: float32
+    [max_position, head_dim]."""
+    assert x.stride(1) == 1 and cos_table.dtype == torch.float32 and cos_table.is_contiguous()
+    pos = positions.to(torch.int64).contiguous()
+    _op("rotary", x.dtype)(
+        ptr(x), ctypes.c_int64(x.shape[0]), ctypes.c_int64(x.stride(0)), ctypes.c_int64(heads),
+        ctypes.c_int64(head_dim), ptr(cos_table), ptr(sin_table), ptr(pos),
+        ctypes.c_int64(torch.get_num_threads()),
+    )  # fmt: skip
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[rows, 2 * inter] -> silu(gate) * up, [rows, inter]."""
+    gate_up = gate_up.contiguous()
+    rows, width = gate_up.shape
+    out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
+    _op("silu_mul", gate_up.dtype)(
+        ptr(gate_up), ptr(out), ctypes.c_int64(rows), ctypes.c_int64(width // 2),
+        ctypes.c_int64(torch.get_num_threads()),
+    )  # fmt: skip
+    return out

@@ -59,7 +59,7 @@ def test_prepacked_bf16_weights_give_the_plain_weights_tokens(
             "model.path": str(tiny_model_dir), "model.dtype": "bfloat16", "hardware.device": "cpu",
             "model.cpu_prepack_weights": prepack, "scheduler.max_num_seqs": 8,
             # Decodes through the torch matmuls, not the native decode (tested on its own).
-            "model.cpu_decode_kernel": False,
+            "model.cpu_native_kernels": False,
         }))
         rng = random.Random(5)
         # 1, 2 and 8 sequences at once: both matmul paths of the plain model, and a chunked mix.

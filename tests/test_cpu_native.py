@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from appliance.kernels import cpu_native, cpu_paged_attention
 from appliance.kernels.paged_attention import paged_attention
 
@@ -17,6 +18,8 @@ from appliance.config import load_config
 from appliance.engine.cpu_decode import MAX_BATCH
 from appliance.engine.llm_engine import Engine
 from appliance.layers.linear import cpu_prepack_supported
+from appliance.layers.norm import RMSNorm
+from appliance.layers.rotary import RotaryEmbedding, apply_rotary
 from appliance.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(
@@ -71,6 +74,39 @@ def test_decode_attention_matches_torch_reference(
     assert out.dtype == dtype
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_elementwise_ops_match_the_torch_layers(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(7)
+    rows, hidden, heads, kv_heads, head_dim = 37, 200, 5, 1, 40
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+
+    norm = RMSNorm(hidden, 1e-5)
+    norm.weight.data = torch.rand(hidden, generator=gen).to(dtype) + 0.5
+    x = torch.randn(rows, hidden, generator=gen).to(dtype) * 3
+    add = torch.randn(rows, hidden, generator=gen).to(dtype)
+    torch.testing.assert_close(cpu_native.add_rms_norm(x, None, norm.weight, 1e-5), norm(x), **tol)
+    residual = x + add
+    out = cpu_native.add_rms_norm(x, add, norm.weight, 1e-5)
+    torch.testing.assert_close(x, residual, atol=0, rtol=0)  # the add is one rounding, as torch's
+    torch.testing.assert_close(out, norm(residual), **tol)
+
+    rotary = RotaryEmbedding(head_dim, 512, 10000.0)
+    width = (heads + 2 * kv_heads) * head_dim
+    qkv = torch.randn(rows, width, generator=gen).to(dtype)
+    positions = torch.randint(0, 512, (rows,), generator=gen)
+    cos, sin = rotary.cos_sin(positions, torch.float32)
+    qk = qkv[:, : (heads + kv_heads) * head_dim].float().view(rows, -1, head_dim)
+    expected = apply_rotary(qk, cos, sin).view(rows, -1)
+    rotated = qkv.clone()
+    cpu_native.rotary_(rotated, heads + kv_heads, head_dim, rotary.cos, rotary.sin, positions)
+    torch.testing.assert_close(rotated[:, : expected.shape[1]].float(), expected, **tol)
+    assert torch.equal(rotated[:, expected.shape[1] :], qkv[:, expected.shape[1] :])  # v untouched
+
+    gate_up = torch.randn(rows, 2 * 344, generator=gen).to(dtype) * 4
+    gate, up = gate_up.split(344, dim=-1)
+    torch.testing.assert_close(cpu_native.silu_mul(gate_up), F.silu(gate) * up, **tol)
+
+
 @pytest.mark.parametrize("max_query_len", [1, 5])
 def test_cpu_backend_sends_decodes_native_and_the_rest_to_torch(
     max_query_len: int, monkeypatch: pytest.MonkeyPatch
@@ -100,7 +136,7 @@ def engine(model_dir: Path, dtype: str, native: bool, block_size: int = 16) -> E
             {
                 "model.path": str(model_dir),
                 "model.dtype": dtype,
-                "model.cpu_decode_kernel": native,
+                "model.cpu_native_kernels": native,
                 "cache.block_size": block_size,
                 "cache.kv_cache_memory": 0.1,
                 "hardware.device": "cpu",

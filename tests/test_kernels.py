@@ -303,6 +303,7 @@ def test_dispatcher_matches_reference_signature(max_query_len: int) -> None:
 
 def test_backend_selection() -> None:
     assert get_attention_backend(torch.device("cpu")) == (write_kv, cpu_paged_attention)
+    assert get_attention_backend("cpu", native_cpu=False) == (write_kv, paged_attention)
     assert get_attention_backend("cuda") == (write_kv_triton, paged_attention_triton)
 
 

@@ -98,7 +98,7 @@ def test_keep_list_index_out_of_range_names_the_limit(template: Path) -> None:
 def test_every_layer_gets_the_devices_backend(template: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     asked: list[torch.device] = []
 
-    def backend(device: torch.device) -> tuple[object, object]:
+    def backend(device: torch.device, native_cpu: bool = True) -> tuple[object, object]:
         asked.append(torch.device(device))
         return write_kv, paged_attention
 

@@ -184,6 +184,7 @@ def main(ns: argparse.Namespace) -> int:
                     "model": str(loaded.model_dir),
                     "rates": asdict(rates),
                     "kv": kv_summary(loaded, config, ns.prompt_len + ns.output_len),
+                    "native_cpu_decode": loaded.runner.fused_decode is not None,
                     "results": [asdict(r) for r in results],
                 }
             )

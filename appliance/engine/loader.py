@@ -119,8 +119,8 @@ def describe_native_decode(runner: ModelRunner, config: ApplianceConfig) -> str:
     """Whether decode steps run the native kernels, and if not, why (for logs and benches)."""
     if runner.fused_decode is not None:
         return f"on for decode steps of up to {FUSED_DECODE_MAX_BATCH} sequences"
-    if not config.model.cpu_decode_kernel:
-        return "off (model.cpu_decode_kernel = false)"
+    if not config.model.cpu_native_kernels:
+        return "off (model.cpu_native_kernels = false)"
     if cpu_native.load() is None:
         return f"off ({cpu_native.load_error()})"
     return "off (needs tensor_parallel_size 1, kv_cache_dtype auto, bf16 or float32)"
@@ -176,17 +176,19 @@ def load_model(
     model.model.rotary.cos, model.model.rotary.sin = fresh.cos, fresh.sin
     model.load_weights((name, tensor.to(dtype)) for name, tensor in iter_safetensors(model_dir))
     model.eval()
-    native_decode = (
+    native_ops = (
         device.type == "cpu"
-        and config.model.cpu_decode_kernel
+        and config.model.cpu_native_kernels
         and tp_size() == 1
-        and config.cache.kv_cache_dtype == "auto"
+        and config.parallel.tensor_parallel_size == 1
         and cpu_native.supports(dtype, args.num_heads // args.num_kv_heads)
     )
+    model.native_cpu_ops = native_ops
+    native_decode = native_ops and config.cache.kv_cache_dtype == "auto"
     if device.type == "cpu" and config.model.cpu_prepack_weights and cpu_prepack_supported(dtype):
         pack_linears_for_cpu(model, config.scheduler.max_num_seqs, keep_plain=native_decode)
     # Triton kernels on CUDA, the torch reference elsewhere (the same signatures).
-    write_kv, attend = get_attention_backend(device)
+    write_kv, attend = get_attention_backend(device, native_cpu=native_ops)
     for attn in model.attention_layers():
         attn.set_backend(write_kv, attend)
     times["load_weights"] = time.perf_counter() - t
@@ -236,7 +238,7 @@ def load_model(
     runner = ModelRunner(model, pool, cache.block_size, device, eos)
     if native_decode:
         runner.fused_decode = try_fused_cpu_decode(model, pool.device_caches, cache.block_size)
-    if device.type == "cpu" and config.model.cpu_decode_kernel:
+    if device.type == "cpu" and config.model.cpu_native_kernels:
         say(f"native CPU decode: {describe_native_decode(runner, config)}")
     times["allocate_kv"] = time.perf_counter() - t
     say(

@@ -7,12 +7,13 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from appliance.kernels import cpu_native
 from appliance.layers.attention import Attention, AttentionMetadata
 from appliance.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from appliance.layers.linear import MergedColumnLinear, RowParallelLinear
@@ -22,6 +23,18 @@ from appliance.layers.rotary import RotaryEmbedding, apply_rotary
 from appliance.models.hf_files import rope_parameters
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+class NativeRope(NamedTuple):
+    """Rotary inputs of the native path: float32 tables [max_position, head_dim] and the
+    tokens' positions (the torch path takes cos/sin already looked up)."""
+
+    cos_table: torch.Tensor
+    sin_table: torch.Tensor
+    positions: torch.Tensor
+
+
+Rope = tuple[torch.Tensor, torch.Tensor] | NativeRope
 
 
 @dataclass
@@ -110,16 +123,23 @@ class LlamaAttention(nn.Module):
 
     def forward(
         self,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rope: Rope,
         hidden: torch.Tensor,
         meta: AttentionMetadata,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
         tokens = hidden.shape[0]
-        # q and k rotate together, as one [T, Hq + Hk, D] tensor: half the small ops per layer.
-        qk = qkv[:, : self.q_size + self.kv_size].view(tokens, -1, self.head_dim)
-        q, k = apply_rotary(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
+        if isinstance(rope, NativeRope):
+            cpu_native.rotary_(
+                qkv, self.num_heads + self.num_kv_heads, self.head_dim, *rope
+            )
+            qk = qkv[:, : self.q_size + self.kv_size].view(tokens, -1, self.head_dim)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        else:
+            # q and k rotate together, as one [T, Hq + Hk, D] tensor: half the small ops.
+            qk = qkv[:, : self.q_size + self.kv_size].view(tokens, -1, self.head_dim)
+            q, k = apply_rotary(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
         out = self.attn(q, k, v, meta, kv_cache)
         return self.o_proj(out.reshape(tokens, self.q_size))
@@ -134,7 +154,9 @@ class LlamaMLP(nn.Module):
         )
         self.down_proj = RowParallelLinear(args.intermediate_size, args.hidden_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, native_ops: bool = False) -> torch.Tensor:
+        if native_ops:
+            return self.down_proj(cpu_native.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -149,11 +171,19 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(
         self,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rope: Rope,
         hidden: torch.Tensor,
         meta: AttentionMetadata,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
+        if isinstance(rope, NativeRope):
+            # The same steps through the native element-wise kernels; `hidden` (this forward's
+            # own tensor) takes the residual adds in place.
+            ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
+            normed = cpu_native.add_rms_norm(hidden, None, ln1.weight, ln1.eps)
+            attn = self.self_attn(rope, normed, meta, kv_cache)
+            normed = cpu_native.add_rms_norm(hidden, attn, ln2.weight, ln2.eps)
+            return hidden.add_(self.mlp(normed, native_ops=True))
         hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), meta, kv_cache)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
@@ -174,6 +204,8 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
+        # CPU: element-wise steps through kernels/cpu_decode.c (set by the loader when built).
+        self.native_cpu_ops = False
         self.model = LlamaModel(args)
         tied = self.model.embed_tokens if args.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(args.vocab_size, args.hidden_size, tied)
@@ -190,7 +222,12 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
         hidden = self.model.embed_tokens(input_ids)
-        rope = self.model.rotary.cos_sin(positions, hidden.dtype)
+        rope: Rope
+        if self.native_cpu_ops:
+            rotary = self.model.rotary
+            rope = NativeRope(rotary.cos.float(), rotary.sin.float(), positions)
+        else:
+            rope = self.model.rotary.cos_sin(positions, hidden.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             hidden = layer(rope, hidden, meta, kv_cache)
         return self.model.norm(hidden)
