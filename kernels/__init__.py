@@ -9,6 +9,12 @@ from collections.abc import Callable
 
 import torch
 
+from . import cpu_native
+
+# Aliased: the plain names would shadow the `paged_attention` submodule on this package.
+from .paged_attention import paged_attention as _torch_paged_attention
+from .paged_attention import write_kv as _torch_write_kv
+
 AttentionBackend = tuple[Callable[..., None], Callable[..., torch.Tensor]]
 
 
@@ -24,9 +30,7 @@ def get_attention_backend(device: torch.device | str, native_cpu: bool = True) -
         from .triton_attention import paged_attention_triton, write_kv_triton
 
         return write_kv_triton, paged_attention_triton
-    from .paged_attention import paged_attention, write_kv
-
-    return write_kv, cpu_paged_attention if native_cpu else paged_attention
+    return _torch_write_kv, cpu_paged_attention if native_cpu else _torch_paged_attention
 
 
 def cpu_paged_attention(
@@ -47,20 +51,16 @@ def cpu_paged_attention(
     (cpu_decode.c), which reads each K/V row in place (the torch path first gathers the
     context into padded copies: ~40% of a 64-sequence decode step of the small demo model);
     everything else to the torch reference."""
-    from . import cpu_native
-    from .paged_attention import paged_attention
-
     if (
         max_query_len == 1
         and kv_cache_dtype == "auto"
-        and query.device.type == "cpu"
         and query.dtype == k_cache.dtype
         and cpu_native.supports(query.dtype, query.shape[1] // k_cache.shape[2])
     ):
         return cpu_native.paged_decode_attention(
             query, k_cache, v_cache, block_tables, seq_lens, scale
         )
-    return paged_attention(
+    return _torch_paged_attention(
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
         max_query_len, max_seq_len, kv_cache_dtype, k_scale, v_scale,
     )  # fmt: skip

@@ -297,13 +297,14 @@ static inline v16f exp_v16(v16f x) {
         }                                                                                      \
     }                                                                                          \
                                                                                                \
-    /* Decode attention, one query per sequence: q [batch, heads, head_dim] (float32), out the \
-     * same. With enough sequences to keep the threads busy, one work item takes a sequence's  \
+    /* Decode attention, one query per sequence: q rows of heads*head_dim floats, q_stride     \
+     * apart (float32); out [batch, heads, head_dim]. With enough sequences to keep the threads busy, one work item takes a sequence's  \
      * KV heads together (each token's K/V row is then one contiguous read); otherwise one KV  \
      * head each. */                                                                           \
-    static void attention_##SUFFIX(const float *q, const T *k_cache, const T *v_cache,         \
-                                   const int32_t *tables, const int32_t *seq_lens,             \
-                                   const Shape *s, float scale, float *out) {                  \
+    static void attention_##SUFFIX(const float *q, int64_t q_stride, const T *k_cache,        \
+                                   const T *v_cache, const int32_t *tables,                    \
+                                   const int32_t *seq_lens, const Shape *s, float scale,       \
+                                   float *out) {                                               \
         const int64_t group = s->heads / s->kv_heads, d = s->head_dim;                         \
         int64_t per_item = 1;                                                                  \
         if (s->batch >= 4 * s->threads) {                                                      \
@@ -315,9 +316,10 @@ static inline v16f exp_v16(v16f x) {
         for (int64_t w = 0; w < s->batch * items_per_seq; w++) {                               \
             int64_t b = w / items_per_seq, g0 = (w % items_per_seq) * per_item;                \
             int64_t nkv = s->kv_heads - g0 < per_item ? s->kv_heads - g0 : per_item;           \
-            int64_t first = (b * s->heads + g0 * group) * d;                                   \
-            attend_heads_##SUFFIX(q + first, k_cache, v_cache, tables + b * s->table_stride,   \
-                                  seq_lens[b], g0, nkv, group, s, scale, out + first);         \
+            int64_t head = g0 * group;                                                         \
+            attend_heads_##SUFFIX(q + b * q_stride + head * d, k_cache, v_cache,               \
+                                  tables + b * s->table_stride, seq_lens[b], g0, nkv, group,   \
+                                  s, scale, out + (b * s->heads + head) * d);                  \
         }                                                                                      \
     }                                                                                          \
                                                                                                \
@@ -379,11 +381,9 @@ static inline v16f exp_v16(v16f x) {
                 rotate_and_store_##SUFFIX(qkv, cos_table, sin_table, positions, slots, k_cache,  \
                                           v_cache, s);                                           \
                 /* Queries are the first heads*head_dim columns of each qkv row. */              \
-                _Pragma("omp for schedule(static)")                                              \
-                for (int64_t b = 0; b < s->batch; b++)                                           \
-                    memcpy(attn + b * q_w, qkv + b * qkv_w, q_w * sizeof(float));                \
-                attention_##SUFFIX(attn, k_cache, v_cache, tables, seq_lens, s, scale, qkv);     \
-                matvec_##SUFFIX(qkv, (const T *)(intptr_t)p[P_WO], NULL, hidden, s->batch, hs,   \
+                attention_##SUFFIX(qkv, qkv_w, k_cache, v_cache, tables, seq_lens, s, scale,     \
+                                   attn);                                                        \
+                matvec_##SUFFIX(attn, (const T *)(intptr_t)p[P_WO], NULL, hidden, s->batch, hs,  \
                                 q_w, 1);                                                         \
                 rms_norm_##SUFFIX(hidden, (const T *)(intptr_t)p[P_LN2], normed, s->batch, hs,   \
                                   eps);                                                          \
@@ -413,7 +413,8 @@ static inline v16f exp_v16(v16f x) {
         {                                                                                      \
             _Pragma("omp for schedule(static)")                                                \
             for (int64_t j = 0; j < n; j++) qf[j] = LOAD(q[j]);                                \
-            attention_##SUFFIX(qf, k_cache, v_cache, tables, seq_lens, s, scale, of);          \
+            attention_##SUFFIX(qf, s->heads * s->head_dim, k_cache, v_cache, tables, seq_lens, \
+                               s, scale, of);                                                  \
             _Pragma("omp for schedule(static)")                                                \
             for (int64_t j = 0; j < n; j++) out[j] = STORE(of[j]);                             \
         }                                                                                      \

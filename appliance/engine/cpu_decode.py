@@ -70,9 +70,8 @@ class FusedCpuDecode:
                 "k_cache": k_cache,
                 "v_cache": v_cache,
             }
-            rows.append([self._checked(name, t) for name, t in tensors.items()])
-            if attn.attn.spec.kv_cache_dtype != "auto":
-                raise ValueError("the native decode needs a model-dtype KV cache")
+            # A quantized cache stores bytes, so the dtype check refuses it too.
+            rows.append([self._checked(name, tensors[name]) for name in cpu_native.LAYER_FIELDS])
         for name, t in (("embed", self.embed), ("lm_head", self.lm_head), ("norm", self.final_norm)):
             self._checked(name, t)
         self.layer_ptrs = torch.tensor(rows, dtype=torch.int64)
@@ -122,17 +121,3 @@ class FusedCpuDecode:
             raise MemoryError("native decode: out of memory for its scratch buffers")
         return logits[:, : a.vocab_size]
 
-
-def try_fused_cpu_decode(
-    model: LlamaForCausalLM,
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-    block_size: int,
-) -> FusedCpuDecode | None:
-    """The native decode when this model, dtype and cache allow it, else None."""
-    dtype = model.model.embed_tokens.weight.dtype
-    if not cpu_native.supports(dtype, model.args.num_heads // model.args.num_kv_heads):
-        return None
-    try:
-        return FusedCpuDecode(model, kv_caches, block_size)
-    except ValueError:
-        return None

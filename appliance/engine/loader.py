@@ -16,7 +16,7 @@ import torch
 from appliance.config import ApplianceConfig, ConfigError
 from appliance.engine import memory
 from appliance.engine.cpu_decode import MAX_BATCH as FUSED_DECODE_MAX_BATCH
-from appliance.engine.cpu_decode import try_fused_cpu_decode
+from appliance.engine.cpu_decode import FusedCpuDecode
 from appliance.engine.kv_quant import configure_kv_cache
 from appliance.engine.model_runner import KVCachePool, ModelRunner
 from appliance.kernels import cpu_native, get_attention_backend
@@ -237,7 +237,7 @@ def load_model(
     eos = _eos_ids(hf_config, tokenizer)
     runner = ModelRunner(model, pool, cache.block_size, device, eos)
     if native_decode:
-        runner.fused_decode = try_fused_cpu_decode(model, pool.device_caches, cache.block_size)
+        runner.fused_decode = FusedCpuDecode(model, pool.device_caches, cache.block_size)
     if device.type == "cpu" and config.model.cpu_native_kernels:
         say(f"native CPU decode: {describe_native_decode(runner, config)}")
     times["allocate_kv"] = time.perf_counter() - t

@@ -130,16 +130,14 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
         tokens = hidden.shape[0]
-        if isinstance(rope, NativeRope):
-            cpu_native.rotary_(
-                qkv, self.num_heads + self.num_kv_heads, self.head_dim, *rope
-            )
-            qk = qkv[:, : self.q_size + self.kv_size].view(tokens, -1, self.head_dim)
-            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        else:
-            # q and k rotate together, as one [T, Hq + Hk, D] tensor: half the small ops.
-            qk = qkv[:, : self.q_size + self.kv_size].view(tokens, -1, self.head_dim)
-            q, k = apply_rotary(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
+        native = isinstance(rope, NativeRope)
+        if native:
+            cpu_native.rotary_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, *rope)
+        # q and k (rotated together, as one [T, Hq + Hk, D] tensor: half the small ops).
+        qk = qkv[:, : self.q_size + self.kv_size].view(tokens, -1, self.head_dim)
+        if not native:
+            qk = apply_rotary(qk, *rope)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
         out = self.attn(q, k, v, meta, kv_cache)
         return self.o_proj(out.reshape(tokens, self.q_size))
