@@ -38,7 +38,10 @@ class ModelConfig(_Section):
     path: str = ""
     # Name the API serves the model under; defaults to the directory's name.
     name: str = ""
-    # Compute dtype; "auto" is bfloat16 (AMX on CPU, tensor cores on GPU).
+    # Weights and compute. "auto": bfloat16 on GPUs and on CPUs with bf16 arithmetic
+    # (AVX-512-BF16, AMX); on other CPUs (AVX2) bf16 weights and KV with float32 compute, the
+    # fastest correct choice there (appliance.cpu.backend). "bfloat16" forces bf16 compute
+    # (slow where the CPU emulates it; the log says so).
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     # Longest prompt + output; 0 takes max_position_embeddings from config.json.
     max_model_len: NonNegInt = 0
@@ -47,13 +50,14 @@ class ModelConfig(_Section):
     # Reference architecture `appliance plan` reads (templates/models/<name>/config.json) while
     # `path` holds no model yet, e.g. "llama-2-13b": plan before the weights are on the box.
     architecture: str = ""
-    # CPU, bf16: reorder the layers' weights once into oneDNN's blocked layout (faster
-    # matmuls from two rows up, slightly slower at one; the same results).
+    # CPU: reorder the matmul weights once into oneDNN's blocked layout, in the compute dtype
+    # (faster matmuls from two rows up). bf16 only where oneDNN supports it on the CPU
+    # (AVX-512 BW/VL/DQ or AVX-NE-CONVERT); float32 everywhere.
     cpu_prepack_weights: bool = True
     # CPU, bf16/float32: native kernels (kernels/cpu_decode.c, compiled on first start with the
-    # box's C compiler; without one the torch path runs): decode steps of up to 6 sequences as
-    # one call, and decode attention and the element-wise steps of every other forward. With
-    # cpu_prepack_weights the linears then keep both layouts.
+    # box's C compiler for this CPU; without one the torch path runs): small decode steps as
+    # one call, and decode attention and the element-wise steps of every other forward. The
+    # linears then keep their 16-bit weights beside the matmul copy. The one switch for them.
     cpu_native_kernels: bool = True
 
 
@@ -93,6 +97,11 @@ class SchedulerConfig(_Section):
     # Admission control (0 = unlimited); per-class values in [priority_classes] override.
     max_waiting_requests: NonNegInt = 0
     queue_timeout_s: NonNegFloat = 0.0
+    # Class of a request that names none (OpenAI clients send no `priority`); must name a class
+    # in [priority_classes]. "" = "interactive" where the classes have one, else the most
+    # urgent. Not the most urgent by default: a fast-fail class turns a burst of plain requests
+    # into 429s, and unlabelled traffic should not preempt what was marked urgent.
+    default_priority_class: str = ""
 
 
 class PriorityClass(_Section):
@@ -150,9 +159,12 @@ class ApplianceConfig(_Section):
     priority_classes: dict[str, PriorityClass] = msgspec.field(default_factory=_default_classes)
 
     def priority_of(self, name_or_value: str | int | None) -> int:
-        """Integer priority of a class name (or an integer passed through)."""
+        """Integer priority of a class name (or an integer passed through); None is the
+        scheduler's default class."""
         if name_or_value is None:
-            return 0
+            name_or_value = self.default_class()
+            if not name_or_value:  # no classes at all
+                return 0
         if isinstance(name_or_value, int):
             return name_or_value
         try:
@@ -162,6 +174,15 @@ class ApplianceConfig(_Section):
             raise ConfigError(
                 f"priority: unknown class {name_or_value!r}; known classes: {known}"
             ) from None
+
+    def default_class(self) -> str:
+        """The class of a request that names none (scheduler.default_priority_class)."""
+        named = self.scheduler.default_priority_class
+        if named:
+            return named
+        if "interactive" in self.priority_classes:
+            return "interactive"
+        return min(self.priority_classes.items(), key=lambda kv: kv[1].priority, default=("",))[0]
 
     def class_of(self, priority: int) -> str:
         """Name of the class whose priority is closest at or below `priority` (for counters)."""
@@ -250,6 +271,12 @@ def _check_consistency(cfg: ApplianceConfig, source: str) -> None:
         raise ConfigError(
             f"{source}: scheduler.long_prefill_token_threshold ({s.long_prefill_token_threshold}) "
             f"must not exceed scheduler.max_num_batched_tokens ({s.max_num_batched_tokens})"
+        )
+    if s.default_priority_class and s.default_priority_class not in cfg.priority_classes:
+        known = ", ".join(sorted(cfg.priority_classes)) or "none"
+        raise ConfigError(
+            f"{source}: scheduler.default_priority_class {s.default_priority_class!r} is not a "
+            f"class in [priority_classes] (known: {known})"
         )
     if len(set(cfg.cache.kv_cache_keep_16bit)) != len(cfg.cache.kv_cache_keep_16bit):
         raise ConfigError(f"{source}: cache.kv_cache_keep_16bit lists a layer twice")

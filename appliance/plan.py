@@ -101,6 +101,18 @@ class ArchSpec:
     def total_params(self) -> int:
         return self.params_per_rank(1)
 
+    def lm_head_params_per_rank(self, tp: int) -> int:
+        """The LM head's matrix (the embedding's when tied): what the logits matmul reads."""
+        return -(-self.vocab_size // tp) * self.hidden_size
+
+    def linear_params_per_rank(self, tp: int) -> int:
+        """The layers' q|k|v, o, gate|up and down matrices (biases and norms excluded)."""
+        h, hd = self.hidden_size, self.head_dim
+        q = self.num_heads // tp * hd
+        kv = self.kv_heads_per_rank(tp) * hd
+        per_layer = h * (q + 2 * kv) + self.num_heads * hd // tp * h
+        return self.num_layers * (per_layer + 3 * self.intermediate_size // tp * h)
+
     def kv_bytes_per_token(self, tp: int, elem: int | list[int]) -> int:
         """K and V of every layer for one token on one rank; `elem` is bytes per element, one
         for all layers or one per layer (kv_cache_keep_16bit keeps some layers 16-bit)."""
@@ -137,6 +149,11 @@ class TPPlan:
     kv_tokens: int = 0
     seqs_at_max_model_len: int = 0
     seqs_at_typical_seq_len: int = 0
+    # CPU: the matmuls' own copy of the weights (oneDNN-prepacked, or float32 beside 16-bit
+    # weights on CPUs without bf16 arithmetic), included in weights_bytes; and what the CPU
+    # backend would pick on this machine.
+    matmul_copy_bytes: int = 0
+    cpu_path: str = ""
 
 
 @dataclass
@@ -231,6 +248,34 @@ def _kv_elems(config: ApplianceConfig, dtype_bytes: int, num_layers: int) -> lis
     return [dtype_bytes if i in keep else quantized for i in range(num_layers)]
 
 
+def cpu_weight_bytes(spec: ArchSpec, config: ApplianceConfig, tp: int) -> tuple[int, int, str]:
+    """(stored weight bytes, matmul copy bytes, the path) of a CPU rank, as the CPU backend
+    would lay them out on this machine (appliance.cpu.backend): the matmuls read a prepacked
+    or float32 copy; the 16-bit linears stay beside it while the native decode reads them."""
+    import torch
+
+    from appliance.cpu.backend import plan_cpu
+    from appliance.kernels import cpu_native
+
+    cpu = plan_cpu(
+        config,
+        spec.num_heads,
+        spec.num_kv_heads,
+        native_available=cpu_native.compiler() is not None,
+        native_error="no C compiler",
+    )
+    elem = cpu.weight_dtype.itemsize
+    stored = spec.params_per_rank(tp) * elem
+    copy = 0
+    if cpu.prepack or cpu.fp32_weight_copy:
+        linears = spec.linear_params_per_rank(tp)
+        copy = (linears + spec.lm_head_params_per_rank(tp)) * cpu.compute_dtype.itemsize
+        if not cpu.native_decode:
+            stored -= linears * elem  # released: nothing else reads them
+    path = f"weights {cpu.weight_dtype}, compute {cpu.compute_dtype}, matmuls {cpu.matmul}"
+    return stored, copy, path.replace("torch.", "")
+
+
 def plan_tp(spec: ArchSpec, config: ApplianceConfig, tp: int, on_gpu: bool) -> TPPlan:
     problem = spec.tp_problem(tp)
     if problem:
@@ -241,6 +286,10 @@ def plan_tp(spec: ArchSpec, config: ApplianceConfig, tp: int, on_gpu: bool) -> T
     max_len = config.model.max_model_len or spec.max_position_embeddings
     params = spec.params_per_rank(tp)
     weights = params * elem
+    matmul_copy, cpu_path = 0, ""
+    if not on_gpu:
+        stored, matmul_copy, cpu_path = cpu_weight_bytes(spec, config, tp)
+        weights = stored + matmul_copy
     per_token = spec.kv_bytes_per_token(tp, kv_elem)
     block = per_token * cache.block_size
     p = TPPlan(
@@ -251,6 +300,8 @@ def plan_tp(spec: ArchSpec, config: ApplianceConfig, tp: int, on_gpu: bool) -> T
         weights_bytes=weights,
         kv_bytes_per_token=per_token,
         block_bytes=block,
+        matmul_copy_bytes=matmul_copy,
+        cpu_path=cpu_path,
     )
     if on_gpu:
         p.activation_reserve_bytes = activation_bytes(
@@ -377,8 +428,12 @@ def render(plan: Plan) -> str:
     lines.append(f"tensor_parallel_size {c.tensor_parallel_size}, {unit}:")
     if c.weight_params:
         rows = [
-            ("weights", _gib(c.weights_bytes), f"{c.weight_params / 1e9:.3f}B parameters x {plan.dtype_bytes} bytes"),
+            ("weights", _gib(c.weights_bytes), f"{c.weight_params / 1e9:.3f}B parameters x {plan.dtype_bytes} bytes" + (" + the matmul copy" if c.matmul_copy_bytes else "")),
         ]
+        if c.matmul_copy_bytes:
+            rows += [
+                ("  of which matmul copy", _gib(c.matmul_copy_bytes), c.cpu_path + " (this CPU)"),
+            ]
         if plan.device == "cuda":
             rows += [
                 ("activation reserve", _gib(c.activation_reserve_bytes), f"estimated for {plan.max_num_batched_tokens} tokens a step (see below)"),

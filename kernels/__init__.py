@@ -47,15 +47,16 @@ def cpu_paged_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The CPU backend: decode batches over a model-dtype cache go to the native kernel
+    """The CPU backend: decode batches over a 16/32-bit cache go to the native kernel
     (cpu_decode.c), which reads each K/V row in place (the torch path first gathers the
     context into padded copies: ~40% of a 64-sequence decode step of the small demo model);
     everything else to the torch reference."""
     if (
         max_query_len == 1
         and kv_cache_dtype == "auto"
-        and query.dtype == k_cache.dtype
-        and cpu_native.supports(query.dtype, query.shape[1] // k_cache.shape[2])
+        # The cache's dtype, or a float32 forward over a bf16 cache (CPUs without bf16 math).
+        and query.dtype in (k_cache.dtype, torch.float32)
+        and cpu_native.supports(k_cache.dtype, query.shape[1] // k_cache.shape[2])
     ):
         return cpu_native.paged_decode_attention(
             query, k_cache, v_cache, block_tables, seq_lens, scale

@@ -59,86 +59,96 @@ static inline float f32_store(float f) { return f; }
 
 static inline float silu(float x) { return x / (1.0f + expf(-x)); }
 
-/* GCC/Clang vector extensions: 16 floats, lowered to whatever SIMD the -march has. */
-typedef float v16f __attribute__((vector_size(64)));
-typedef uint16_t v16h __attribute__((vector_size(32)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
+/* GCC/Clang vector extensions, as wide as one register of the -march the build targets
+ * (kernels/cpu_native.py builds for the CPU it runs on): 16 floats with AVX-512, 8 with AVX2,
+ * 4 with SSE. Wider than a register, GCC keeps arrays of them (the dot products' accumulators)
+ * in memory: on a Zen 3 (AVX2) 16-float vectors ran the decode forward at 1.6 GB/s. */
+#if defined(__AVX512F__)
+#define VW 16
+#elif defined(__AVX__)
+#define VW 8
+#else
+#define VW 4
+#endif
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef uint16_t vh __attribute__((vector_size(VW * 2)));
+typedef uint32_t vu __attribute__((vector_size(VW * 4)));
 
-static inline v16f f32_loadv(const float *p) {
-    v16f v;
+static inline vf f32_loadv(const float *p) {
+    vf v;
     memcpy(&v, p, sizeof v);
     return v;
 }
 
-static inline v16f bf16_loadv(const uint16_t *p) {
-    v16h h;
+static inline vf bf16_loadv(const uint16_t *p) {
+    vh h;
     memcpy(&h, p, sizeof h);
-    v16u u = __builtin_convertvector(h, v16u) << 16;
-    v16f v;
+    vu u = __builtin_convertvector(h, vu) << 16;
+    vf v;
     memcpy(&v, &u, sizeof v);
     return v;
 }
 
-/* Round 16 floats to bfloat16 (nearest even; finite inputs), kept as floats / stored. */
-static inline v16f bf16_roundv(v16f v) {
-    v16u u;
+/* Round VW floats to bfloat16 (nearest even; finite inputs), kept as floats / stored. */
+static inline vf bf16_roundv(vf v) {
+    vu u;
     memcpy(&u, &v, sizeof u);
     u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
     memcpy(&v, &u, sizeof v);
     return v;
 }
 
-static inline void bf16_storev(uint16_t *p, v16f v) {
-    v16u u;
+static inline void bf16_storev(uint16_t *p, vf v) {
+    vu u;
     memcpy(&u, &v, sizeof u);
-    v16h h = __builtin_convertvector((u + 0x7fffu + ((u >> 16) & 1u)) >> 16, v16h);
+    vh h = __builtin_convertvector((u + 0x7fffu + ((u >> 16) & 1u)) >> 16, vh);
     memcpy(p, &h, sizeof h);
 }
 
-static inline v16f f32_roundv(v16f v) { return v; }
-static inline void f32_storev(float *p, v16f v) { memcpy(p, &v, sizeof v); }
+static inline vf f32_roundv(vf v) { return v; }
+static inline void f32_storev(float *p, vf v) { memcpy(p, &v, sizeof v); }
 
-static inline float hsum(v16f v) {
+static inline float hsum(vf v) {
     float s = 0.0f;
-    for (int i = 0; i < 16; i++) s += v[i];
+    for (int i = 0; i < VW; i++) s += v[i];
     return s;
 }
 
-typedef int32_t v16i __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(VW * 4)));
 
-/* e^x for 16 lanes (Cephes' expf polynomial, ~1 ulp on [-87, 88]; below -87 it is 0, as the
+/* e^x for VW lanes (Cephes' expf polynomial, ~1 ulp on [-87, 88]; below -87 it is 0, as the
  * softmax wants for masked or far-below-max scores). glibc's expf is scalar here. */
-static inline v16f exp_v16(v16f x) {
-    v16i too_small = x < -87.0f;
-    v16i too_big = x > 88.0f;
-    x = (v16f)(((v16i)x & ~too_big) | ((v16i)((v16f){0} + 88.0f) & too_big));
-    x = (v16f)(((v16i)x & ~too_small) | ((v16i)((v16f){0} - 87.0f) & too_small));
+static inline vf exp_v(vf x) {
+    vi too_small = x < -87.0f;
+    vi too_big = x > 88.0f;
+    x = (vf)(((vi)x & ~too_big) | ((vi)((vf){0} + 88.0f) & too_big));
+    x = (vf)(((vi)x & ~too_small) | ((vi)((vf){0} - 87.0f) & too_small));
     /* n = floor(x log2(e) + 1/2) by conversion (the add-a-magic-number trick does not survive
      * -fassociative-math). */
-    v16f y = x * 1.44269504088896341f + 0.5f;
-    v16i ni = __builtin_convertvector(y, v16i);
-    ni += (v16i)(__builtin_convertvector(ni, v16f) > y); /* truncation went up: minus one */
-    v16f n = __builtin_convertvector(ni, v16f);
-    v16f r = x - n * 0.693359375f - n * -2.12194440e-4f;
-    v16f p = (v16f){0} + 1.9875691500e-4f;
+    vf y = x * 1.44269504088896341f + 0.5f;
+    vi ni = __builtin_convertvector(y, vi);
+    ni += (vi)(__builtin_convertvector(ni, vf) > y); /* truncation went up: minus one */
+    vf n = __builtin_convertvector(ni, vf);
+    vf r = x - n * 0.693359375f - n * -2.12194440e-4f;
+    vf p = (vf){0} + 1.9875691500e-4f;
     p = p * r + 1.3981999507e-3f;
     p = p * r + 8.3334519073e-3f;
     p = p * r + 4.1665795894e-2f;
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    v16f scaled = (v16f)((v16i)p + (ni << 23));
-    return (v16f)((v16i)scaled & ~too_small);
+    vf scaled = (vf)((vi)p + (ni << 23));
+    return (vf)((vi)scaled & ~too_small);
 }
 
-/* NB dot products of one weight row (loaded once per 16 columns) with NB rows of x. */
+/* NB dot products of one weight row (loaded once per VW columns) with NB rows of x. */
 #define DOT_ROWS(LOADV, LOAD, NB)                                                              \
     do {                                                                                       \
-        v16f acc[NB];                                                                          \
-        for (int b = 0; b < NB; b++) acc[b] = (v16f){0};                                       \
+        vf acc[NB];                                                                          \
+        for (int b = 0; b < NB; b++) acc[b] = (vf){0};                                       \
         int64_t j = 0;                                                                         \
-        for (; j + 16 <= k; j += 16) {                                                         \
-            v16f wv = LOADV(row + j);                                                          \
+        for (; j + VW <= k; j += VW) {                                                         \
+            vf wv = LOADV(row + j);                                                          \
             for (int b = 0; b < NB; b++) acc[b] += wv * f32_loadv(x + b * k + j);              \
         }                                                                                      \
         for (int b = 0; b < NB; b++) {                                                         \
@@ -218,7 +228,7 @@ static inline v16f exp_v16(v16f x) {
                                       float *out) {                                            \
         const int64_t d = s->head_dim, row = s->kv_heads * d, bs = s->block_size;              \
         const int64_t nq = nkv * group, span = nkv * d * (int64_t)sizeof(T);                   \
-        const int vec = d % 16 == 0;                                                           \
+        const int vec = d % VW == 0;                                                           \
         float m[MAX_QUERY_HEADS], l[MAX_QUERY_HEADS];                                          \
         float scores[MAX_QUERY_HEADS][CHUNK] = {{0}};                                          \
         for (int64_t h = 0; h < nq; h++) {                                                     \
@@ -246,8 +256,8 @@ static inline v16f exp_v16(v16f x) {
                         const float *qh = q + h * d;                                           \
                         float dot = 0.0f;                                                      \
                         if (vec) {                                                             \
-                            v16f acc = (v16f){0};                                              \
-                            for (int64_t j = 0; j < d; j += 16)                                \
+                            vf acc = (vf){0};                                              \
+                            for (int64_t j = 0; j < d; j += VW)                                \
                                 acc += f32_loadv(qh + j) * LOADV(kr + j);                      \
                             dot = hsum(acc);                                                   \
                         } else {                                                               \
@@ -264,8 +274,8 @@ static inline v16f exp_v16(v16f x) {
                 l[h] *= correction;                                                            \
                 for (int64_t j = 0; j < d; j++) out[h * d + j] *= correction;                  \
                 /* Whole vectors: lanes past n hold stale scores, computed and never used. */  \
-                for (int64_t t = 0; t < n; t += 16) {                                          \
-                    v16f e = exp_v16(f32_loadv(&scores[h][t]) - cm);                           \
+                for (int64_t t = 0; t < n; t += VW) {                                          \
+                    vf e = exp_v(f32_loadv(&scores[h][t]) - cm);                           \
                     memcpy(&scores[h][t], &e, sizeof e);                                       \
                 }                                                                              \
                 for (int64_t t = 0; t < n; t++) l[h] += scores[h][t];                          \
@@ -280,8 +290,8 @@ static inline v16f exp_v16(v16f x) {
                         float p = scores[h][t];                                                \
                         float *o = out + h * d;                                                \
                         if (vec) {                                                             \
-                            for (int64_t j = 0; j < d; j += 16) {                              \
-                                v16f acc = f32_loadv(o + j) + p * LOADV(vr + j);               \
+                            for (int64_t j = 0; j < d; j += VW) {                              \
+                                vf acc = f32_loadv(o + j) + p * LOADV(vr + j);               \
                                 memcpy(o + j, &acc, sizeof acc);                               \
                             }                                                                  \
                         } else {                                                               \
@@ -420,6 +430,19 @@ static inline v16f exp_v16(v16f x) {
         }                                                                                      \
         free(qf);                                                                              \
         return 0;                                                                              \
+    }                                                                                          \
+                                                                                               \
+    /* The same with float32 queries and output over a T cache: a float32 forward that keeps  \
+     * its K/V in 16 bits (CPUs without bf16 arithmetic). Nothing to convert on the way. */    \
+    int paged_decode_attention_f32q_##SUFFIX(const int64_t *shape, const float *q,             \
+                                             const T *k_cache, const T *v_cache,               \
+                                             const int32_t *tables, const int32_t *seq_lens,   \
+                                             float scale, float *out) {                        \
+        const Shape *s = (const Shape *)shape;                                                 \
+        _Pragma("omp parallel num_threads(s->threads)")                                        \
+        attention_##SUFFIX(q, s->heads * s->head_dim, k_cache, v_cache, tables, seq_lens, s,    \
+                           scale, out);                                                        \
+        return 0;                                                                              \
     }
 
 DEFINE_KERNELS(bf16, uint16_t, bf16_load, bf16_store, bf16_loadv)
@@ -479,9 +502,9 @@ DEFINE_KERNELS(f32, float, f32_load, f32_store, f32_loadv)
             const T *g = gate_up + r * 2 * inter, *u = g + inter;                              \
             T *o = out + r * inter;                                                            \
             int64_t i = 0;                                                                     \
-            for (; i + 16 <= inter; i += 16) {                                                 \
-                v16f gv = LOADV(g + i);                                                        \
-                v16f sv = ROUNDV(gv / (1.0f + exp_v16(-gv)));                                  \
+            for (; i + VW <= inter; i += VW) {                                                 \
+                vf gv = LOADV(g + i);                                                        \
+                vf sv = ROUNDV(gv / (1.0f + exp_v(-gv)));                                  \
                 STOREV(o + i, sv * LOADV(u + i));                                              \
             }                                                                                  \
             for (; i < inter; i++) o[i] = STORE(LOAD(STORE(silu(LOAD(g[i])))) * LOAD(u[i]));   \

@@ -1,9 +1,11 @@
 """The CPU decode kernels of `cpu_decode.c`: built once per machine with the box's C compiler,
 cached, and called through ctypes on tensors' memory.
 
-`-march=native` ties a build to the CPU it was made on, so the cache key holds the source, the
-flags, the compiler and the CPU's feature flags. No compiler, or a failed build, leaves the
-engine on its torch path (`load()` returns None and `load_error()` says why).
+A build targets the CPU it runs on (`-march=native`) less the features `APPLIANCE_CPU_MASK`
+hides (`-mno-...`, see appliance.cpu.features), so one machine can build and test the AVX2 code
+of another. The cache key holds the source, the flags, the compiler and the visible feature
+flags. No compiler, or a failed build, leaves the engine on its torch path (`load()` returns
+None and `load_error()` says why).
 """
 
 from __future__ import annotations
@@ -15,10 +17,11 @@ import os
 import shutil
 import subprocess
 import tempfile
-from functools import cache
 from pathlib import Path
 
 import torch
+
+from appliance.cpu.features import CpuFeatures, detect
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +47,8 @@ SHAPE_FIELDS = (
 SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 MAX_QUERY_HEADS = 64
 
-_error: str | None = None
+# Build flags -> (library or None, why not).
+_loaded: dict[tuple[str, ...], tuple[ctypes.CDLL | None, str | None]] = {}
 
 
 def cache_dir() -> Path:
@@ -58,17 +62,11 @@ def compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return ""
+def build_flags(features: CpuFeatures | None = None) -> list[str]:
+    return [*FLAGS, *(features or detect()).compiler_flags()]
 
 
-def _build_key(cc: str) -> str:
+def _build_key(cc: str, flags: list[str], features: CpuFeatures) -> str:
     try:
         version = subprocess.run(
             [cc, "--version"], capture_output=True, text=True, timeout=30
@@ -76,18 +74,22 @@ def _build_key(cc: str) -> str:
     except (OSError, subprocess.SubprocessError):
         version = ""
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(), _cpu_flags().encode()):
+    cpu = " ".join(sorted(features.raw_flags))
+    for part in (SOURCE.read_bytes(), " ".join(flags).encode(), version.encode(), cpu.encode()):
         digest.update(part)
         digest.update(b"\0")
     return digest.hexdigest()[:16]
 
 
-def build() -> Path:
-    """Compile the kernels (or find this machine's cached build); raises on failure."""
+def build(features: CpuFeatures | None = None) -> Path:
+    """Compile the kernels for `features` (default: this CPU under the environment's mask), or
+    find the cached build; raises on failure."""
+    features = features or detect()
     cc = compiler()
     if cc is None:
         raise RuntimeError("no C compiler (set CC, or install gcc)")
-    target = cache_dir() / f"cpu_decode-{_build_key(cc)}.so"
+    flags = build_flags(features)
+    target = cache_dir() / f"cpu_decode-{_build_key(cc, flags, features)}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -96,7 +98,7 @@ def build() -> Path:
     os.close(fd)
     try:
         result = subprocess.run(
-            [cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"],
+            [cc, *flags, str(SOURCE), "-o", tmp, "-lm"],
             capture_output=True,
             text=True,
             timeout=300,
@@ -110,29 +112,34 @@ def build() -> Path:
     return target
 
 
-@cache
-def load() -> ctypes.CDLL | None:
-    """The compiled library, or None (with the reason in `load_error()`)."""
-    global _error
-    _error = None
-    if os.environ.get("APPLIANCE_CPU_KERNELS", "1") == "0":
-        _error = "disabled by APPLIANCE_CPU_KERNELS=0"
-        return None
-    try:
-        lib = ctypes.CDLL(str(build()))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        _error = str(exc)
-        log.warning("CPU decode kernels unavailable, using the torch path: %s", exc)
-        return None
-    for suffix in SUFFIX.values():
-        getattr(lib, f"decode_forward_{suffix}").restype = ctypes.c_int
-        getattr(lib, f"paged_decode_attention_{suffix}").restype = ctypes.c_int
-    return lib
+def load(features: CpuFeatures | None = None) -> ctypes.CDLL | None:
+    """The library built for `features` (default: this CPU under the environment's mask), or
+    None (with the reason in `load_error()`). Built and opened once per set of build flags."""
+    features = features or detect()
+    key = tuple(build_flags(features))
+    if key not in _loaded:
+        try:
+            lib: ctypes.CDLL | None = ctypes.CDLL(str(build(features)))
+            error = None
+        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+            lib, error = None, str(exc)
+            log.warning("CPU decode kernels unavailable, using the torch path: %s", exc)
+        if lib is not None:
+            for suffix in SUFFIX.values():
+                for name in ("decode_forward", "paged_decode_attention", "paged_decode_attention_f32q"):
+                    getattr(lib, f"{name}_{suffix}").restype = ctypes.c_int
+        _loaded[key] = (lib, error)
+    return _loaded[key][0]
 
 
-def load_error() -> str | None:
-    load()
-    return _error
+def load_error(features: CpuFeatures | None = None) -> str | None:
+    load(features)
+    return _loaded[tuple(build_flags(features or detect()))][1]
+
+
+def forget_builds() -> None:
+    """Drop the opened libraries' records (tests that change the compiler or the mask)."""
+    _loaded.clear()
 
 
 def ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
@@ -159,11 +166,13 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """One query per sequence over its paged context (model-dtype cache): query
-    [batch, heads, head_dim] -> the same shape. The torch reference is
-    `paged_attention.paged_attention` with max_query_len 1."""
+    """One query per sequence over its paged context (a 16- or 32-bit cache): query
+    [batch, heads, head_dim] -> the same shape, in the query's dtype (the cache's, or float32
+    over a bf16 cache). The torch reference is `paged_attention.paged_attention` with
+    max_query_len 1."""
     lib = load()
-    assert lib is not None and query.dtype in SUFFIX and query.dtype == k_cache.dtype
+    assert lib is not None and k_cache.dtype in SUFFIX
+    assert query.dtype in (k_cache.dtype, torch.float32), (query.dtype, k_cache.dtype)
     batch, heads, head_dim = query.shape
     _, block_size, kv_heads, _ = k_cache.shape
     q = query.contiguous()
@@ -175,7 +184,9 @@ def paged_decode_attention(
         inter=0, vocab=0, block_size=block_size, table_stride=tables.shape[1],
         threads=torch.get_num_threads(),
     )  # fmt: skip
-    fn = getattr(lib, f"paged_decode_attention_{SUFFIX[query.dtype]}")
+    mixed = query.dtype != k_cache.dtype
+    name = "paged_decode_attention_f32q" if mixed else "paged_decode_attention"
+    fn = getattr(lib, f"{name}_{SUFFIX[k_cache.dtype]}")
     rc = fn(ptr(shape), ptr(q), ptr(k_cache), ptr(v_cache), ptr(tables), ptr(lens),
             ctypes.c_float(scale), ptr(out))  # fmt: skip
     if rc != 0:

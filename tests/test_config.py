@@ -59,3 +59,19 @@ def test_priority_classes() -> None:
     assert cfg.class_of(cfg.priority_of("batch")) == "batch"
     with pytest.raises(ConfigError, match="unknown class 'vip'"):
         cfg.priority_of("vip")
+
+
+def test_a_request_without_priority_takes_the_default_class() -> None:
+    cfg = load_config("cpu-demo")
+    assert cfg.default_class() == "interactive"
+    assert cfg.priority_of(None) == cfg.priority_of("interactive")
+    # Classes without an "interactive" one: the most urgent, as before the setting existed.
+    own = load_config(None, {"priority_classes": {"rt": {"priority": 0}, "bulk": {"priority": 9}}})
+    assert own.default_class() == "rt" and own.priority_of(None) == 0
+    fast_fail = load_config("cpu-demo", {"scheduler.default_priority_class": "realtime"})
+    assert fast_fail.priority_of(None) == fast_fail.priority_of("realtime")
+
+
+def test_the_default_class_must_exist() -> None:
+    with pytest.raises(ConfigError, match=r"scheduler.default_priority_class 'vip' is not a class"):
+        load_config("cpu-demo", {"scheduler.default_priority_class": "vip"})

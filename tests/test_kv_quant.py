@@ -17,7 +17,7 @@ from appliance.kernels.paged_attention import paged_attention, quantize, write_k
 from appliance import Engine, SamplingParams
 from appliance.config import ConfigError, load_config
 from appliance.core.scheduler import ScheduledRequest, SchedulerOutput
-from appliance.engine import loader as loader_mod
+from appliance.cpu import backend as cpu_backend_mod
 from appliance.engine.loader import LoadedModel, load_model
 from appliance.engine.model_runner import KVCachePool
 from appliance.kv_eval import Report, format_report, run_kv_eval
@@ -102,7 +102,8 @@ def test_every_layer_gets_the_devices_backend(template: Path, monkeypatch: pytes
         asked.append(torch.device(device))
         return write_kv, paged_attention
 
-    monkeypatch.setattr(loader_mod, "get_attention_backend", backend)
+    # On the CPU the backend asks (appliance.cpu.backend); on CUDA the loader does.
+    monkeypatch.setattr(cpu_backend_mod, "get_attention_backend", backend)
     loaded = load(template)
     assert asked == [torch.device("cpu")]
     assert all(a.write_kv is write_kv and a.paged_attention is paged_attention

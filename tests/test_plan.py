@@ -180,3 +180,21 @@ def test_plan_kv_bytes_equal_the_loaders(kv_dtype: str, keep: list[int], tp: int
     loader_bytes = kv_bytes_per_block(args, 16, storage, tp) // 16
     tp_plan = plan_cmd.plan_tp(ArchSpec.from_config_json(cfg), config, tp, on_gpu=False)
     assert tp_plan.kv_bytes_per_token == loader_bytes
+
+
+def test_cpu_plan_counts_the_float32_matmul_copy(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a CPU without bf16 arithmetic (the AVX2 mask) dtype auto keeps the bf16 weights for
+    the native decode and gives the matmuls a float32 copy: the plan counts both."""
+    monkeypatch.setenv("APPLIANCE_CPU_MASK", "avx512,amx,avx_ne_convert")
+    rc, plan = plan_json(capsys, "--template", "cpu-demo")
+    assert rc == 0
+    c = plan["chosen"]
+    # The small demo shape: 30 layers, hidden 576, 9/3 heads of 64, MLP 1536, vocab 49152, tied.
+    linears = 30 * (576 * (576 + 2 * 192) + 576 * 576 + 3 * 576 * 1536)
+    lm_head = 49152 * 576
+    params = lm_head + 30 * (576 * (576 + 2 * 192) + 576 * 576 + 3 * 576 * 1536 + 2 * 576) + 576
+    assert c["matmul_copy_bytes"] == 4 * (linears + lm_head)
+    assert c["weights_bytes"] == 2 * params + 4 * (linears + lm_head)
+    assert "compute float32" in c["cpu_path"]

@@ -111,6 +111,9 @@ def test_admin_stats_decodes_into_its_schema(server: ServerProcess) -> None:
     assert stats.model_name == MODEL and stats.max_model_len == 512
     assert stats.server.phase == "ready" and stats.server.ready_after_s is not None
     assert "core.load_weights" in stats.server.startup_phases
+    # What the CPU backend detected and picked (appliance.cpu.backend), and why.
+    assert stats.backend["cpu"]["isa"] in ("avx2", "avx512", "avx512-bf16", "amx", "sse")
+    assert stats.backend["compute_dtype"] in ("float32", "bfloat16") and stats.backend["matmul"]
     assert stats.engine is not None and stats.engine.num_blocks > 0
     live = stats.requests[0]
     assert live.priority_class == "batch" and live.priority == 10

@@ -34,7 +34,13 @@ def copy_bandwidth(device: torch.device, mib: int = 512, repeats: int = 5) -> fl
 def matmul_flops(
     device: torch.device, dtype: torch.dtype, size: int = 2048, repeats: int = 3
 ) -> float:
-    a = torch.randn(size, size, device=device).to(dtype)
-    b = torch.randn(size, size, device=device).to(dtype)
-    seconds = _timed(lambda: a @ b, repeats)
-    return 2 * size**3 / seconds
+    """FLOP/s of a square matmul of `size` (smaller where one would take over a second: an
+    emulated bf16 GEMM on an AVX2 CPU runs at well under 1 GFLOP/s)."""
+    n = 256
+    while True:
+        a = torch.randn(n, n, device=device).to(dtype)
+        b = torch.randn(n, n, device=device).to(dtype)
+        seconds = _timed(lambda a=a, b=b: a @ b, 1 if n < size else repeats)
+        if n >= size or seconds * 8 > 1.0:
+            return 2 * n**3 / seconds
+        n *= 2

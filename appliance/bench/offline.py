@@ -1,20 +1,25 @@
 """`appliance bench offline`: throughput of the engine in-process, per scheduling mode, against
-the bound computed from measured copy bandwidth and matmul rate."""
+the bound computed from measured copy bandwidth and matmul rates, for the path each step took
+(the fused native decode reads 16-bit weights; the torch path reads its matmul weights in the
+compute dtype, at that dtype's measured rate)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import random
+import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
+
+import torch
 
 from appliance.bench import mixed
 from appliance.bench.hardware import copy_bandwidth, matmul_flops
 from appliance.config import load_config, parse_override_value
 from appliance.engine.llm_engine import Engine
-from appliance.engine.loader import LoadedModel, describe_native_decode, load_model
+from appliance.engine.loader import LoadedModel, load_model
 from appliance.engine.stats import StepHistory, StepRecord
 from appliance.sampling_params import SamplingParams
 
@@ -46,14 +51,28 @@ class ModeResult:
 @dataclass
 class Rates:
     copy_bytes_per_s: float
-    matmul_flops_per_s: float
+    # Measured square-matmul rates: float32, and the 16-bit compute dtype's (bf16 or fp16;
+    # equal to the float32 one where the matmuls compute in float32).
+    fp32_flops_per_s: float
+    half_flops_per_s: float
+
+
+class InvalidBound(RuntimeError):
+    """A mode ran faster than its bound: the bound models another path than the one taken."""
+
+
+def step_path(record: StepRecord, loaded: LoadedModel) -> str:
+    """Which forward a step ran: the fused native decode (decodes only, few enough) or torch."""
+    fused = loaded.runner.fused_max_batch
+    decodes_only = record.num_scheduled_tokens == record.num_seqs
+    return "fused" if decodes_only and 0 < record.num_seqs <= fused else "torch"
 
 
 def step_bound_seconds(record: StepRecord, loaded: LoadedModel, rates: Rates) -> float:
-    """Roofline time of one step: bytes read (weights once + KV of the context) over copy
-    bandwidth, or matmul FLOPs over the matmul rate, whichever is larger."""
+    """Roofline time of one step on the path it took: bytes read (weights once + KV of the
+    context) over copy bandwidth, or matmul FLOPs over that path's matmul rate, whichever is
+    larger."""
     args = loaded.args
-    elem = loaded.dtype.itemsize
     per_layer = (
         args.hidden_size * (args.num_heads + 2 * args.num_kv_heads) * args.head_dim
         + args.num_heads * args.head_dim * args.hidden_size
@@ -61,10 +80,19 @@ def step_bound_seconds(record: StepRecord, loaded: LoadedModel, rates: Rates) ->
     )
     body_params = args.num_layers * per_layer
     head_params = args.vocab_size * args.hidden_size
+    compute = loaded.compute_dtype or loaded.dtype
+    if step_path(record, loaded) == "fused":
+        # The native forward reads the stored weights, accumulating in float32.
+        elem, flop_rate = loaded.dtype.itemsize, rates.fp32_flops_per_s
+    else:
+        # The matmuls read their copy in the compute dtype (float32 over bf16 weights where
+        # the CPU lacks bf16 arithmetic).
+        elem = compute.itemsize
+        flop_rate = rates.fp32_flops_per_s if compute == torch.float32 else rates.half_flops_per_s
     kv_per_token = loaded.bytes_per_block / loaded.block_size
     bytes_read = (body_params + head_params) * elem + record.num_context_tokens * kv_per_token
     flops = 2 * body_params * record.num_scheduled_tokens + 2 * head_params * record.num_seqs
-    return max(bytes_read / rates.copy_bytes_per_s, flops / rates.matmul_flops_per_s)
+    return max(bytes_read / rates.copy_bytes_per_s, flops / flop_rate)
 
 
 def make_prompts(vocab: int, n: int, length: int, seed: int) -> list[list[int]]:
@@ -103,6 +131,12 @@ def run_mode(
     seconds = time.perf_counter() - start
     records = list(engine.history.records)
     bound_s = sum(step_bound_seconds(r, loaded, rates) for r in records)
+    if bound_s > seconds:
+        raise InvalidBound(
+            f"{mode}: ran in {seconds:.2f} s, under its roofline bound of {bound_s:.2f} s "
+            f"({100 * bound_s / seconds:.0f}% of the bound): the bound does not model the path "
+            "the engine took, so no share is reported"
+        )
     stats = engine.stats()
     return ModeResult(
         mode=mode,
@@ -170,13 +204,25 @@ def main(ns: argparse.Namespace) -> int:
     loaded = load_model(config)
     if ns.profile == "mixed":
         return mixed.run_mixed(ns, loaded, overrides)
-    rates = Rates(copy_bandwidth(loaded.device), matmul_flops(loaded.device, loaded.dtype))
+    fp32_rate = matmul_flops(loaded.device, torch.float32)
+    # The 16-bit rate only where a step's matmuls run in 16 bits.
+    half = loaded.compute_dtype if loaded.compute_dtype != torch.float32 else None
+    rates = Rates(
+        copy_bandwidth(loaded.device),
+        fp32_rate,
+        matmul_flops(loaded.device, half) if half is not None else fp32_rate,
+    )
     prompts = make_prompts(loaded.args.vocab_size, ns.num_requests, ns.prompt_len, ns.seed)
     modes = list(MODES) if ns.policy == "all" else [ns.policy]
-    results = [
-        run_mode(m, loaded, overrides, ns.template, prompts, ns.output_len, ns.static_batch, rates)
-        for m in modes
-    ]
+    try:
+        results = [
+            run_mode(m, loaded, overrides, ns.template, prompts, ns.output_len, ns.static_batch, rates)
+            for m in modes
+        ]
+    except InvalidBound as exc:
+        print(f"bench offline: {exc}", file=sys.stderr)
+        return 1
+    backend = loaded.cpu.describe() if loaded.cpu is not None else None
     if ns.json:
         print(
             json.dumps(
@@ -184,7 +230,8 @@ def main(ns: argparse.Namespace) -> int:
                     "model": str(loaded.model_dir),
                     "rates": asdict(rates),
                     "kv": kv_summary(loaded, config, ns.prompt_len + ns.output_len),
-                    "native_cpu_decode": loaded.runner.fused_decode is not None,
+                    "native_cpu_decode": loaded.runner.fused_max_batch > 0,
+                    "cpu_backend": backend,
                     "results": [asdict(r) for r in results],
                 }
             )
@@ -194,12 +241,14 @@ def main(ns: argparse.Namespace) -> int:
         f"model {loaded.model_dir.name}: {ns.num_requests} requests x {ns.prompt_len} prompt + "
         f"{ns.output_len} output tokens, {loaded.dtype}, block size {config.cache.block_size}"
     )
+    half_name = str(half).removeprefix("torch.") if half is not None else "float32"
     print(
-        f"measured: copy bandwidth {rates.copy_bytes_per_s / 1e9:.1f} GB/s, "
-        f"matmul {rates.matmul_flops_per_s / 1e9:.0f} GFLOP/s"
+        f"measured: copy bandwidth {rates.copy_bytes_per_s / 1e9:.1f} GB/s, matmul float32 "
+        f"{rates.fp32_flops_per_s / 1e9:.0f} GFLOP/s, {half_name} "
+        f"{rates.half_flops_per_s / 1e9:.0f} GFLOP/s"
     )
-    if loaded.device.type == "cpu":
-        print(f"native CPU decode: {describe_native_decode(loaded.runner, config)}")
+    if loaded.cpu is not None:
+        print(loaded.cpu.plan.summary())
     kv = kv_summary(loaded, config, ns.prompt_len + ns.output_len)
     keep = f", 16-bit layers {kv['kv_cache_keep_16bit']}" if kv["kv_cache_keep_16bit"] else ""
     print(

@@ -14,13 +14,11 @@ from typing import Any
 import torch
 
 from appliance.config import ApplianceConfig, ConfigError
+from appliance.cpu.backend import CpuBackend
 from appliance.engine import memory
-from appliance.engine.cpu_decode import MAX_BATCH as FUSED_DECODE_MAX_BATCH
-from appliance.engine.cpu_decode import FusedCpuDecode
 from appliance.engine.kv_quant import configure_kv_cache
 from appliance.engine.model_runner import KVCachePool, ModelRunner
-from appliance.kernels import cpu_native, get_attention_backend
-from appliance.layers.linear import cpu_prepack_supported, pack_linears_for_cpu
+from appliance.kernels import get_attention_backend
 from appliance.layers.parallel import tp_rank, tp_size
 from appliance.layers.rotary import RotaryEmbedding
 from appliance.models.hf_files import has_model, iter_safetensors, load_hf_config, load_tokenizer
@@ -45,6 +43,8 @@ class LoadedModel:
     num_swap_blocks: int
     runner: ModelRunner
     device: torch.device
+    # The weights' storage dtype; activations and batched matmuls run in compute_dtype (float32
+    # over 16-bit weights on CPUs without bf16 arithmetic, see appliance.cpu.backend).
     dtype: torch.dtype
     block_size: int
     bytes_per_block: int
@@ -52,10 +52,15 @@ class LoadedModel:
     # What the engine calls each step (`execute(SchedulerOutput) -> RunnerOutput`): the runner
     # itself at TP 1, a TPExecutor that drives the worker ranks at TP > 1 (appliance.engine.tp).
     executor: Any = None
+    compute_dtype: torch.dtype | None = None
+    # The CPU backend's decisions (None on CUDA): for logs, /admin/stats and the benches.
+    cpu: CpuBackend | None = None
 
     def __post_init__(self) -> None:
         if self.executor is None:
             self.executor = self.runner
+        if self.compute_dtype is None:
+            self.compute_dtype = self.dtype
 
     def close(self) -> None:
         """Stop the worker ranks (TP > 1); nothing to do at TP 1. Idempotent."""
@@ -77,6 +82,7 @@ def resolve_device(config: ApplianceConfig) -> torch.device:
 
 
 def resolve_dtype(config: ApplianceConfig) -> torch.dtype:
+    """The weights' dtype on CUDA ("auto" is bfloat16); the CPU backend decides its own."""
     return torch.bfloat16 if config.model.dtype == "auto" else DTYPES[config.model.dtype]
 
 
@@ -115,20 +121,34 @@ def _eos_ids(hf_config: Any, tokenizer: Any) -> frozenset[int]:
     return frozenset(ids)
 
 
-def describe_native_decode(runner: ModelRunner, config: ApplianceConfig) -> str:
-    """Whether decode steps run the native kernels, and if not, why (for logs and benches)."""
-    if runner.fused_decode is not None:
-        return f"on for decode steps of up to {FUSED_DECODE_MAX_BATCH} sequences"
-    if not config.model.cpu_native_kernels:
-        return "off (model.cpu_native_kernels = false)"
-    if cpu_native.load() is None:
-        return f"off ({cpu_native.load_error()})"
-    return "off (needs tensor_parallel_size 1, kv_cache_dtype auto, bf16 or float32)"
+@dataclass
+class _Weights:
+    """Step 1's result: the model on its device, with what was read beside it."""
+
+    model_dir: Path
+    hf_config: Any
+    args: ModelArgs
+    tokenizer: Any
+    model: LlamaForCausalLM
+    max_len: int
+    cpu: CpuBackend | None
+    gpu_used_before: int
+
+
+@dataclass
+class _KVLayout:
+    """Step 2's result: the pool's shape and storage."""
+
+    storage: list[torch.dtype]
+    per_block: int
+    num_blocks: int
+    num_swap: int
 
 
 def load_model(
     config: ApplianceConfig, progress: Callable[[str], None] | None = None
 ) -> LoadedModel:
+    """Load the weights, size the KV cache, wire the backend."""
     say = progress or (lambda msg: log.info(msg))
     if config.parallel.tensor_parallel_size > 1 and tp_size() == 1:
         # This process becomes rank 0 of a tensor-parallel group: the executor spawns the other
@@ -142,9 +162,30 @@ def load_model(
             f"is rank {tp_rank()} of a tensor-parallel engine of size {tp_size()}; close it first"
         )
     times: dict[str, float] = {}
-    t0 = time.perf_counter()
     device = resolve_device(config)
-    dtype = resolve_dtype(config)
+    weights = load_weights(config, device, say, times)
+    t = time.perf_counter()
+    layout = size_kv_cache(config, weights, device, say)
+    times["size_kv"] = time.perf_counter() - t
+    t = time.perf_counter()
+    loaded = wire_backend(config, weights, layout, device, times)
+    times["allocate_kv"] = time.perf_counter() - t
+    say(
+        f"KV cache: {layout.num_blocks} blocks x {config.cache.block_size} tokens "
+        f"({layout.num_blocks * layout.per_block / GiB:.2f} GiB), swap {layout.num_swap} blocks"
+    )
+    return loaded
+
+
+def load_weights(
+    config: ApplianceConfig,
+    device: torch.device,
+    say: Callable[[str], None],
+    times: dict[str, float],
+) -> _Weights:
+    """Step 1: config, tokenizer and weights, in the dtypes the backend picks for this device;
+    on the CPU the backend prepares the model (matmul weights, ops, attention kernels)."""
+    t0 = time.perf_counter()
     model_dir = resolve_model_dir(config, say)
     times["locate_model"] = time.perf_counter() - t0
 
@@ -161,6 +202,10 @@ def load_model(
     times["config_tokenizer"] = time.perf_counter() - t
 
     t = time.perf_counter()
+    cpu = CpuBackend.create(config, args.num_heads, args.num_kv_heads) if device.type == "cpu" else None
+    if cpu is not None:
+        say(cpu.plan.summary())
+    dtype = cpu.plan.weight_dtype if cpu is not None else resolve_dtype(config)
     say(f"loading weights from {model_dir} ({args.num_layers} layers, {dtype})")
     with torch.device("meta"):
         model = LlamaForCausalLM(args)
@@ -176,91 +221,92 @@ def load_model(
     model.model.rotary.cos, model.model.rotary.sin = fresh.cos, fresh.sin
     model.load_weights((name, tensor.to(dtype)) for name, tensor in iter_safetensors(model_dir))
     model.eval()
-    native_ops = (
-        device.type == "cpu"
-        and config.model.cpu_native_kernels
-        and tp_size() == 1
-        and config.parallel.tensor_parallel_size == 1
-        and cpu_native.supports(dtype, args.num_heads // args.num_kv_heads)
-    )
-    model.native_cpu_ops = native_ops
-    native_decode = native_ops and config.cache.kv_cache_dtype == "auto"
-    if device.type == "cpu" and config.model.cpu_prepack_weights and cpu_prepack_supported(dtype):
-        pack_linears_for_cpu(model, config.scheduler.max_num_seqs, keep_plain=native_decode)
-    # Triton kernels on CUDA, the torch reference elsewhere (the same signatures).
-    write_kv, attend = get_attention_backend(device, native_cpu=native_ops)
-    for attn in model.attention_layers():
-        attn.set_backend(write_kv, attend)
+    if cpu is not None:
+        cpu.prepare_model(model, config.scheduler.max_num_seqs)
+    else:
+        # Triton kernels on CUDA (the same signatures as the torch reference).
+        write_kv, attend = get_attention_backend(device)
+        for attn in model.attention_layers():
+            attn.set_backend(write_kv, attend)
     times["load_weights"] = time.perf_counter() - t
+    return _Weights(model_dir, hf_config, args, tokenizer, model, max_len, cpu, gpu_used_before)
 
-    t = time.perf_counter()
-    # Per-layer KV storage (kv_cache_keep_16bit layers stay in the model dtype) and, when any
-    # layer is quantized, its per-head scales from a calibration forward (engine/kv_quant.py).
-    storage, _ = configure_kv_cache(model, tokenizer, config.cache, dtype, device, max_len)
-    times["calibrate_kv"] = time.perf_counter() - t
 
-    t = time.perf_counter()
+def size_kv_cache(
+    config: ApplianceConfig, w: _Weights, device: torch.device, say: Callable[[str], None]
+) -> _KVLayout:
+    """Step 2: per-layer KV storage (kv_cache_keep_16bit layers stay 16-bit; quantized layers
+    get per-head scales from a calibration forward, engine/kv_quant.py), then the number of
+    blocks the memory settings allow."""
+    kv_dtype = w.cpu.plan.kv_dtype if w.cpu is not None else w.model.lm_head.weight.dtype
+    storage, _ = configure_kv_cache(w.model, w.tokenizer, config.cache, kv_dtype, device, w.max_len)
     cache = config.cache
-    tp = tp_size()
-    per_block = kv_bytes_per_block(args, cache.block_size, storage, tp)
+    per_block = kv_bytes_per_block(w.args, cache.block_size, storage, tp_size())
     gpu_plan: memory.GpuMemoryPlan | None = None
     if cache.num_blocks:
         num_blocks = cache.num_blocks
     elif device.type == "cuda":
         gpu_plan = memory.plan_gpu_kv(
-            model, args, config, device, storage, max_len, per_block, gpu_used_before
+            w.model, w.args, config, device, storage, w.max_len, per_block, w.gpu_used_before
         )
         num_blocks = gpu_plan.num_blocks
         say(f"memory plan: {gpu_plan.describe()}")
     else:
         num_blocks = int(cache.kv_cache_memory * GiB // per_block)
-    needed = -(-max_len // cache.block_size)
+    needed = -(-w.max_len // cache.block_size)
     if num_blocks < needed:
         raise ConfigError(
             f"cache: {num_blocks} KV blocks of {cache.block_size} tokens "
             f"({per_block / 2**20:.2f} MiB each) cannot hold one sequence of max_model_len "
-            f"{max_len} ({needed} blocks); raise cache.kv_cache_memory / gpu_memory_utilization "
+            f"{w.max_len} ({needed} blocks); raise cache.kv_cache_memory / gpu_memory_utilization "
             "or lower model.max_model_len"
             + (f" [{gpu_plan.describe()}]" if gpu_plan is not None else "")
         )
     num_swap = int(cache.swap_space * GiB // per_block)
+    return _KVLayout(list(storage), per_block, num_blocks, num_swap)
+
+
+def wire_backend(
+    config: ApplianceConfig,
+    w: _Weights,
+    layout: _KVLayout,
+    device: torch.device,
+    times: dict[str, float],
+) -> LoadedModel:
+    """Step 3: allocate the pool, build the runner, and give the backend the cache (the CPU's
+    fused decode reads it in place)."""
+    args = w.args
     pool = KVCachePool(
         args.num_layers,
-        num_blocks,
-        num_swap,
-        cache.block_size,
-        args.kv_heads_per_rank(tp),
+        layout.num_blocks,
+        layout.num_swap,
+        config.cache.block_size,
+        args.kv_heads_per_rank(tp_size()),
         args.head_dim,
-        storage,
+        layout.storage,
         device,
     )
-    eos = _eos_ids(hf_config, tokenizer)
-    runner = ModelRunner(model, pool, cache.block_size, device, eos)
-    if native_decode:
-        runner.fused_decode = FusedCpuDecode(model, pool.device_caches, cache.block_size)
-    if device.type == "cpu" and config.model.cpu_native_kernels:
-        say(f"native CPU decode: {describe_native_decode(runner, config)}")
-    times["allocate_kv"] = time.perf_counter() - t
-    say(
-        f"KV cache: {num_blocks} blocks x {cache.block_size} tokens "
-        f"({num_blocks * per_block / GiB:.2f} GiB), swap {num_swap} blocks"
-    )
-    name = config.model.name or model_dir.name
+    eos = _eos_ids(w.hf_config, w.tokenizer)
+    if w.cpu is not None:
+        w.cpu.wire(w.model, pool.device_caches, config.cache.block_size)
+    runner = ModelRunner(w.model, pool, config.cache.block_size, device, eos, cpu=w.cpu)
+    weight_dtype = w.cpu.plan.weight_dtype if w.cpu is not None else resolve_dtype(config)
     return LoadedModel(
-        model_name=name,
-        model_dir=model_dir,
+        model_name=config.model.name or w.model_dir.name,
+        model_dir=w.model_dir,
         args=args,
-        model=model,
-        tokenizer=tokenizer,
-        max_model_len=max_len,
+        model=w.model,
+        tokenizer=w.tokenizer,
+        max_model_len=w.max_len,
         eos_token_ids=eos,
-        num_blocks=num_blocks,
-        num_swap_blocks=num_swap,
+        num_blocks=layout.num_blocks,
+        num_swap_blocks=layout.num_swap,
         runner=runner,
         device=device,
-        dtype=dtype,
-        block_size=cache.block_size,
-        bytes_per_block=per_block,
+        dtype=weight_dtype,
+        block_size=config.cache.block_size,
+        bytes_per_block=layout.per_block,
         phase_times=times,
+        compute_dtype=w.cpu.plan.compute_dtype if w.cpu is not None else weight_dtype,
+        cpu=w.cpu,
     )
-

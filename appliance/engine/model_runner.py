@@ -7,17 +7,19 @@ then prefill chunks, so attention runs as at most two batched calls per layer.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from appliance.core.scheduler import ScheduledRequest, SchedulerOutput
-from appliance.engine.cpu_decode import MAX_BATCH as FUSED_DECODE_MAX_BATCH
-from appliance.engine.cpu_decode import FusedCpuDecode
 from appliance.engine.sampler import Sampler, SampleRequest, TokenLogprobs
 from appliance.layers.attention import AttentionMetadata, PagedBatch
-from appliance.layers.linear import cpu_gemm_for
 from appliance.models.llama import LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from appliance.cpu.backend import CpuBackend
 
 
 @dataclass
@@ -94,6 +96,7 @@ class ModelRunner:
         device: torch.device,
         eos_token_ids: frozenset[int],
         sampler_seed: int = 0,
+        cpu: CpuBackend | None = None,
     ) -> None:
         self.model = model
         self.kv = kv
@@ -104,9 +107,14 @@ class ModelRunner:
         # False on tensor-parallel workers: they run the forward (its collectives need every
         # rank) but only the driver samples.
         self.samples = True
-        # Set by the loader on the CPU when the native decode kernels are built (cpu_decode.py).
-        self.fused_decode: FusedCpuDecode | None = None
+        # The CPU backend (None on CUDA): its fused decode for small decode steps, and the
+        # matmul switch around every other forward.
+        self.cpu = cpu
+        self.fused_max_batch = cpu.fused_max_batch() if cpu is not None else 0
         self.native_decode_steps = 0
+
+    def _matmuls(self, rows: int) -> AbstractContextManager[None]:
+        return self.cpu.matmuls(rows) if self.cpu is not None else nullcontext()
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         self.kv.swap_out(out.blocks_to_swap_out)
@@ -119,21 +127,21 @@ class ModelRunner:
         rows = torch.tensor([last_rows[i] for i, _ in sampling], device=self.device)
         decode = meta.decode
         if (
-            self.fused_decode is not None
-            and meta.prefill is None
+            meta.prefill is None
             and decode is not None
-            and decode.num_tokens <= FUSED_DECODE_MAX_BATCH
+            and decode.num_tokens <= self.fused_max_batch
         ):
-            logits = self.fused_decode(
+            assert self.cpu is not None and self.cpu.fused_decode is not None
+            logits = self.cpu.fused_decode(
                 input_ids, positions, meta.slot_mapping, decode.block_tables, decode.seq_lens
             ).index_select(0, rows)
             self.native_decode_steps += 1
         else:
-            with cpu_gemm_for(input_ids.shape[0], self.device):
+            with self._matmuls(input_ids.shape[0]):
                 hidden = self.model(input_ids, positions, meta, self.kv.device_caches)
             if not sampling:
                 return RunnerOutput({}, {})
-            with cpu_gemm_for(len(sampling), self.device):
+            with self._matmuls(len(sampling)):
                 logits = self.model.compute_logits(hidden.index_select(0, rows))
         if not sampling:
             return RunnerOutput({}, {})

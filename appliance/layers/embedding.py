@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from appliance.layers import linear
+from appliance.layers.linear import MatmulWeight
 from appliance.layers.parallel import all_gather_last_dim, all_reduce, tp_rank, tp_size
 
 
@@ -33,7 +33,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.data[: piece.shape[0]].copy_(piece)
 
 
-class ParallelLMHead(nn.Module):
+class ParallelLMHead(MatmulWeight):
     def __init__(
         self, vocab_size: int, hidden_size: int, tied: VocabParallelEmbedding | None
     ) -> None:
@@ -44,22 +44,13 @@ class ParallelLMHead(nn.Module):
             self.embedding = VocabParallelEmbedding(vocab_size, hidden_size)
 
     @property
-    def weight(self) -> torch.Tensor:
+    def weight(self) -> torch.Tensor:  # type: ignore[override]
+        # The embedding's (tied or own): its lookup and the native decode read it, so the CPU
+        # backend's matmul copy never replaces it.
         return (self.tied if self.tied is not None else self.embedding).weight
 
-    # oneDNN's prepacked copy of the weight (CPU, bf16), for logits of several rows at once:
-    # 64 rows of the small demo model take 10.8 instead of 13.0 ms. The plain weight stays (the
-    # embedding lookup and the native decode read it).
-    packed: torch.Tensor | None = None
-
-    def pack_for_cpu(self, batch_hint: int) -> None:
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), batch_hint)
-
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and hidden.shape[0] > linear.NATIVE_GEMM_MAX_ROWS:
-            local = torch.ops.mkldnn._linear_pointwise(hidden, self.packed, None, "none", [], "")
-        else:
-            local = F.linear(hidden, self.weight)
+        local = self._matmul(hidden, None)
         logits = all_gather_last_dim(local)
         return logits[..., : self.vocab_size]
 

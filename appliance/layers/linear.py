@@ -7,79 +7,42 @@ tensors through `load(part, tensor)` and keeps only this rank's slice.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from appliance.layers.parallel import all_reduce, tp_rank, tp_size
 
-# Up to this many rows, ATen's own GEMV beats oneDNN's bf16 GEMM on the CPU (Zen 4, small demo
-# model's 3072x576 weights: 205 vs 310 us at one row, 244 vs 309 at two); from four rows on,
-# oneDNN wins by a widening margin (465 vs 831 us at eight).
-NATIVE_GEMM_MAX_ROWS = 2
 
+class MatmulWeight(nn.Module):
+    """A module whose matmul can read another copy of its weight than `weight` itself.
 
-@contextmanager
-def cpu_gemm_for(rows: int, device: torch.device) -> Iterator[None]:
-    """Route the matmuls of a pass over `rows` rows to the faster CPU kernel. The switch is
-    global in torch, so it is restored on the way out for whatever runs next."""
-    if device.type != "cpu":
-        yield
-        return
-    before = torch.backends.mkldnn.enabled
-    torch.backends.mkldnn.enabled = rows > NATIVE_GEMM_MAX_ROWS
-    try:
-        yield
-    finally:
-        torch.backends.mkldnn.enabled = before
-
-
-class _CpuPackable(nn.Module):
-    """A linear whose weight can be reordered once into oneDNN's blocked layout on the CPU."""
+    The CPU backend (appliance.cpu.backend) sets `matmul_weight`: oneDNN's prepacked layout
+    (`onednn_packed`), or a plain tensor in the compute dtype (float32 on CPUs without bf16
+    arithmetic). `weight` keeps the checkpoint's values for whatever else reads them (the
+    native decode, the embedding) and may be released when nothing does. Passes of up to
+    `plain_max_rows` rows read `weight` itself where it is still held in the input's dtype
+    (ATen's GEMV beats a prepacked GEMM at one or two rows)."""
 
     weight: nn.Parameter
-    packed: torch.Tensor | None = None
-
-    def pack_for_cpu(self, batch_hint: int, keep_plain: bool = False) -> None:
-        """Add oneDNN's prepacked weight, which every matmul then uses (bit-identical results).
-        A plain bf16 weight is reordered on every call: prepacked, a 64-row matmul of the small
-        demo model takes 631 instead of 841 us, an 8-row one 176 instead of 361 us; one row
-        pays 146 against ATen's GEMV's 118 us. The plain copy is released (one layout in
-        memory) unless `keep_plain`: the native CPU decode reads it."""
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), batch_hint)
-        if not keep_plain:
-            self.weight.data = torch.empty(0, dtype=self.weight.dtype)
+    matmul_weight: torch.Tensor | None = None
+    onednn_packed: bool = False
+    plain_max_rows: int = 0
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
-        return F.linear(x, self.weight, bias)
+        w = self.matmul_weight
+        if w is None or (
+            x.shape[0] <= self.plain_max_rows
+            and self.weight.numel() > 0
+            and self.weight.dtype == x.dtype
+        ):
+            return F.linear(x, self.weight, bias)
+        if self.onednn_packed:
+            return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+        return F.linear(x, w, bias)
 
 
-def cpu_prepack_supported(dtype: torch.dtype) -> bool:
-    return (
-        # bf16 only: oneDNN's fp16 kernels need CPU support that many hosts lack.
-        dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-    )
-
-
-def pack_linears_for_cpu(model: nn.Module, batch_hint: int, keep_plain: bool = False) -> None:
-    """Prepack every q/k/v, o, gate/up and down weight, and the LM head's."""
-    from appliance.layers.embedding import ParallelLMHead  # it imports this module
-
-    for module in model.modules():
-        if isinstance(module, _CpuPackable):
-            module.pack_for_cpu(batch_hint, keep_plain)
-        elif isinstance(module, ParallelLMHead):
-            module.pack_for_cpu(batch_hint)
-
-
-class MergedColumnLinear(_CpuPackable):
+class MergedColumnLinear(MatmulWeight):
     """Several column-parallel projections in one matmul (q|k|v or gate|up).
 
     `parts` are (name, rows on this rank, head size for replicated-head slicing or 0)."""
@@ -110,7 +73,7 @@ class MergedColumnLinear(_CpuPackable):
         target.data[offset : offset + rows].copy_(piece)
 
 
-class RowParallelLinear(_CpuPackable):
+class RowParallelLinear(MatmulWeight):
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         size = tp_size()

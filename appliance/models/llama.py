@@ -7,34 +7,21 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from appliance.kernels import cpu_native
 from appliance.layers.attention import Attention, AttentionMetadata
 from appliance.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from appliance.layers.linear import MergedColumnLinear, RowParallelLinear
 from appliance.layers.norm import RMSNorm
+from appliance.layers.ops import LayerOps
 from appliance.layers.parallel import divide, tp_rank, tp_size
-from appliance.layers.rotary import RotaryEmbedding, apply_rotary
+from appliance.layers.rotary import RotaryEmbedding
 from appliance.models.hf_files import rope_parameters
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-
-
-class NativeRope(NamedTuple):
-    """Rotary inputs of the native path: float32 tables [max_position, head_dim] and the
-    tokens' positions (the torch path takes cos/sin already looked up)."""
-
-    cos_table: torch.Tensor
-    sin_table: torch.Tensor
-    positions: torch.Tensor
-
-
-Rope = tuple[torch.Tensor, torch.Tensor] | NativeRope
 
 
 @dataclass
@@ -123,21 +110,15 @@ class LlamaAttention(nn.Module):
 
     def forward(
         self,
-        rope: Rope,
+        ops: LayerOps,
+        rope: Any,
         hidden: torch.Tensor,
         meta: AttentionMetadata,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
         tokens = hidden.shape[0]
-        native = isinstance(rope, NativeRope)
-        if native:
-            cpu_native.rotary_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, *rope)
-        # q and k (rotated together, as one [T, Hq + Hk, D] tensor: half the small ops).
-        qk = qkv[:, : self.q_size + self.kv_size].view(tokens, -1, self.head_dim)
-        if not native:
-            qk = apply_rotary(qk, *rope)
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        q, k = ops.rotate_qk(qkv, self.num_heads, self.num_kv_heads, self.head_dim, rope)
         v = qkv[:, self.q_size + self.kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
         out = self.attn(q, k, v, meta, kv_cache)
         return self.o_proj(out.reshape(tokens, self.q_size))
@@ -152,11 +133,8 @@ class LlamaMLP(nn.Module):
         )
         self.down_proj = RowParallelLinear(args.intermediate_size, args.hidden_size)
 
-    def forward(self, x: torch.Tensor, native_ops: bool = False) -> torch.Tensor:
-        if native_ops:
-            return self.down_proj(cpu_native.silu_mul(self.gate_up_proj(x)))
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, ops: LayerOps, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x), self.inter))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -169,21 +147,17 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(
         self,
-        rope: Rope,
+        ops: LayerOps,
+        rope: Any,
         hidden: torch.Tensor,
         meta: AttentionMetadata,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
-        if isinstance(rope, NativeRope):
-            # The same steps through the native element-wise kernels; `hidden` (this forward's
-            # own tensor) takes the residual adds in place.
-            ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
-            normed = cpu_native.add_rms_norm(hidden, None, ln1.weight, ln1.eps)
-            attn = self.self_attn(rope, normed, meta, kv_cache)
-            normed = cpu_native.add_rms_norm(hidden, attn, ln2.weight, ln2.eps)
-            return hidden.add_(self.mlp(normed, native_ops=True))
-        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), meta, kv_cache)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        # `hidden` is this forward's own tensor: it takes the residual adds in place.
+        normed = ops.add_rms_norm(hidden, None, self.input_layernorm)
+        attn = self.self_attn(ops, rope, normed, meta, kv_cache)
+        normed = ops.add_rms_norm(hidden, attn, self.post_attention_layernorm)
+        return hidden.add_(self.mlp(ops, normed))
 
 
 class LlamaModel(nn.Module):
@@ -202,14 +176,42 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
-        # CPU: element-wise steps through kernels/cpu_decode.c (set by the loader when built).
-        self.native_cpu_ops = False
+        # The element-wise steps: torch unless the CPU backend gives native ones (set_ops).
+        self.ops = LayerOps()
         self.model = LlamaModel(args)
         tied = self.model.embed_tokens if args.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(args.vocab_size, args.hidden_size, tied)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
+
+    def set_ops(self, ops: LayerOps) -> None:
+        self.ops = ops
+
+    def decode_tensors(self) -> tuple[list[dict[str, torch.Tensor | None]], dict[str, torch.Tensor]]:
+        """The tensors a whole-forward kernel reads, by role: per layer (ln1, wqkv, bqkv, wo,
+        ln2, wgu, wdown; q|k|v and gate|up merged, rows = output features) and for the model
+        (embed, norm, lm_head). The same tensors the forward uses, not copies."""
+        layers = []
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            layers.append(
+                {
+                    "ln1": layer.input_layernorm.weight,
+                    "wqkv": attn.qkv_proj.weight,
+                    "bqkv": attn.qkv_proj.bias,
+                    "wo": attn.o_proj.weight,
+                    "ln2": layer.post_attention_layernorm.weight,
+                    "wgu": mlp.gate_up_proj.weight,
+                    "wdown": mlp.down_proj.weight,
+                }
+            )
+        top = {
+            "embed": self.model.embed_tokens.weight,
+            "norm": self.model.norm.weight,
+            "lm_head": self.lm_head.weight,
+        }
+        return layers, top
 
     @torch.inference_mode()
     def forward(
@@ -219,15 +221,13 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
+        ops = self.ops
         hidden = self.model.embed_tokens(input_ids)
-        rope: Rope
-        if self.native_cpu_ops:
-            rotary = self.model.rotary
-            rope = NativeRope(rotary.cos.float(), rotary.sin.float(), positions)
-        else:
-            rope = self.model.rotary.cos_sin(positions, hidden.dtype)
+        if ops.compute_dtype is not None:
+            hidden = hidden.to(ops.compute_dtype)
+        rope = ops.rope(self.model.rotary, positions, hidden.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            hidden = layer(rope, hidden, meta, kv_cache)
+            hidden = layer(ops, rope, hidden, meta, kv_cache)
         return self.model.norm(hidden)
 
     @torch.inference_mode()

@@ -65,6 +65,7 @@ async def stats(request: Request[Any, Any, Any], history_s: float = 60.0) -> Res
         max_model_len=info.max_model_len if info else 0,
         device=info.device if info else "",
         dtype=info.dtype if info else "",
+        backend=info.backend if info else {},
         config=_config_ref(state),
         server=ServerInfo(
             phase=state.phase,

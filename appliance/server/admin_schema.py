@@ -101,6 +101,9 @@ class AdminStats(msgspec.Struct, kw_only=True):
     max_model_len: int
     device: str
     dtype: str
+    # CPU engines: the CPU's features, the dtypes and matmul path picked, the native decode and
+    # why (appliance.cpu.backend); {} on CUDA or while no engine runs.
+    backend: dict[str, Any]
     config: ConfigRef
     server: ServerInfo
     # None while no engine runs (starting, reloading, failed).

@@ -123,6 +123,7 @@ class _Core:
                 dtype=str(loaded.dtype).removeprefix("torch."),
                 pid=os.getpid(),
                 phase_times=phases,
+                backend=loaded.cpu.describe() if loaded.cpu is not None else {},
             ),
         )
         return cls(conn, config, engine, loaded)

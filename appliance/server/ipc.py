@@ -9,6 +9,7 @@ streams (never blocking the event loop).
 from __future__ import annotations
 
 import struct
+from typing import Any
 
 import msgspec
 
@@ -84,6 +85,8 @@ class CoreInfo(msgspec.Struct, tag="ready", kw_only=True):
     pid: int
     # Seconds per start-up phase, from the loader, plus the core's own imports.
     phase_times: dict[str, float]
+    # CPU engines: what the CPU backend detected and picked, and why (appliance.cpu.backend).
+    backend: dict[str, Any] = {}
 
 
 class Failed(msgspec.Struct, tag="failed"):

@@ -41,6 +41,8 @@ def resolve_priority(state: ServerState, value: str | int | None) -> str:
         prio = state.config.priority_of(value)
     except ConfigError as exc:
         raise bad_request(str(exc), param="priority") from None
+    if value is None:
+        return state.config.default_class()
     return value if isinstance(value, str) else state.config.class_of(prio)
 
 

@@ -1,4 +1,5 @@
-"""Decode steps of a few sequences on the CPU as one native call (kernels/cpu_decode.c).
+"""Decode steps of a few sequences on the CPU as one native call (kernels/cpu_decode.c); part
+of the CPU backend (appliance.cpu.backend builds it).
 
 A one-sequence decode step of the small demo model is ~270 MB of weight reads, ~8 ms at this
 machine's copy bandwidth, but ~27 ms through torch: ~500 operator calls whose dispatch and
@@ -17,6 +18,10 @@ import torch.nn.functional as F
 from appliance.kernels import cpu_native
 from appliance.models.llama import LlamaForCausalLM
 
+# Inputs of the kernel that are a few KB a layer (norms, biases): a float32 forward keeps them
+# in float32, the kernel reads them in its weight dtype, so it holds its own copies of those.
+SMALL_TENSORS = ("ln1", "bqkv", "ln2", "norm")
+
 # Up to this many decodes in a step take the native forward. Its matrix-vector loops read each
 # weight row once for all rows of the batch, but do not block for registers as oneDNN's GEMM
 # does: small demo model, ms a step native vs torch: 9.9 vs 27 (1), 19.6 vs 28.6 (4),
@@ -26,56 +31,57 @@ MAX_BATCH = 6
 
 class FusedCpuDecode:
     """Holds the pointers of every weight and KV tensor; the tensors must outlive it and never
-    move (the model's parameters and the runner's device pool do neither)."""
+    move (the model's parameters and the runner's device pool do neither).
+
+    `dtype` is the kernel's weight and KV dtype (bf16 or float32); activations are float32
+    inside whatever the torch forward computes in."""
 
     def __init__(
         self,
         model: LlamaForCausalLM,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         block_size: int,
+        dtype: torch.dtype,
+        lib: ctypes.CDLL,
     ) -> None:
-        lib = cpu_native.load()
-        if lib is None:
-            raise RuntimeError(f"CPU decode kernels unavailable: {cpu_native.load_error()}")
         args = model.args
-        dtype = model.model.embed_tokens.weight.dtype
         self.dtype = dtype
         self._forward = getattr(lib, f"decode_forward_{cpu_native.SUFFIX[dtype]}")
         self.block_size = block_size
         self.args = args
-        self.embed = model.model.embed_tokens.weight
-        self.lm_head = model.lm_head.weight
-        self.final_norm = model.model.norm.weight
+        layers, top = model.decode_tensors()
+        self._copies: list[torch.Tensor] = []
+        self.embed = self._own(top["embed"], "embed")
+        self.lm_head = self._own(top["lm_head"], "lm_head")
+        self.final_norm = self._own(top["norm"], "norm")
         # float32 tables: the torch path rounds cos/sin to the model dtype; float32 is closer
         # to the reference and costs nothing here.
         self.cos = model.model.rotary.cos.float().contiguous()
         self.sin = model.model.rotary.sin.float().contiguous()
         self.eps = float(model.model.norm.eps)
-        layers = model.model.layers
-        first = layers[0].self_attn
+        first = model.model.layers[0].self_attn
         self.scale = float(first.attn.scale)
         self.heads, self.kv_heads = first.num_heads, first.num_kv_heads
-        self.inter = layers[0].mlp.inter
+        self.inter = model.model.layers[0].mlp.inter
         rows = []
-        for layer, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
-            attn, mlp = layer.self_attn, layer.mlp
-            tensors = {
-                "ln1": layer.input_layernorm.weight,
-                "wqkv": attn.qkv_proj.weight,
-                "bqkv": attn.qkv_proj.bias,
-                "wo": attn.o_proj.weight,
-                "ln2": layer.post_attention_layernorm.weight,
-                "wgu": mlp.gate_up_proj.weight,
-                "wdown": mlp.down_proj.weight,
-                "k_cache": k_cache,
-                "v_cache": v_cache,
-            }
+        for tensors, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
+            named = {**tensors, "k_cache": k_cache, "v_cache": v_cache}
             # A quantized cache stores bytes, so the dtype check refuses it too.
-            rows.append([self._checked(name, tensors[name]) for name in cpu_native.LAYER_FIELDS])
+            rows.append(
+                [self._checked(name, self._own(named[name], name)) for name in cpu_native.LAYER_FIELDS]
+            )
         for name, t in (("embed", self.embed), ("lm_head", self.lm_head), ("norm", self.final_norm)):
             self._checked(name, t)
         self.layer_ptrs = torch.tensor(rows, dtype=torch.int64)
         self.vocab = self.lm_head.shape[0]
+
+    def _own(self, t: torch.Tensor | None, name: str) -> torch.Tensor | None:
+        """The tensor itself, or for a small one in another dtype a copy this object keeps."""
+        if t is None or t.dtype == self.dtype or name not in SMALL_TENSORS:
+            return t
+        copy = t.detach().to(self.dtype).contiguous()
+        self._copies.append(copy)
+        return copy
 
     def _checked(self, name: str, t: torch.Tensor | None) -> int:
         if t is None:

@@ -1,0 +1,330 @@
+"""The CPU backend: what the engine runs on this CPU, decided once at load from what the CPU can
+do (appliance.cpu.features) and the config, then wired into the model and the runner.
+
+The decision (`plan_cpu`, pure):
+- dtypes: the weights' and the KV cache's storage dtype, and the dtype activations and the
+  batched matmuls compute in. Where bf16 arithmetic is native (AVX-512-BF16, AMX) all three are
+  bf16. Where it is not (AVX2, AVX-512 without BF16) oneDNN has no bf16 GEMM and emulates it at
+  ~5x the cost of float32 (64 rows x 576x1536 on a Zen 3: 9.0 vs 0.92 ms), so `dtype = "auto"`
+  keeps 16-bit weights and KV (the native decode reads half the bytes, converting in registers)
+  and computes prefills and wide decode batches in float32 on a float32 copy of the weights.
+- matmuls: oneDNN's prepacked layout where oneDNN supports the dtype on this CPU.
+- native kernels: built for this CPU (kernels/cpu_native.py); the fused decode for small decode
+  steps, native decode attention and element-wise steps elsewhere.
+
+`CpuBackend` carries it out: `prepare_model` (dtypes, matmul weights, ops, attention kernels)
+before the KV cache is sized, `wire` (the fused decode over the allocated cache) after.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from appliance.config import ApplianceConfig
+from appliance.cpu.features import CpuFeatures, detect
+from appliance.cpu.fused_decode import FusedCpuDecode
+from appliance.kernels import cpu_native, get_attention_backend
+from appliance.layers.linear import MatmulWeight
+from appliance.layers.norm import RMSNorm
+from appliance.layers.ops import LayerOps
+from appliance.layers.rotary import RotaryEmbedding
+
+log = logging.getLogger("appliance.cpu")
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# Up to this many rows a bf16 pass reads the plain weight through ATen's GEMV, which beats
+# oneDNN's bf16 GEMM there (Zen 4, small demo model's 3072x576: 205 vs 310 us at one row, 244
+# vs 309 at two; from four rows on oneDNN wins: 465 vs 831 us at eight).
+BF16_GEMV_MAX_ROWS = 2
+# Decode steps of up to this many sequences take the fused native forward. Its matrix-vector
+# loops read each weight row once for the whole batch but are not register-blocked as a GEMM
+# is. ms a step of the small demo model, native vs torch:
+# - bf16 compute (Zen 4, oneDNN bf16): 9.9 vs 27 (1), 19.6 vs 28.6 (4), 28.1 vs 32.6 (6),
+#   35.6 vs 33.2 (8);
+# - float32 compute over bf16 weights (Zen 3, AVX2, oneDNN fp32 prepacked): see FP32_FUSED_MAX.
+BF16_FUSED_MAX = 6
+FP32_FUSED_MAX = 6
+
+
+@dataclass
+class CpuPlan:
+    """What the engine runs on this CPU, and why (each choice's reason is in `notes`)."""
+
+    features: CpuFeatures
+    weight_dtype: torch.dtype
+    compute_dtype: torch.dtype
+    kv_dtype: torch.dtype
+    # oneDNN-prepacked weights for the batched matmuls (in compute_dtype).
+    prepack: bool
+    native_ops: bool
+    native_decode: bool
+    fused_max_batch: int
+    notes: list[str] = field(default_factory=list)
+    # Set when the configuration asks for something slow on this CPU (logged as a warning).
+    warning: str = ""
+
+    @property
+    def matmul(self) -> str:
+        dtype = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}
+        return f"{'oneDNN prepacked' if self.prepack else 'ATen'} {dtype[self.compute_dtype]}"
+
+    @property
+    def fp32_weight_copy(self) -> bool:
+        """Whether the matmuls read a float32 copy beside the 16-bit weights."""
+        return self.compute_dtype != self.weight_dtype
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "cpu": self.features.describe(),
+            "weight_dtype": str(self.weight_dtype).removeprefix("torch."),
+            "compute_dtype": str(self.compute_dtype).removeprefix("torch."),
+            "kv_dtype": str(self.kv_dtype).removeprefix("torch."),
+            "matmul": self.matmul,
+            "fp32_weight_copy": self.fp32_weight_copy,
+            "native_ops": self.native_ops,
+            "native_decode": self.native_decode,
+            "fused_decode_max_batch": self.fused_max_batch if self.native_decode else 0,
+            "notes": list(self.notes),
+            "warning": self.warning,
+        }
+
+    def summary(self) -> str:
+        decode = (
+            f"native decode for steps of up to {self.fused_max_batch} sequences"
+            if self.native_decode
+            else "torch decode"
+        )
+        return (
+            f"CPU {self.features.model_name} ({self.features.isa}"
+            + (f", masked {','.join(sorted(self.features.masked))}" if self.features.masked else "")
+            + f"): weights {str(self.weight_dtype)[6:]}, compute {str(self.compute_dtype)[6:]}, "
+            f"KV {str(self.kv_dtype)[6:]}; matmuls {self.matmul}; {decode}"
+        )
+
+
+def plan_cpu(
+    config: ApplianceConfig,
+    num_heads: int,
+    num_kv_heads: int,
+    features: CpuFeatures | None = None,
+    native_available: bool | None = None,
+    native_error: str | None = None,
+) -> CpuPlan:
+    """The decision, from the CPU's features and the config alone (no weights touched).
+    `native_available` defaults to whether the kernels build here."""
+    features = features or detect()
+    notes: list[str] = []
+    warning = ""
+    wanted = config.model.dtype
+    bf16_native = features.native_bf16_compute
+    if wanted == "auto":
+        weight = torch.bfloat16
+        if bf16_native:
+            compute = torch.bfloat16
+            notes.append("dtype auto: bf16 (the CPU has bf16 arithmetic)")
+        else:
+            compute = torch.float32
+            notes.append(
+                "dtype auto: bf16 weights and KV, float32 compute (no AVX-512-BF16 or AMX: "
+                "bf16 GEMMs would be emulated, ~5x slower than float32)"
+            )
+    else:
+        weight = compute = DTYPES[wanted]
+        if compute == torch.bfloat16 and not bf16_native:
+            warning = (
+                "model.dtype bfloat16 on a CPU without bf16 arithmetic (no AVX-512-BF16, no AMX): "
+                "oneDNN emulates bf16 GEMMs, so prefills and decode batches run several times "
+                "slower than float32; model.dtype = \"auto\" keeps bf16 weights and computes in "
+                "float32"
+            )
+        if compute == torch.float16:
+            notes.append("float16: torch path only (oneDNN's fp16 kernels need AVX-512-FP16)")
+    kv = weight if weight != torch.float16 else torch.float16
+
+    prepack = False
+    if config.model.cpu_prepack_weights and torch.backends.mkldnn.is_available():
+        if compute == torch.float32:
+            prepack = True
+        elif compute == torch.bfloat16 and features.onednn_bf16_prepack:
+            prepack = True
+        elif compute == torch.bfloat16:
+            notes.append(
+                "no bf16 prepacking: oneDNN's bf16 reorder needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT"
+            )
+    elif not config.model.cpu_prepack_weights:
+        notes.append("prepacking off (model.cpu_prepack_weights = false)")
+
+    native_ops = native_decode = False
+    single_rank = config.parallel.tensor_parallel_size == 1
+    if not config.model.cpu_native_kernels:
+        notes.append("native kernels off (model.cpu_native_kernels = false)")
+    elif not single_rank:
+        notes.append("native kernels off (tensor_parallel_size > 1 runs the torch path)")
+    elif compute not in cpu_native.SUFFIX or num_heads // num_kv_heads > cpu_native.MAX_QUERY_HEADS:
+        notes.append(f"native kernels off (they take bf16/float32 and up to "
+                     f"{cpu_native.MAX_QUERY_HEADS} query heads per KV head)")  # fmt: skip
+    else:
+        available = cpu_native.load(features) is not None if native_available is None else native_available
+        if not available:
+            why = native_error if native_available is not None else cpu_native.load_error(features)
+            notes.append(f"native kernels off ({why})")
+        else:
+            native_ops = True
+            native_decode = config.cache.kv_cache_dtype == "auto"
+            if not native_decode:
+                notes.append(
+                    f"native decode off for kv_cache_dtype {config.cache.kv_cache_dtype} "
+                    "(the element-wise kernels still run)"
+                )
+    fused_max = BF16_FUSED_MAX if compute == torch.bfloat16 else FP32_FUSED_MAX
+    return CpuPlan(
+        features=features,
+        weight_dtype=weight,
+        compute_dtype=compute,
+        kv_dtype=kv,
+        prepack=prepack,
+        native_ops=native_ops,
+        native_decode=native_decode,
+        fused_max_batch=fused_max,
+        notes=notes,
+        warning=warning,
+    )
+
+
+class NativeCpuOps(LayerOps):
+    """The element-wise steps through kernels/cpu_decode.c (one pass each instead of several
+    torch operators)."""
+
+    name = "native-cpu"
+
+    def __init__(self, compute_dtype: torch.dtype, rotary: RotaryEmbedding) -> None:
+        super().__init__(compute_dtype)
+        # The kernel reads float32 tables and looks the positions up itself.
+        self._cos = rotary.cos.float().contiguous()
+        self._sin = rotary.sin.float().contiguous()
+
+    def rope(self, rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype) -> Any:
+        return positions
+
+    def rotate_qk(
+        self, qkv: torch.Tensor, q_heads: int, kv_heads: int, head_dim: int, rope: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cpu_native.rotary_(qkv, q_heads + kv_heads, head_dim, self._cos, self._sin, rope)
+        qk = qkv[:, : (q_heads + kv_heads) * head_dim].view(qkv.shape[0], -1, head_dim)
+        q, k = qk.split([q_heads, kv_heads], dim=1)
+        return q, k
+
+    def add_rms_norm(
+        self, hidden: torch.Tensor, add: torch.Tensor | None, norm: RMSNorm
+    ) -> torch.Tensor:
+        return cpu_native.add_rms_norm(hidden, add, norm.weight, norm.eps)
+
+    def silu_mul(self, gate_up: torch.Tensor, inter: int) -> torch.Tensor:
+        return cpu_native.silu_mul(gate_up)
+
+
+class CpuBackend:
+    def __init__(self, plan: CpuPlan) -> None:
+        self.plan = plan
+        self.fused_decode: FusedCpuDecode | None = None
+        self.native_decode_steps = 0
+
+    @classmethod
+    def create(cls, config: ApplianceConfig, num_heads: int, num_kv_heads: int) -> CpuBackend:
+        plan = plan_cpu(config, num_heads, num_kv_heads)
+        log.info(plan.summary())
+        for note in plan.notes:
+            log.info("CPU backend: %s", note)
+        if plan.warning:
+            log.warning("%s", plan.warning)
+        return cls(plan)
+
+    def prepare_model(self, model: torch.nn.Module, batch_hint: int) -> None:
+        """After the weights are loaded in plan.weight_dtype: the compute dtype of the small
+        parameters, the matmul weights, the element-wise ops and the attention kernels."""
+        plan = self.plan
+        if plan.compute_dtype != plan.weight_dtype:
+            # Norms and biases (a few KB a layer) in the compute dtype, so the float32 forward
+            # never mixes dtypes; the matrices stay 16-bit (the matmuls get their own copy).
+            for module in model.modules():
+                if isinstance(module, RMSNorm):
+                    module.weight.data = module.weight.data.to(plan.compute_dtype)
+                bias = getattr(module, "bias", None)
+                if isinstance(module, MatmulWeight) and bias is not None:
+                    bias.data = bias.data.to(plan.compute_dtype)
+        for module in model.modules():
+            if isinstance(module, MatmulWeight):
+                self._set_matmul_weight(module, batch_hint)
+        rotary = model.model.rotary  # type: ignore[union-attr]
+        model.set_ops(  # type: ignore[operator]
+            NativeCpuOps(plan.compute_dtype, rotary)
+            if plan.native_ops
+            else LayerOps(plan.compute_dtype)
+        )
+        write_kv, attend = get_attention_backend(torch.device("cpu"), native_cpu=plan.native_ops)
+        for attn in model.attention_layers():  # type: ignore[operator]
+            attn.set_backend(write_kv, attend)
+
+    def _set_matmul_weight(self, module: MatmulWeight, batch_hint: int) -> None:
+        plan = self.plan
+        weight = module.weight.detach()
+        compute = weight if weight.dtype == plan.compute_dtype else weight.to(plan.compute_dtype)
+        if plan.prepack:
+            module.matmul_weight = torch.ops.mkldnn._reorder_linear_weight(compute, batch_hint)
+            module.onednn_packed = True
+        elif compute is not weight:
+            module.matmul_weight = compute
+        if plan.compute_dtype == torch.bfloat16 and plan.prepack:
+            module.plain_max_rows = BF16_GEMV_MAX_ROWS
+        # The plain weight stays where something else reads it: the native decode (every
+        # linear) and the embedding lookup (the LM head's weight is the embedding's).
+        owns_weight = "weight" in module._parameters
+        if module.matmul_weight is not None and owns_weight and not plan.native_decode:
+            module.weight.data = torch.empty(0, dtype=weight.dtype)
+
+    def wire(
+        self,
+        model: torch.nn.Module,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        block_size: int,
+    ) -> None:
+        """With the KV cache allocated: the fused decode over it (when the plan has it)."""
+        if self.plan.native_decode:
+            lib = cpu_native.load(self.plan.features)
+            assert lib is not None, "plan_cpu checked that the kernels built"
+            self.fused_decode = FusedCpuDecode(
+                model,  # type: ignore[arg-type]
+                kv_caches,
+                block_size,
+                self.plan.weight_dtype,
+                lib,
+            )
+
+    def fused_max_batch(self) -> int:
+        return self.plan.fused_max_batch if self.fused_decode is not None else 0
+
+    @contextmanager
+    def matmuls(self, rows: int) -> Iterator[None]:
+        """Around a forward over `rows` rows: plain bf16 matmuls of one or two rows go to
+        ATen's GEMV, wider ones to oneDNN. The switch is global in torch, so it is restored on
+        the way out for whatever runs next (kv-eval and calibration forwards)."""
+        if self.plan.compute_dtype != torch.bfloat16:
+            yield
+            return
+        before = torch.backends.mkldnn.enabled
+        torch.backends.mkldnn.enabled = rows > BF16_GEMV_MAX_ROWS
+        try:
+            yield
+        finally:
+            torch.backends.mkldnn.enabled = before
+
+    def describe(self) -> dict[str, Any]:
+        info = self.plan.describe()
+        info["native_decode_active"] = self.fused_decode is not None
+        return info
