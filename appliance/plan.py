@@ -252,7 +252,6 @@ def cpu_weight_bytes(spec: ArchSpec, config: ApplianceConfig, tp: int) -> tuple[
     """(stored weight bytes, matmul copy bytes, the path) of a CPU rank, as the CPU backend
     would lay them out on this machine (appliance.cpu.backend): the matmuls read a prepacked
     or float32 copy; the 16-bit linears stay beside it while the native decode reads them."""
-    import torch
 
     from appliance.cpu.backend import plan_cpu
     from appliance.kernels import cpu_native
