@@ -158,6 +158,33 @@ static inline vf exp_v(vf x) {
         }                                                                                      \
     } while (0)
 
+/* The same for two weight rows at once (r0, r1): each x load feeds both, so a 4-row batch
+ * needs 2 weight + 4 x loads per 8 FMAs instead of 1 + 4 per 4 (wide decode batches are
+ * load-bound otherwise). Each dot sums in the same order as DOT_ROWS: identical results. */
+#define DOT2_ROWS(LOADV, LOAD, NB)                                                             \
+    do {                                                                                       \
+        vf acc0[NB], acc1[NB];                                                                 \
+        for (int b = 0; b < NB; b++) acc0[b] = acc1[b] = (vf){0};                              \
+        int64_t j = 0;                                                                         \
+        for (; j + VW <= k; j += VW) {                                                         \
+            vf w0 = LOADV(r0 + j), w1 = LOADV(r1 + j);                                         \
+            for (int b = 0; b < NB; b++) {                                                     \
+                vf xv = f32_loadv(x + b * k + j);                                              \
+                acc0[b] += w0 * xv;                                                            \
+                acc1[b] += w1 * xv;                                                            \
+            }                                                                                  \
+        }                                                                                      \
+        for (int b = 0; b < NB; b++) {                                                         \
+            float s0 = hsum(acc0[b]), s1 = hsum(acc1[b]);                                      \
+            for (int64_t jj = j; jj < k; jj++) {                                               \
+                s0 += LOAD(r0[jj]) * x[b * k + jj];                                            \
+                s1 += LOAD(r1[jj]) * x[b * k + jj];                                            \
+            }                                                                                  \
+            out0[b] = s0;                                                                      \
+            out1[b] = s1;                                                                      \
+        }                                                                                      \
+    } while (0)
+
 #define DEFINE_KERNELS(SUFFIX, T, LOAD, STORE, LOADV)                                                   \
                                                                                                  \
     /* out[b] = row . x[b, :] for nb <= 4 rows of x: one weight load feeds nb independent   \
@@ -172,19 +199,37 @@ static inline vf exp_v(vf x) {
         }                                                                                      \
     }                                                                                          \
                                                                                                \
-    /* y[b, n] (+)= x[b, :] . w[n, :] (+ bias[n]) for the rows n of this thread. */           \
+    static inline void dot2_##SUFFIX(const T *r0, const T *r1, const float *x, int64_t k,      \
+                                     int64_t nb, float *out0, float *out1) {                   \
+        switch (nb) {                                                                          \
+        case 1: DOT2_ROWS(LOADV, LOAD, 1); break;                                              \
+        case 2: DOT2_ROWS(LOADV, LOAD, 2); break;                                              \
+        case 3: DOT2_ROWS(LOADV, LOAD, 3); break;                                              \
+        default: DOT2_ROWS(LOADV, LOAD, 4); break;                                             \
+        }                                                                                      \
+    }                                                                                          \
+                                                                                               \
+    /* y[b, n] (+)= x[b, :] . w[n, :] (+ bias[n]) for the rows n of this thread, two rows at  \
+     * a time (the last one alone when n_out is odd). */                                      \
     static void matvec_##SUFFIX(const float *x, const T *w, const T *bias, float *y,           \
                                 int64_t batch, int64_t n_out, int64_t k, int accumulate) {     \
         _Pragma("omp for schedule(static)")                                                    \
-        for (int64_t n = 0; n < n_out; n++) {                                                  \
-            const T *row = w + n * k;                                                          \
-            float b0 = bias ? LOAD(bias[n]) : 0.0f, dots[4];                                   \
+        for (int64_t pair = 0; pair < (n_out + 1) / 2; pair++) {                               \
+            int64_t n = 2 * pair;                                                              \
+            int two = n + 1 < n_out;                                                           \
+            const T *r0 = w + n * k, *r1 = two ? r0 + k : r0;                                  \
+            float bias0 = bias ? LOAD(bias[n]) : 0.0f;                                         \
+            float bias1 = bias && two ? LOAD(bias[n + 1]) : 0.0f, d0[4], d1[4];                \
             for (int64_t b0i = 0; b0i < batch; b0i += 4) {                                     \
                 int64_t nb = batch - b0i < 4 ? batch - b0i : 4;                                \
-                dot_##SUFFIX(row, x + b0i * k, k, nb, dots);                                   \
+                if (two)                                                                       \
+                    dot2_##SUFFIX(r0, r1, x + b0i * k, k, nb, d0, d1);                         \
+                else                                                                           \
+                    dot_##SUFFIX(r0, x + b0i * k, k, nb, d0);                                  \
                 for (int64_t i = 0; i < nb; i++) {                                             \
                     float *dst = y + (b0i + i) * n_out + n;                                    \
-                    *dst = (accumulate ? *dst : 0.0f) + dots[i] + b0;                          \
+                    dst[0] = (accumulate ? dst[0] : 0.0f) + d0[i] + bias0;                     \
+                    if (two) dst[1] = (accumulate ? dst[1] : 0.0f) + d1[i] + bias1;            \
                 }                                                                              \
             }                                                                                  \
         }                                                                                      \
@@ -199,8 +244,7 @@ static inline vf exp_v(vf x) {
             float gd[4], ud[4];                                                                \
             for (int64_t b0i = 0; b0i < batch; b0i += 4) {                                     \
                 int64_t nb = batch - b0i < 4 ? batch - b0i : 4;                                \
-                dot_##SUFFIX(g, x + b0i * k, k, nb, gd);                                       \
-                dot_##SUFFIX(u, x + b0i * k, k, nb, ud);                                       \
+                dot2_##SUFFIX(g, u, x + b0i * k, k, nb, gd, ud);                               \
                 for (int64_t j = 0; j < nb; j++) act[(b0i + j) * inter + i] = silu(gd[j]) * ud[j]; \
             }                                                                                  \
         }                                                                                      \

@@ -49,7 +49,7 @@ BF16_GEMV_MAX_ROWS = 2
 #   35.6 vs 33.2 (8);
 # - float32 compute over bf16 weights (Zen 3, AVX2, oneDNN fp32 prepacked): see FP32_FUSED_MAX.
 BF16_FUSED_MAX = 6
-FP32_FUSED_MAX = 6
+FP32_FUSED_MAX = 24
 
 
 @dataclass
