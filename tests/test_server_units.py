@@ -152,6 +152,8 @@ def test_workload_is_deterministic_and_mixed() -> None:
     assert all(len(i.prompt) + i.output_len <= 2048 for i in a)
     burst = make_workload("chat", 5, "burst", 1.0, seed=0)
     assert {i.arrival_s for i in burst} == {0.0}
+    fixed = make_workload("chat", 4, "burst", 1.0, seed=0, prompt_len=128, output_len=64)
+    assert {(len(i.prompt), i.output_len) for i in fixed} == {(128, 64)}
 
 
 def test_bench_summary_percentiles_and_goodput() -> None:

@@ -247,6 +247,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--arrival", choices=["burst", "poisson"], default="poisson")
     p.add_argument("--rate", type=float, default=2.0, help="requests/s for Poisson arrivals")
     p.add_argument("--num-requests", type=int, default=100)
+    p.add_argument("--prompt-len", type=int, default=0, help="every prompt this long (0: the profile's)")
+    p.add_argument("--output-len", type=int, default=0, help="every output this long (0: the profile's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vocab", type=int, default=8000, help="token ids are drawn from [16, vocab)")
     p.add_argument("--prompt-format", choices=["tokens", "text"], default="tokens")
@@ -267,7 +269,10 @@ def add_parser(sub: Any) -> None:
 
 
 def main(ns: argparse.Namespace) -> int:
-    items = make_workload(ns.profile, ns.num_requests, ns.arrival, ns.rate, ns.seed, ns.vocab)
+    items = make_workload(
+        ns.profile, ns.num_requests, ns.arrival, ns.rate, ns.seed, ns.vocab,
+        ns.prompt_len, ns.output_len,
+    )  # fmt: skip
     cpu_s = None
     if ns.offline:
         results, seconds, cpu_s = run_offline(items, ns)

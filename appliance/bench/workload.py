@@ -44,10 +44,26 @@ _WORDS = ("the appliance serves tokens from a paged cache while batches of reque
 
 
 def make_workload(
-    profile: str, n: int, arrival: str, rate: float, seed: int, vocab: int = 8000
+    profile: str,
+    n: int,
+    arrival: str,
+    rate: float,
+    seed: int,
+    vocab: int = 8000,
+    prompt_len: int = 0,
+    output_len: int = 0,
 ) -> list[Item]:
+    """`prompt_len` / `output_len` (0: the profile's ranges) fix every request's lengths."""
     rng = random.Random(seed)
-    kinds = PROFILES[profile]
+    kinds = [
+        Kind(
+            k.share,
+            k.priority_class,
+            (prompt_len, prompt_len) if prompt_len else k.prompt_len,
+            (output_len, output_len) if output_len else k.output_len,
+        )
+        for k in PROFILES[profile]
+    ]
     weights = [k.share for k in kinds]
     t = 0.0
     items = []
