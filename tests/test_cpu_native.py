@@ -331,3 +331,36 @@ def test_float32_queries_over_a_bf16_cache_match_the_reference(batch: int) -> No
     qsl = torch.arange(batch + 1)
     ref = paged_attention(query, k_cache, v_cache, tables, seq_lens, qsl, 0.125, 1, max(lens))
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "int8"])
+def test_quantized_kv_under_float32_compute(
+    tiny_model_dir: Path, fmt: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The AVX2 path with a quantized cache (vLLM's CPU build refuses FP8 KV without AVX-512):
+    float32 compute over FP8/INT8 KV, layer 0 kept in bf16. The first token comes from the
+    prefill, whose attention already reads the quantized cache: on this random model its
+    logprob stays within the format's error of the bf16 cache's (accuracy on a trained model
+    is the KV-accuracy tests' job); every later logprob is finite."""
+    monkeypatch.setenv("APPLIANCE_CPU_MASK", "avx512,amx")
+
+    def run(kv: str) -> tuple[Engine, list[list[float]]]:
+        eng = Engine(load_config(None, {
+            "model.path": str(tiny_model_dir), "hardware.device": "cpu",
+            "cache.kv_cache_dtype": kv, "cache.kv_cache_keep_16bit": [0] if kv != "auto" else [],
+            "cache.kv_cache_memory": 0.1,
+        }))  # fmt: skip
+        params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=1)
+        outs = eng.generate([[5, 6, 7, 8, 9] * 4, [300, 301, 302]], params)
+        return eng, [[lp.logprob for lp in o.logprobs or []] for o in outs]
+
+    quant, lp_quant = run(fmt)
+    _, lp_plain = run("auto")
+    assert quant.loaded.compute_dtype == torch.float32
+    caches = quant.loaded.runner.kv.device_caches
+    assert caches[0][0].dtype == torch.bfloat16 and caches[1][0].dtype in (torch.uint8, torch.int8)
+    assert bool(caches[1][0].view(torch.uint8).any())
+    assert all(len(a) == 10 and all(x == x and x > -1e4 for x in a) for a in lp_quant)
+    first_quant = torch.tensor([a[0] for a in lp_quant])
+    first_plain = torch.tensor([a[0] for a in lp_plain])
+    torch.testing.assert_close(first_quant, first_plain, atol=0.2, rtol=0)

@@ -76,7 +76,7 @@ def check_against_hf(engine: Engine, model_dir: Path, prompts: list[list[int]]) 
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 @pytest.mark.parametrize("prefix_caching", [True, False])
 def test_greedy_matches_transformers(
-    tiny_model_dir: Path, block_size: int, prefix_caching: bool
+    tiny_model_dir: Path, block_size: int, prefix_caching: bool, cpu_path: str
 ) -> None:
     engine = engine_for(
         tiny_model_dir,
@@ -99,7 +99,7 @@ def test_greedy_matches_transformers_with_chunked_prefill(tiny_model_dir: Path) 
     assert any(r.bound_by == "token_budget" for r in engine.history.records)
 
 
-def test_greedy_matches_transformers_qwen2(qwen2_model_dir: Path) -> None:
+def test_greedy_matches_transformers_qwen2(qwen2_model_dir: Path, cpu_path: str) -> None:
     engine = engine_for(qwen2_model_dir)
     assert engine.loaded.args.qkv_bias and engine.loaded.args.tie_word_embeddings
     prompts = make_prompts(engine.loaded.args.vocab_size, LENGTHS)
