@@ -61,7 +61,9 @@ class SLO:
 
 # -- HTTP ----------------------------------------------------------------------------------------
 async def _one(client: Any, url: str, item: Item, ns: argparse.Namespace, t0: float) -> Result:
-    res = Result(item.index, item.priority_class, len(item.prompt))
+    # Without the priority extra the server picks the class (its default): say so in the rows.
+    label = "(default)" if ns.no_priority else item.priority_class
+    res = Result(item.index, label, len(item.prompt))
     await asyncio.sleep(max(0.0, t0 + item.arrival_s - time.perf_counter()))
     start = t0 + item.arrival_s  # latency counts from the scheduled arrival
     body: dict[str, Any] = {
