@@ -16,6 +16,7 @@ from appliance.cpu.features import (
     CpuFeatures,
     CpuMaskError,
     detect,
+    onednn_isa_limit,
     parse_mask,
     read_features,
 )
@@ -172,3 +173,11 @@ def test_the_avx2_mask_moves_a_bf16_cpu_to_float32_compute(
     masked = Engine(load_config(None, overrides))
     assert native.loaded.compute_dtype == torch.bfloat16
     assert masked.loaded.compute_dtype == torch.float32
+
+
+def test_the_mask_limits_onednn_too() -> None:
+    assert onednn_isa_limit("avx512,amx,avx_vnni") == "AVX2"
+    assert onednn_isa_limit("avx512,amx") == "AVX2_VNNI"
+    assert onednn_isa_limit("avx2") == "SSE41"
+    assert onednn_isa_limit("amx") == "AVX512_CORE_BF16"
+    assert onednn_isa_limit("avx512_vnni") == ""

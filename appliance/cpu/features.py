@@ -197,6 +197,35 @@ def read_features(
     )
 
 
+def onednn_isa_limit(mask: str) -> str:
+    """The ONEDNN_MAX_CPU_ISA value that keeps oneDNN's own kernels off the features `mask`
+    hides ("" when it hides none oneDNN dispatches on), so a masked run is the other CPU's
+    path end to end, not only in the appliance's own decisions."""
+    masked = parse_mask(mask)
+    if "avx2" in masked:
+        return "SSE41"
+    if "avx512f" in masked:
+        return "AVX2_VNNI" if "avx_vnni" not in masked else "AVX2"
+    if "amx_tile" in masked:
+        return "AVX512_CORE_BF16" if "avx512_bf16" not in masked else "AVX512_CORE_VNNI"
+    return ""
+
+
+def limit_onednn_to_mask() -> None:
+    """Set ONEDNN_MAX_CPU_ISA from APPLIANCE_CPU_MASK unless the operator set it; oneDNN reads
+    it once, at its first use, so this runs before torch is imported (appliance/__init__.py).
+    A bad mask is left for the engine to report (with the feature named)."""
+    mask = os.environ.get(MASK_ENV, "")
+    if not mask or "ONEDNN_MAX_CPU_ISA" in os.environ:
+        return
+    try:
+        limit = onednn_isa_limit(mask)
+    except CpuMaskError:
+        return
+    if limit:
+        os.environ["ONEDNN_MAX_CPU_ISA"] = limit
+
+
 @cache
 def _detected(mask: str) -> CpuFeatures:
     return read_features(mask)
