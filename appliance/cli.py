@@ -96,10 +96,10 @@ def _command_of(argv: list[str]) -> str | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from appliance import kv_eval, plan, router
     from appliance.bench import offline, serve
     from appliance.console import cli as console_cli
     from appliance.models.demo import add_demo_model_parser
+    from appliance.tools import kv_eval, plan, router
 
     parser = argparse.ArgumentParser(prog="appliance", description="LLM inference appliance")
     parser.add_argument("--log-level", default="INFO")

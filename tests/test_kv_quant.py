@@ -20,9 +20,9 @@ from appliance.core.scheduler import ScheduledRequest, SchedulerOutput
 from appliance.engine import loader as loader_mod
 from appliance.engine.loader import LoadedModel, load_model
 from appliance.engine.model_runner import KVCachePool
-from appliance.kv_eval import Report, format_report, run_kv_eval
 from appliance.kv_template import write_keep_list
 from appliance.models.demo import corpus_text
+from appliance.tools.kv_eval import Report, format_report, run_kv_eval
 
 PROMPTS, PROMPT_LEN, GEN = 4, 32, 64  # 4 x 64 = 256 generated tokens
 TEMPLATE = """# a template as an operator writes it

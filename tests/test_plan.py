@@ -12,11 +12,11 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from appliance import plan as plan_cmd
 from appliance.config import load_config, shipped_template_dir
 from appliance.layers.parallel import tensor_parallel
 from appliance.models.llama import LlamaForCausalLM, ModelArgs
-from appliance.plan import ArchSpec, make_plan, reference_architectures
+from appliance.tools import plan as plan_cmd
+from appliance.tools.plan import ArchSpec, make_plan, reference_architectures
 
 GiB = 1024**3
 

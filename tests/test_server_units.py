@@ -14,10 +14,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from appliance.config import ConfigError, ServerConfig
+from appliance.engine import ipc
 from appliance.engine.outputs import Logprob, RequestOutput
 from appliance.metrics import Metrics
 from appliance.sampling_params import SamplingParams
-from appliance.server import ipc, sdnotify
+from appliance.server import sdnotify
 from appliance.server.auth import AuthKeys, check_bind, is_loopback
 from appliance.server.errors import from_validation
 from appliance.server.schemas import CompletionRequest
@@ -106,8 +107,7 @@ def _sample(m: Metrics, name: str, **labels: str) -> float:
 
 
 def test_engine_counters_stay_monotonic_across_rebuilds() -> None:
-    from appliance.core.scheduler_stats import SchedulerCounters
-    from appliance.engine.stats import EngineStats
+    from appliance.stats import EngineStats, SchedulerCounters
 
     def stats(preemptions: int, hits: int) -> EngineStats:
         c = SchedulerCounters(preemptions=preemptions, preemptions_by={"recompute/batch": preemptions},

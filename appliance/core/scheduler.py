@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from appliance.config import ApplianceConfig
 from appliance.core.kv_cache_manager import KVCacheManager
 from appliance.core.request import FinishReason, Request, RequestStatus
-from appliance.core.scheduler_stats import PreemptionEvent, SchedulerCounters
 from appliance.sampling_params import SamplingParams
+from appliance.stats import PreemptionEvent, SchedulerCounters
 
 
 @dataclass

@@ -17,12 +17,12 @@ from appliance.config import ApplianceConfig, ConfigError, load_config
 from appliance.core.kv_cache_manager import KVCacheManager
 from appliance.core.request import FinishReason, Request, RequestStatus
 from appliance.core.scheduler import Scheduler
-from appliance.core.scheduler_stats import PreemptionEvent
 from appliance.engine.detokenizer import IncrementalDetokenizer
 from appliance.engine.loader import LoadedModel, load_model
 from appliance.engine.outputs import CompletionResult, Logprob, RequestOutput
-from appliance.engine.stats import EngineStats, StepHistory, StepRecord
+from appliance.engine.stats import StepHistory
 from appliance.sampling_params import SamplingParams
+from appliance.stats import EngineStats, PreemptionEvent, StepRecord
 
 log = logging.getLogger("appliance.engine")
 

@@ -15,7 +15,7 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from appliance.engine.stats import EngineStats
+from appliance.stats import EngineStats
 
 __all__ = ["CONTENT_TYPE", "Metrics"]
 

@@ -12,9 +12,9 @@ import msgspec
 from litestar import Request, Response, Router, get, post
 
 from appliance.config import ConfigError, config_to_toml_dict
+from appliance.engine.client import EngineError
 from appliance.server.admin_schema import AdminStats, ConfigRef, ServerInfo
 from appliance.server.auth import admin_guard
-from appliance.server.engine_client import EngineError
 from appliance.server.errors import APIError, bad_request
 from appliance.server.openai import decode_body
 from appliance.server.state import ServerState

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from appliance.engine import ipc
+from appliance.engine.client import EngineError
 from appliance.engine.outputs import Logprob, RequestOutput
 from appliance.sampling_params import SamplingParams
-from appliance.server import ipc
-from appliance.server.engine_client import EngineError
 from appliance.server.errors import APIError
 
 if TYPE_CHECKING:

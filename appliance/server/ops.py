@@ -9,8 +9,8 @@ from typing import Any
 import msgspec
 from litestar import Request, Response, get
 
+from appliance.engine.client import EngineError
 from appliance.metrics import CONTENT_TYPE
-from appliance.server.engine_client import EngineError
 from appliance.server.state import ServerState
 
 log = logging.getLogger("appliance.server")

@@ -18,10 +18,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from appliance.config import ApplianceConfig, ConfigError, load_config, resolve_template
+from appliance.engine import ipc
+from appliance.engine.client import EngineClient, EngineError
 from appliance.metrics import Metrics
-from appliance.server import ipc, sdnotify
+from appliance.server import sdnotify
 from appliance.server.auth import AuthKeys
-from appliance.server.engine_client import EngineClient, EngineError
 from appliance.server.reqlog import RequestLog
 
 if TYPE_CHECKING:

@@ -1,6 +1,6 @@
 """The API process's handle on the engine core process.
 
-Spawns `engine_core.core_main`, then speaks length-prefixed msgpack over a socket pair through
+Spawns `core_process.core_main`, then speaks length-prefixed msgpack over a socket pair through
 asyncio streams: writes are buffered (never block the event loop) and one reader task
 dispatches every frame: admission results to futures, outputs to per-request sinks, step
 figures to a frame hook (metrics).
@@ -21,10 +21,10 @@ from typing import Any
 import msgspec
 
 from appliance.config import ApplianceConfig
+from appliance.engine import ipc
+from appliance.engine.core_process import core_main
 from appliance.engine.outputs import RequestOutput
 from appliance.sampling_params import SamplingParams
-from appliance.server import ipc
-from appliance.server.engine_core import core_main
 
 log = logging.getLogger("appliance.client")
 

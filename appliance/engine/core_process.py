@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from appliance.server import ipc
-from appliance.server.admin_schema import LiveRequest, QueueInfo
+from appliance.engine import ipc
+from appliance.stats import LiveRequest, QueueInfo
 
 if TYPE_CHECKING:
     from appliance.config import ApplianceConfig

@@ -12,11 +12,9 @@ import struct
 
 import msgspec
 
-from appliance.core.scheduler_stats import PreemptionEvent
 from appliance.engine.outputs import RequestOutput
-from appliance.engine.stats import EngineStats, StepRecord
 from appliance.sampling_params import SamplingParams
-from appliance.server.admin_schema import LiveRequest, QueueInfo
+from appliance.stats import EngineStats, LiveRequest, PreemptionEvent, QueueInfo, StepRecord
 
 HEADER = struct.Struct("!i")
 # Connection.send_bytes switches to an 8-byte length after this marker for > 2 GiB payloads.
