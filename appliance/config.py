@@ -222,6 +222,17 @@ def parse_override_value(text: str) -> Any:
         return text
 
 
+def parse_sets(items: list[str]) -> dict[str, Any]:
+    """`--set KEY=VALUE` arguments (every command that loads a template takes them)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. cache.block_size=16")
+        out[key.strip()] = parse_override_value(value.strip())
+    return out
+
+
 def apply_overrides(raw: dict[str, Any], overrides: dict[str, Any] | None) -> dict[str, Any]:
     for dotted, value in (overrides or {}).items():
         parts = dotted.split(".")

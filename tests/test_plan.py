@@ -163,9 +163,9 @@ def test_plan_kv_bytes_equal_the_loaders(kv_dtype: str, keep: list[int], tp: int
     including 16-bit layers kept beside quantized ones."""
     from appliance.engine.kv_quant import layer_kv_dtypes, storage_dtypes
     from appliance.engine.loader import kv_bytes_per_block
-    from appliance.models.demo import _SHAPES
+    from appliance.tools.demo_spec import DEMO_SHAPES
 
-    s = _SHAPES["tiny"]
+    s = DEMO_SHAPES["tiny"]
     cfg = {
         "vocab_size": s.model_vocab,
         "hidden_size": s.hidden_size,

@@ -87,7 +87,7 @@ def resolve_model_dir(config: ApplianceConfig, progress: Callable[[str], None]) 
     if has_model(path):
         return path
     if config.model.demo_shape:
-        from appliance.models.demo import build_demo_model
+        from appliance.tools.demo_model import build_demo_model
 
         progress(f"building the {config.model.demo_shape!r} demo model into {path} (first start)")
         build_demo_model(config.model.demo_shape, path, progress=progress)

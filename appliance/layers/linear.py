@@ -70,12 +70,10 @@ def cpu_prepack_supported(dtype: torch.dtype) -> bool:
 
 def pack_linears_for_cpu(model: nn.Module, batch_hint: int, keep_plain: bool = False) -> None:
     """Prepack every q/k/v, o, gate/up and down weight, and the LM head's."""
-    from appliance.layers.embedding import ParallelLMHead  # it imports this module
-
     for module in model.modules():
         if isinstance(module, _CpuPackable):
             module.pack_for_cpu(batch_hint, keep_plain)
-        elif isinstance(module, ParallelLMHead):
+        elif hasattr(module, "pack_for_cpu"):  # the LM head (embedding.py imports this module)
             module.pack_for_cpu(batch_hint)
 
 

@@ -42,7 +42,7 @@ class _Server(uvicorn.Server):
 
 
 def cmd_up(ns: argparse.Namespace) -> int:
-    from appliance.cli import parse_sets
+    from appliance.config import parse_sets
 
     t0 = time.monotonic()
     overrides = parse_sets(ns.set)

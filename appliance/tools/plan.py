@@ -176,9 +176,9 @@ def reference_architectures() -> dict[str, Path]:
 
 def _demo_config(shape: str) -> dict[str, Any]:
     # The demo models are built on first start; their shape table is the one source of truth.
-    from appliance.models.demo import _SHAPES
+    from appliance.tools.demo_spec import DEMO_SHAPES
 
-    s = _SHAPES[shape]
+    s = DEMO_SHAPES[shape]
     return {
         "model_type": "llama",
         "vocab_size": s.model_vocab,
@@ -424,7 +424,7 @@ def add_parser(sub: Any) -> None:
 
 
 def main(ns: argparse.Namespace) -> int:
-    from appliance.cli import parse_sets
+    from appliance.config import parse_sets
 
     plan = make_plan(load_config(ns.template, parse_sets(ns.set)), ns.template)
     if ns.json:
