@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from appliance.core.request import FinishReason
 from appliance.engine import ipc
 from appliance.stats import LiveRequest, QueueInfo
 
 if TYPE_CHECKING:
     from appliance.config import ApplianceConfig
-    from appliance.core.request import Request
     from appliance.engine.llm_engine import Engine
 
 log = logging.getLogger("appliance.core")
@@ -64,8 +64,27 @@ def core_threads() -> int | None:
         value = os.environ.get(var, "")
         if value.isdigit() and int(value) > 0:
             return int(value) if var == "APPLIANCE_CORE_THREADS" else None
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = (
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    )
     return max(1, cores - 1)
+
+
+def live_request_objects() -> dict[str, int]:
+    """Objects that exist per request in this process, counted after a garbage collection:
+    wherever a finished request's state were kept, it would show here."""
+    import gc
+
+    from appliance.core.request import Request
+    from appliance.engine.outputs import EngineOutput, Logprob
+
+    gc.collect()
+    kinds = (Request, EngineOutput, Logprob)
+    counts = {kind.__name__: 0 for kind in kinds}
+    for obj in gc.get_objects():
+        if isinstance(obj, kinds):
+            counts[type(obj).__name__] += 1
+    return counts
 
 
 def _send(conn: Connection, msg: msgspec.Struct) -> None:
@@ -73,13 +92,13 @@ def _send(conn: Connection, msg: msgspec.Struct) -> None:
 
 
 class _Core:
-    def __init__(self, conn: Connection, config: ApplianceConfig, engine: Engine, loaded: Any) -> None:
+    def __init__(
+        self, conn: Connection, config: ApplianceConfig, engine: Engine, loaded: Any
+    ) -> None:
         self.conn = conn
         self.config = config
         self.engine = engine
         self.loaded = loaded
-        # Live requests, kept here to report queue time and preemptions when they finish.
-        self.live: dict[str, Request] = {}
         self.running = True
         # Set by the operator (/admin/pause): no steps run until /admin/resume.
         self.paused = False
@@ -153,18 +172,14 @@ class _Core:
         if rec is not None and rec.num_seqs:
             out.steps.append((rec.num_scheduled_tokens, rec.num_seqs))
         out.outputs.extend(outputs)
-        for ro in outputs:
-            if ro.finished:
-                req = self.live.pop(ro.request_id, None)
-                if req is not None:
-                    out.finished.append(_finish_info(req))
 
     def _handle(self, msg: ipc.ToCore, out: ipc.Frame) -> None:
         if isinstance(msg, ipc.AddRequest):
             out.added.append(self._add(msg))
         elif isinstance(msg, ipc.AbortRequests):
+            reason = FinishReason(msg.reason)
             for rid in msg.request_ids:
-                self.engine.abort(rid)
+                self.engine.abort(rid, reason)
         elif isinstance(msg, ipc.GetStats):
             _send(self.conn, self._stats(msg))
         elif isinstance(msg, ipc.Ping):
@@ -181,7 +196,6 @@ class _Core:
                 msg.params,
                 request_id=msg.request_id,
                 priority=msg.priority,
-                stream_text=True,
                 arrival_time=msg.arrival_time,
             )
         except ValueError as exc:
@@ -189,7 +203,6 @@ class _Core:
         if req.is_finished:
             reason = req.finish_reason.value if req.finish_reason else "queue_full"
             return ipc.AddResult(msg.request_id, reason, req.finish_detail)
-        self.live[msg.request_id] = req
         return ipc.AddResult(msg.request_id)
 
     def _waiting_by_class(self) -> dict[str, int]:
@@ -208,6 +221,8 @@ class _Core:
             reply.preemptions = engine.preemption_log()
             reply.requests = self._live_requests()
             reply.queues = self._queues()
+        if msg.count_objects:
+            reply.live_objects = live_request_objects()
         return reply
 
     def _live_requests(self) -> list[LiveRequest]:
@@ -247,12 +262,3 @@ class _Core:
                 )
             )
         return out
-
-
-def _finish_info(req: Any) -> ipc.FinishInfo:
-    queued = (
-        req.first_scheduled_time - req.arrival_time
-        if req.first_scheduled_time is not None
-        else None
-    )
-    return ipc.FinishInfo(req.request_id, queued, req.num_preemptions, req.time_preempted)

@@ -12,7 +12,7 @@ import struct
 
 import msgspec
 
-from appliance.engine.outputs import RequestOutput
+from appliance.engine.outputs import EngineOutput
 from appliance.sampling_params import SamplingParams
 from appliance.stats import EngineStats, LiveRequest, PreemptionEvent, QueueInfo, StepRecord
 
@@ -36,6 +36,8 @@ class AddRequest(msgspec.Struct, tag="add", kw_only=True):
 
 class AbortRequests(msgspec.Struct, tag="abort"):
     request_ids: list[str]
+    # "stop" when the API side's output processor matched a stop string.
+    reason: str = "abort"
 
 
 class GetStats(msgspec.Struct, tag="stats"):
@@ -43,6 +45,8 @@ class GetStats(msgspec.Struct, tag="stats"):
     # Seconds of step history to include (0: none, for a metrics scrape).
     history_s: float = 0.0
     detail: bool = False
+    # Count the engine process's live per-request objects (a leak check; costs a gc pass).
+    count_objects: bool = False
 
 
 class Ping(msgspec.Struct, tag="ping"):
@@ -95,20 +99,11 @@ class AddResult(msgspec.Struct, array_like=True):
     detail: str = ""
 
 
-class FinishInfo(msgspec.Struct, array_like=True):
-    request_id: str
-    # From arrival to first scheduled (None: never scheduled).
-    queue_time_s: float | None
-    num_preemptions: int
-    time_preempted_s: float
-
-
 class Frame(msgspec.Struct, tag="frame", kw_only=True):
     """What one turn of the core loop produced."""
 
     added: list[AddResult] = []
-    outputs: list[RequestOutput] = []
-    finished: list[FinishInfo] = []
+    outputs: list[EngineOutput] = []
     # (scheduled tokens, sequences) per step, for the per-step histograms.
     steps: list[tuple[int, int]] = []
     # Waiting requests per priority class after this turn (the API's cheap queue-full check).
@@ -122,6 +117,7 @@ class StatsReply(msgspec.Struct, tag="stats_reply", kw_only=True):
     preemptions: list[PreemptionEvent] = []
     requests: list[LiveRequest] = []
     queues: list[QueueInfo] = []
+    live_objects: dict[str, int] = {}
 
 
 class Pong(msgspec.Struct, tag="pong"):

@@ -57,6 +57,8 @@ class ServerInfo(msgspec.Struct, kw_only=True):
     engine_generation: int
     # Scheduling paused through /admin/pause (requests wait, nothing is lost).
     paused: bool = False
+    # Requests whose output state (text, tokens, logprobs) the API process holds right now.
+    requests_tracked: int = 0
     # The last /admin/reload or SIGHUP: {"ok", "time", "seconds" | "error", ...}; {} if none.
     last_reload: dict[str, Any]
 
@@ -80,3 +82,6 @@ class AdminStats(msgspec.Struct, kw_only=True):
     requests: list[LiveRequest]
     # One entry per priority class, most urgent first.
     queues: list[QueueInfo]
+    # Per-request objects alive in the engine process (Request, EngineOutput, Logprob), counted
+    # after a garbage collection; only with ?count_objects=true (a leak check).
+    engine_objects: dict[str, int] = {}

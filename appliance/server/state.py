@@ -148,6 +148,7 @@ class ServerState:
             "core_total": t_core,
             "api_tokenizer_wait": time.monotonic() - t,
         })
+        client.output.tokenizer = tokenizer
         old = self.client if replace else None
         self.client, self.info, self.tokenizer, self.config = client, info, tokenizer, config
         self.engine_generation += 1
