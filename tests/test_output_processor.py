@@ -135,10 +135,10 @@ def test_a_stop_string_returns_the_blocks_before_the_next_step(tiny_model_dir: P
     stopped: list[str] = []
     while not stopped:
         stopped = proc.process(engine.step())
-        assert engine.kv.num_blocks_held(req.request_id) > 0 or stopped
+        assert req.blocks or stopped
     assert stopped == [req.request_id] and state.text == text[: text.index(stop)]
     engine.abort(req.request_id, FinishReason.STOP)
-    assert engine.kv.num_blocks_held(req.request_id) == 0
+    assert req.blocks == []
     assert engine.kv.usage().used == 0 and not engine.scheduler.requests
     finished = [o for o in engine.step() if o.finished]
     assert [(o.request_id, o.finish_reason) for o in finished] == [(req.request_id, "stop")]

@@ -169,7 +169,7 @@ class Scheduler:
                 )
 
     def _update_pressure(self) -> None:
-        if self.kv.pool.usage() > self.cfg.preemption_threshold:
+        if self.kv.usage_fraction() > self.cfg.preemption_threshold:
             self._pressure_steps += 1
         else:
             self._pressure_steps = 0
@@ -183,8 +183,8 @@ class Scheduler:
 
     def preempt(self, victim: Request, cause: str) -> list[tuple[int, int]]:
         """Take `victim` off the running list; returns device->host copies for a swap."""
-        usage_before = self.kv.pool.usage()
-        blocks_held = self.kv.num_blocks_held(victim.request_id)
+        usage_before = self.kv.usage_fraction()
+        blocks_held = len(victim.blocks)
         self.running.remove(victim)
         mode = self.cfg.preemption_mode
         mapping: list[tuple[int, int]] = []
@@ -225,7 +225,7 @@ class Scheduler:
                 blocks_swapped=len(mapping),
                 blocks_held=blocks_held,
                 kv_usage_before=usage_before,
-                kv_usage_after=self.kv.pool.usage(),
+                kv_usage_after=self.kv.usage_fraction(),
                 times_preempted=victim.num_preemptions,
             )
         )
@@ -238,7 +238,6 @@ class Scheduler:
         """Advance computed tokens, append sampled tokens, finish what stopped.
         Returns (request, new token) for every request that got a token."""
         new_tokens: list[tuple[Request, int]] = []
-        now = time.monotonic()
         for sr in output.scheduled:
             req = self.requests.get(sr.request_id)
             if req is None or req.status is not RequestStatus.RUNNING:
@@ -249,8 +248,6 @@ class Scheduler:
                 continue
             token = sampled[sr.request_id]
             req.token_ids.append(token)
-            if req.first_token_time is None:
-                req.first_token_time = now
             new_tokens.append((req, token))
             reason = self._stop_reason(req, token)
             if reason is not None:
@@ -340,8 +337,8 @@ class _StepBuilder:
                         req.request_id,
                         FinishReason.ERROR,
                         f"KV cache exhausted: the request needs "
-                        f"{self.kv.num_blocks_held(req.request_id) + self.kv.blocks_needed(req, tokens)}"
-                        f" blocks, the pool has {self.kv.pool.num_blocks}",
+                        f"{len(req.blocks) + self.kv.blocks_needed(req, tokens)}"
+                        f" blocks, the pool has {self.kv.num_blocks}",
                     )
                     self._bound("kv_blocks")
                     return False
@@ -351,7 +348,7 @@ class _StepBuilder:
         return True
 
     def _alone_cannot_fit(self, req: Request, tokens: int) -> bool:
-        return self.kv.blocks_needed(req, tokens) > self.kv.pool.num_free_blocks
+        return self.kv.blocks_needed(req, tokens) > self.kv.num_free_blocks
 
     # Waiting and swapped requests, most urgent first.
     def admit(self) -> None:
@@ -393,19 +390,24 @@ class _StepBuilder:
     def _admit_swapped(self, req: Request) -> bool:
         s = self.s
         while True:
-            host_blocks = len(self.kv.req_swap.get(req.request_id, ()))
+            host_blocks = len(req.swap_blocks)
             # Room for the swapped blocks and for what it computes next: one decode token, or
             # the next chunk when it was preempted in the middle of its prefill.
             chunk = self._chunk(req, req.num_tokens - req.num_computed_tokens)
             need = max(host_blocks, -(-(req.num_computed_tokens + chunk) // self.kv.block_size))
-            if need <= self.kv.pool.num_free_blocks:
+            if need <= self.kv.num_free_blocks:
                 break
             if not self._make_room(req, "kv_pressure"):
                 return False
         self.swap_in.extend(self.kv.swap_in(req))
         s.counters.blocks_swapped_in += host_blocks
         s.swapped.remove(req)
-        return self._start(req, [])
+        tokens = self._chunk(req, req.num_tokens - req.num_computed_tokens)
+        if not self.kv.allocate_slots(req, tokens):
+            # Cannot happen after the check above; keep the invariant loud.
+            raise RuntimeError(f"allocation for resumed request {req.request_id} failed")
+        self._start(req, tokens)
+        return True
 
     def _admit_waiting(self, req: Request) -> bool:
         hits, _ = self.kv.get_computed_blocks(req)
@@ -416,6 +418,8 @@ class _StepBuilder:
             if not self._make_room(req, "kv_pressure"):
                 return False
             hits, _ = self.kv.get_computed_blocks(req)
+        # One allocation for the hits and the first chunk (or a protected request's whole
+        # remaining length); _start only grants the chunk.
         self.kv.allocate_slots(req, tokens, hits)
         hit_tokens = len(hits) * self.kv.block_size
         self.kv.record_prefix_lookup(req.num_tokens, hit_tokens)
@@ -423,7 +427,8 @@ class _StepBuilder:
         if req.first_scheduled_time is None:
             req.num_cached_prompt_tokens = hit_tokens
         self.s.waiting.remove(req)
-        return self._start(req, hits)
+        self._start(req, self._chunk(req, req.num_tokens - hit_tokens))
+        return True
 
     def _initial_tokens(self, req: Request, num_hits: int) -> int:
         """Tokens to allocate for on admission: the first chunk, or for a request the thrash
@@ -434,11 +439,12 @@ class _StepBuilder:
             params = req.sampling_params
             final = min(req.num_prompt_tokens + params.max_tokens, self.s.max_model_len)
             # A reservation the whole pool cannot hold would never be admitted: fall back.
-            if -(-final // self.kv.block_size) <= self.kv.pool.num_blocks:
+            if -(-final // self.kv.block_size) <= self.kv.num_blocks:
                 return max(chunk, final - num_hits * self.kv.block_size - 1)
         return chunk
 
-    def _start(self, req: Request, hits: list) -> bool:
+    def _start(self, req: Request, tokens: int) -> None:
+        """Move an admitted request (its blocks allocated) to running, granting `tokens`."""
         s = self.s
         now = time.monotonic()
         if req.preempted_at is not None:
@@ -449,15 +455,9 @@ class _StepBuilder:
             req.first_scheduled_time = now
         req.status = RequestStatus.RUNNING
         s.running.append(req)
-        remaining = req.num_tokens - req.num_computed_tokens
-        tokens = self._chunk(req, remaining)
-        if tokens < remaining:
+        if tokens < req.num_tokens - req.num_computed_tokens:
             self._bound("token_budget")
-        if not self.kv.allocate_slots(req, tokens):
-            # Cannot happen after the checks above; keep the invariant loud.
-            raise RuntimeError(f"allocation for admitted request {req.request_id} failed")
         self._grant(req, tokens)
-        return True
 
     def build(self) -> SchedulerOutput:
         scheduled = []
@@ -471,7 +471,7 @@ class _StepBuilder:
                     request_id=req.request_id,
                     token_ids=req.token_ids[start : start + tokens],
                     start_pos=start,
-                    block_ids=self.kv.block_ids(req.request_id),
+                    block_ids=self.kv.block_ids(req),
                     sample=start + tokens == req.num_tokens,
                     sampling_params=req.sampling_params,
                     output_index=req.num_output_tokens,

@@ -227,7 +227,6 @@ class _Core:
 
     def _live_requests(self) -> list[LiveRequest]:
         now = time.monotonic()
-        kv = self.engine.kv
         return [
             LiveRequest(
                 request_id=req.request_id,
@@ -236,7 +235,7 @@ class _Core:
                 status=req.status.value,
                 prompt_tokens=req.num_prompt_tokens,
                 output_tokens=req.num_output_tokens,
-                blocks_held=kv.num_blocks_held(req.request_id),
+                blocks_held=len(req.blocks),
                 age_s=now - req.arrival_time,
                 num_preemptions=req.num_preemptions,
             )

@@ -131,10 +131,10 @@ class Engine:
                 f"max_model_len {self.max_model_len} (the prompt must be shorter)"
             )
         blocks_for_prompt = -(-(len(token_ids) + 1) // self.kv.block_size)
-        if blocks_for_prompt > self.kv.pool.num_blocks:
+        if blocks_for_prompt > self.kv.num_blocks:
             raise ValueError(
                 f"prompt: {len(token_ids)} tokens need {blocks_for_prompt} KV blocks, "
-                f"the pool has {self.kv.pool.num_blocks}"
+                f"the pool has {self.kv.num_blocks}"
             )
         try:
             prio = self.config.priority_of(priority)
