@@ -139,6 +139,13 @@ class ServerConfig(_Section):
     retry_after_s: PositiveInt = 1
 
 
+class ClassLimits(msgspec.Struct, frozen=True):
+    """A priority class's effective admission limits (0: none)."""
+
+    max_waiting_requests: int
+    queue_timeout_s: float
+
+
 class ApplianceConfig(_Section):
     description: str = ""
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
@@ -162,6 +169,21 @@ class ApplianceConfig(_Section):
             raise ConfigError(
                 f"priority: unknown class {name_or_value!r}; known classes: {known}"
             ) from None
+
+    def resolve_priority(self, value: str | int | None) -> tuple[int, str]:
+        """(integer priority, class name) of a request's `priority` (a class name, an integer
+        or None); ConfigError for an unknown class."""
+        prio = self.priority_of(value)
+        return prio, value if isinstance(value, str) else self.class_of(prio)
+
+    def class_limits(self, priority_class: str) -> ClassLimits:
+        """A class's own limits where it sets them (non-zero), else the scheduler-wide ones."""
+        cls = self.priority_classes.get(priority_class) or PriorityClass(priority=0)
+        sched = self.scheduler
+        return ClassLimits(
+            max_waiting_requests=cls.max_waiting_requests or sched.max_waiting_requests,
+            queue_timeout_s=cls.queue_timeout_s or sched.queue_timeout_s,
+        )
 
     def class_of(self, priority: int) -> str:
         """Name of the class whose priority is closest at or below `priority` (for counters)."""

@@ -134,3 +134,16 @@ class QueueInfo(msgspec.Struct, kw_only=True):
     queue_timeout_s: float
     # 0 = unlimited.
     max_waiting_requests: int
+
+
+class StatsSnapshot(msgspec.Struct, kw_only=True):
+    """What the engine reports at one moment (engine/stats.py `snapshot` builds it)."""
+
+    engine: EngineStats
+    # Step records of the asked-for window, oldest first.
+    history: list[StepRecord] = []
+    # The rest only in a detailed snapshot (the console's and /admin/stats').
+    preemptions: list[PreemptionEvent] = []
+    requests: list[LiveRequest] = []
+    # One entry per priority class, most urgent first.
+    queues: list[QueueInfo] = []

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance.config import ConfigError, list_templates, load_config
+from appliance.config import ClassLimits, ConfigError, list_templates, load_config
 
 
 def test_every_shipped_template_validates() -> None:
@@ -59,3 +59,17 @@ def test_priority_classes() -> None:
     assert cfg.class_of(cfg.priority_of("batch")) == "batch"
     with pytest.raises(ConfigError, match="unknown class 'vip'"):
         cfg.priority_of("vip")
+
+
+def test_class_limits_take_the_class_value_else_the_scheduler_default() -> None:
+    classes = {f"priority_classes.{name}.priority": p for name, p in
+               (("realtime", 0), ("interactive", 5), ("batch", 10))}
+    cfg = load_config(None, {"scheduler.max_waiting_requests": 7, "scheduler.queue_timeout_s": 2.0,
+                             **classes, "priority_classes.batch.max_waiting_requests": 3})
+    assert cfg.class_limits("batch") == ClassLimits(max_waiting_requests=3, queue_timeout_s=2.0)
+    assert cfg.class_limits("realtime") == ClassLimits(max_waiting_requests=7, queue_timeout_s=2.0)
+    # An integer priority's counter class (e.g. "3") has no class table: the defaults apply.
+    assert cfg.class_limits("3") == ClassLimits(max_waiting_requests=7, queue_timeout_s=2.0)
+    assert cfg.resolve_priority("batch") == (10, "batch")
+    assert cfg.resolve_priority(6) == (6, "interactive")
+    assert cfg.resolve_priority(None) == (0, "realtime")

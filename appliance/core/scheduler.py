@@ -85,11 +85,6 @@ class Scheduler:
         keys = [self._key(r) for r in queue]
         queue.insert(bisect.bisect_right(keys, self._key(req)), req)
 
-    def _class_limit(self, req: Request, attr: str) -> float:
-        cls = self.config.priority_classes.get(req.priority_class)
-        value = getattr(cls, attr) if cls is not None else 0
-        return value or getattr(self.cfg, attr)
-
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.swapped)
@@ -103,7 +98,7 @@ class Scheduler:
         queue of its class is full."""
         if req.request_id in self.requests:
             raise ValueError(f"request_id {req.request_id!r} is already in use")
-        limit = int(self._class_limit(req, "max_waiting_requests"))
+        limit = self.config.class_limits(req.priority_class).max_waiting_requests
         if limit:
             same_class = sum(1 for r in self.waiting if r.priority_class == req.priority_class)
             if same_class >= limit:
@@ -159,7 +154,7 @@ class Scheduler:
         for req in list(self.waiting):
             if req.first_scheduled_time is not None:
                 continue  # only requests that never started can time out in the queue
-            timeout = self._class_limit(req, "queue_timeout_s")
+            timeout = self.config.class_limits(req.priority_class).queue_timeout_s
             if timeout and now - req.arrival_time > timeout:
                 self.counters.count_rejected(req.priority_class, FinishReason.QUEUE_TIMEOUT)
                 self.finish_request(

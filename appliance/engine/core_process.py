@@ -21,7 +21,6 @@ import msgspec
 
 from appliance.core.request import FinishReason
 from appliance.engine import ipc
-from appliance.stats import LiveRequest, QueueInfo
 
 if TYPE_CHECKING:
     from appliance.config import ApplianceConfig
@@ -213,51 +212,11 @@ class _Core:
 
     # -- figures ---------------------------------------------------------------------------------
     def _stats(self, msg: ipc.GetStats) -> ipc.StatsReply:
-        engine = self.engine
-        reply = ipc.StatsReply(token=msg.token, engine=engine.stats(detail=msg.detail))
-        if msg.history_s > 0:
-            reply.history = engine.history.since(time.time() - msg.history_s)
-        if msg.detail:
-            reply.preemptions = engine.preemption_log()
-            reply.requests = self._live_requests()
-            reply.queues = self._queues()
+        from appliance.engine.stats import snapshot
+
+        reply = ipc.StatsReply(
+            token=msg.token, snapshot=snapshot(self.engine, msg.history_s, msg.detail)
+        )
         if msg.count_objects:
             reply.live_objects = live_request_objects()
         return reply
-
-    def _live_requests(self) -> list[LiveRequest]:
-        now = time.monotonic()
-        return [
-            LiveRequest(
-                request_id=req.request_id,
-                priority_class=req.priority_class,
-                priority=req.priority,
-                status=req.status.value,
-                prompt_tokens=req.num_prompt_tokens,
-                output_tokens=req.num_output_tokens,
-                blocks_held=len(req.blocks),
-                age_s=now - req.arrival_time,
-                num_preemptions=req.num_preemptions,
-            )
-            for req in self.engine.scheduler.requests.values()
-        ]
-
-    def _queues(self) -> list[QueueInfo]:
-        now = time.monotonic()
-        sched = self.engine.scheduler
-        cfg = self.config
-        out = []
-        for name, cls in sorted(cfg.priority_classes.items(), key=lambda kv: kv[1].priority):
-            waiting = [r for r in sched.waiting if r.priority_class == name]
-            oldest = max((now - r.arrival_time for r in waiting), default=0.0)
-            out.append(
-                QueueInfo(
-                    priority_class=name,
-                    waiting=len(waiting),
-                    oldest_wait_s=oldest,
-                    queue_timeout_s=cls.queue_timeout_s or cfg.scheduler.queue_timeout_s,
-                    max_waiting_requests=cls.max_waiting_requests
-                    or cfg.scheduler.max_waiting_requests,
-                )
-            )
-        return out

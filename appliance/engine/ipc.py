@@ -14,7 +14,7 @@ import msgspec
 
 from appliance.engine.outputs import EngineOutput
 from appliance.sampling_params import SamplingParams
-from appliance.stats import EngineStats, LiveRequest, PreemptionEvent, QueueInfo, StepRecord
+from appliance.stats import StatsSnapshot
 
 HEADER = struct.Struct("!i")
 # Connection.send_bytes switches to an 8-byte length after this marker for > 2 GiB payloads.
@@ -112,11 +112,7 @@ class Frame(msgspec.Struct, tag="frame", kw_only=True):
 
 class StatsReply(msgspec.Struct, tag="stats_reply", kw_only=True):
     token: int
-    engine: EngineStats
-    history: list[StepRecord] = []
-    preemptions: list[PreemptionEvent] = []
-    requests: list[LiveRequest] = []
-    queues: list[QueueInfo] = []
+    snapshot: StatsSnapshot
     live_objects: dict[str, int] = {}
 
 

@@ -17,12 +17,12 @@ from typing import Any
 
 from appliance.config import ApplianceConfig, ConfigError, load_config
 from appliance.core.kv_cache_manager import KVCacheManager
-from appliance.core.request import FinishReason, Request, RequestStatus
+from appliance.core.request import FinishReason, Request
 from appliance.core.scheduler import Scheduler
 from appliance.engine.loader import LoadedModel, load_model
 from appliance.engine.output_processor import OutputProcessor
 from appliance.engine.outputs import CompletionResult, EngineOutput, Logprob
-from appliance.engine.stats import StepHistory
+from appliance.engine.stats import StepHistory, snapshot
 from appliance.sampling_params import SamplingParams
 from appliance.stats import EngineStats, PreemptionEvent, StepRecord
 
@@ -78,8 +78,8 @@ class Engine:
         self.generation_tokens_total = 0
         self.requests_finished: dict[str, int] = {}
         self._peak_blocks = 0
-        self._slot_util_at_peak = 1.0
-        self._last_step: StepRecord | None = None
+        # Slot utilisation when the most blocks were in use (PagedAttention's waste figure).
+        self.slot_utilisation_at_peak = 1.0
 
     @classmethod
     def from_template(
@@ -137,10 +137,9 @@ class Engine:
                 f"the pool has {self.kv.num_blocks}"
             )
         try:
-            prio = self.config.priority_of(priority)
+            prio, cls_name = self.config.resolve_priority(priority)
         except ConfigError as exc:
             raise ValueError(str(exc)) from None
-        cls_name = priority if isinstance(priority, str) else self.config.class_of(prio)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         kwargs: dict[str, Any] = {}
         if arrival_time is not None:
@@ -219,7 +218,7 @@ class Engine:
         self.generation_tokens_total += gen_tokens
         if usage.used >= self._peak_blocks and usage.slots_allocated:
             self._peak_blocks = usage.used
-            self._slot_util_at_peak = usage.slot_utilisation
+            self.slot_utilisation_at_peak = usage.slot_utilisation
         sched = self.scheduler
         record = StepRecord(
             step=self.step_count,
@@ -239,7 +238,6 @@ class Engine:
             kv_usage=usage.usage,
             bound_by=out.bound_by,
         )
-        self._last_step = record
         self.history.append(record)
 
     # -- offline API -----------------------------------------------------------------------------
@@ -280,39 +278,8 @@ class Engine:
 
     # -- figures ---------------------------------------------------------------------------------
     def stats(self, detail: bool = False) -> EngineStats:
-        usage = self.kv.usage()
-        sched = self.scheduler
-        return EngineStats(
-            model_name=self.model_name,
-            step=self.step_count,
-            num_running=len(sched.running),
-            num_waiting=len(sched.waiting),
-            num_swapped=len(sched.swapped),
-            num_blocks=usage.num_blocks,
-            block_size=self.kv.block_size,
-            blocks_used=usage.used,
-            blocks_cached=usage.cached_free,
-            blocks_free=usage.free,
-            kv_usage=usage.usage,
-            slots_holding_tokens=usage.slots_holding_tokens,
-            slots_allocated=usage.slots_allocated,
-            slot_utilisation=usage.slot_utilisation,
-            slot_utilisation_at_peak=self._slot_util_at_peak,
-            swap_blocks_total=usage.swap_blocks_total,
-            swap_blocks_used=usage.swap_blocks_used,
-            prefix_cache_queries=self.kv.prefix_queries,
-            prefix_cache_hits=self.kv.prefix_hits,
-            prompt_tokens_total=self.prompt_tokens_total,
-            generation_tokens_total=self.generation_tokens_total,
-            requests_finished=dict(self.requests_finished),
-            counters=sched.counters,
-            last_step=self._last_step,
-            block_states=self.kv.pool.state_string() if detail else None,
-        )
+        """The engine part of the stats snapshot (engine/stats.py builds it)."""
+        return snapshot(self, detail=detail).engine
 
     def preemption_log(self) -> list[PreemptionEvent]:
         return list(self.scheduler.preemption_log)
-
-    def request_status(self, request_id: str) -> RequestStatus | None:
-        req = self.scheduler.requests.get(request_id)
-        return req.status if req is not None else None

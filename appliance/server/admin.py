@@ -64,6 +64,7 @@ async def stats(
         except (TimeoutError, EngineError):
             reply = None
     info = state.info
+    snap = reply.snapshot if reply else None
     body = AdminStats(
         time=time.time(),
         model_name=state.model_name,
@@ -87,12 +88,12 @@ async def stats(
             requests_tracked=len(client.output) if client is not None else 0,
             last_reload=state.last_reload,
         ),
-        engine=reply.engine if reply else None,
-        history=reply.history if reply else [],
+        engine=snap.engine if snap else None,
+        history=snap.history if snap else [],
         history_s=history_s,
-        preemptions=reply.preemptions if reply else [],
-        requests=reply.requests if reply else [],
-        queues=reply.queues if reply else [],
+        preemptions=snap.preemptions if snap else [],
+        requests=snap.requests if snap else [],
+        queues=snap.queues if snap else [],
         engine_objects=reply.live_objects if reply else {},
     )
     return _json(body)

@@ -138,13 +138,28 @@ class Generation:
             metrics.observe_tokens(len(ro.new_token_ids), interval)
         if ro.finished:
             metrics.observe_finish(ch.finish_reason or "stop", now - self.arrival, ch.queue_time_s)
+            self._observe_phases(ch)
         if self.stream:
             self.events.put_nowait((ch, ro))
         if ro.finished:
             self._one_finished()
 
+    def _observe_phases(self, ch: Choice) -> None:
+        prefill = decode = None
+        if ch.first_token_at is not None:
+            decode = (ch.last_token_at or ch.first_token_at) - ch.first_token_at
+            if ch.queue_time_s is not None:  # scheduled at arrival + queue time (one clock)
+                prefill = ch.first_token_at - (self.arrival + ch.queue_time_s)
+        self.state.metrics.observe_request(
+            len(ch.prompt_token_ids), len(ch.token_ids), prefill, decode
+        )
+
     def _one_finished(self) -> None:
         self.pending -= 1
+        if self.pending == 0 and not self.aborted and self.choices:
+            self.state.metrics.observe_max_generation_tokens(
+                max(len(ch.token_ids) for ch in self.choices)
+            )
         if self.pending == 0:
             self.done.set()
             self.events.put_nowait(None)
