@@ -75,8 +75,9 @@ class CacheConfig(_Section):
 
 
 class SchedulerConfig(_Section):
-    # continuous (= fcfs): iteration-level batching in arrival order; priority: ordered by
-    # (priority, arrival); static: form a batch and run it until all its members finish.
+    # continuous: iteration-level batching in arrival order; priority: ordered by (priority,
+    # arrival); static: form a batch and run it until all its members finish. "fcfs" (vLLM's
+    # name for arrival order, in operators' templates) is accepted and read as "continuous".
     policy: Literal["continuous", "fcfs", "priority", "static"] = "continuous"
     max_num_seqs: PositiveInt = 256
     # Token budget of one step: decodes first, then prefill chunks.
@@ -94,12 +95,26 @@ class SchedulerConfig(_Section):
     max_waiting_requests: NonNegInt = 0
     queue_timeout_s: NonNegFloat = 0.0
 
+    def __post_init__(self) -> None:
+        # One name inside the appliance for one behaviour.
+        if self.policy == "fcfs":
+            self.policy = "continuous"
+
 
 class PriorityClass(_Section):
     priority: int
     # 0 inherits the scheduler-wide value.
     queue_timeout_s: NonNegFloat = 0.0
     max_waiting_requests: NonNegInt = 0
+
+
+def served_model_name(
+    config: ApplianceConfig, model_dir: str | os.PathLike[str] | None = None
+) -> str:
+    """The name the API serves the model under: model.name, else the model directory's name
+    (the resolved one once the engine has it, else model.path as configured)."""
+    path = Path(os.path.expanduser(model_dir if model_dir is not None else config.model.path))
+    return config.model.name or path.name or "model"
 
 
 def _default_classes() -> dict[str, PriorityClass]:
@@ -123,6 +138,9 @@ class HardwareConfig(_Section):
     gpu_memory_gib: NonNegFloat = 0.0
     # Typical prompt + output length the plan reports concurrency at.
     typical_seq_len: NonNegInt = 2048
+    # Torch threads of the engine core process; 0: all cores but one (the API process needs
+    # one for HTTP, tokenization and SSE), or torch's own choice when OMP_NUM_THREADS is set.
+    engine_threads: NonNegInt = 0
 
 
 class ServerConfig(_Section):

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
-from appliance.config import ClassLimits, ConfigError, list_templates, load_config
+from appliance.config import (
+    ClassLimits,
+    ConfigError,
+    list_templates,
+    load_config,
+    served_model_name,
+)
 
 
 def test_every_shipped_template_validates() -> None:
@@ -62,10 +69,19 @@ def test_priority_classes() -> None:
 
 
 def test_class_limits_take_the_class_value_else_the_scheduler_default() -> None:
-    classes = {f"priority_classes.{name}.priority": p for name, p in
-               (("realtime", 0), ("interactive", 5), ("batch", 10))}
-    cfg = load_config(None, {"scheduler.max_waiting_requests": 7, "scheduler.queue_timeout_s": 2.0,
-                             **classes, "priority_classes.batch.max_waiting_requests": 3})
+    classes = {
+        f"priority_classes.{name}.priority": p
+        for name, p in (("realtime", 0), ("interactive", 5), ("batch", 10))
+    }
+    cfg = load_config(
+        None,
+        {
+            "scheduler.max_waiting_requests": 7,
+            "scheduler.queue_timeout_s": 2.0,
+            **classes,
+            "priority_classes.batch.max_waiting_requests": 3,
+        },
+    )
     assert cfg.class_limits("batch") == ClassLimits(max_waiting_requests=3, queue_timeout_s=2.0)
     assert cfg.class_limits("realtime") == ClassLimits(max_waiting_requests=7, queue_timeout_s=2.0)
     # An integer priority's counter class (e.g. "3") has no class table: the defaults apply.
@@ -73,3 +89,28 @@ def test_class_limits_take_the_class_value_else_the_scheduler_default() -> None:
     assert cfg.resolve_priority("batch") == (10, "batch")
     assert cfg.resolve_priority(6) == (6, "interactive")
     assert cfg.resolve_priority(None) == (0, "realtime")
+
+
+def test_fcfs_is_read_as_continuous_one_name_inside() -> None:
+    assert load_config(None, {"scheduler.policy": "fcfs"}).scheduler.policy == "continuous"
+    assert load_config(None, {"scheduler.policy": "priority"}).scheduler.policy == "priority"
+
+
+def test_served_name_rule(tmp_path: Path) -> None:
+    cfg = load_config(None, {"model.path": str(tmp_path / "Llama-2-13b-chat-hf")})
+    assert served_model_name(cfg) == "Llama-2-13b-chat-hf"
+    # Once the engine resolved the directory, its name counts (a demo model built elsewhere).
+    assert served_model_name(cfg, tmp_path / "built") == "built"
+    named = load_config(None, {"model.path": str(tmp_path / "x"), "model.name": "chat"})
+    assert served_model_name(named, tmp_path / "built") == "chat"
+
+
+def test_engine_threads_field_sets_the_core_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    from appliance.engine.core_process import core_threads
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert core_threads(3) == 3  # the config field wins
+    assert core_threads(0) is None  # OMP_NUM_THREADS: torch's own choice
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert core_threads(0) == max(1, len(os.sched_getaffinity(0)) - 1)
+    assert load_config(None, {"hardware.engine_threads": 1}).hardware.engine_threads == 1

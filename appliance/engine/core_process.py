@@ -53,16 +53,17 @@ def core_main(conn: Connection, config_json: bytes, log_level: str = "INFO") -> 
         core.loaded.close()  # tensor-parallel worker ranks, if any
 
 
-def core_threads() -> int | None:
-    """Torch threads for the core: all cores but one, which the API process needs for HTTP,
-    tokenization and SSE. With every core busy in torch's OpenMP regions, each wake-up of the
-    API process deschedules one OpenMP thread and the whole region waits for it: on 2 cores a
-    decode step measured 10x slower with 2 threads than with 1 under a co-running process.
-    APPLIANCE_CORE_THREADS (or OMP_NUM_THREADS) overrides; None keeps torch's choice."""
-    for var in ("APPLIANCE_CORE_THREADS", "OMP_NUM_THREADS"):
-        value = os.environ.get(var, "")
-        if value.isdigit() and int(value) > 0:
-            return int(value) if var == "APPLIANCE_CORE_THREADS" else None
+def core_threads(configured: int = 0) -> int | None:
+    """Torch threads for the core (hardware.engine_threads; 0: all cores but one, which the
+    API process needs for HTTP, tokenization and SSE). With every core busy in torch's OpenMP
+    regions, each wake-up of the API process deschedules one OpenMP thread and the whole region
+    waits for it: on 2 cores a decode step measured 10x slower with 2 threads than with 1 under
+    a co-running process. None keeps torch's choice (OMP_NUM_THREADS set, no configured value)."""
+    if configured > 0:
+        return configured
+    value = os.environ.get("OMP_NUM_THREADS", "")
+    if value.isdigit() and int(value) > 0:
+        return None
     cores = (
         len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     )
@@ -111,7 +112,7 @@ class _Core:
 
         imports = time.perf_counter() - t0
         config = config_from_dict(msgspec.json.decode(config_json), "reloaded config")
-        threads = core_threads()
+        threads = core_threads(config.hardware.engine_threads)
         if threads:
             import torch
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from appliance.config import ApplianceConfig, ConfigError
+from appliance.config import ApplianceConfig, ConfigError, served_model_name
 from appliance.engine import memory
 from appliance.engine.cpu_decode import MAX_BATCH as FUSED_DECODE_MAX_BATCH
 from appliance.engine.cpu_decode import FusedCpuDecode
@@ -245,7 +245,7 @@ def load_model(
         f"KV cache: {num_blocks} blocks x {cache.block_size} tokens "
         f"({num_blocks * per_block / GiB:.2f} GiB), swap {num_swap} blocks"
     )
-    name = config.model.name or model_dir.name
+    name = served_model_name(config, model_dir)
     return LoadedModel(
         model_name=name,
         model_dir=model_dir,
