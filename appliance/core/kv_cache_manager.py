@@ -151,8 +151,8 @@ class KVCacheManager:
             self.pool.cache_block(blocks[i], hashes[i], tokens[i * bs : (i + 1) * bs])
         request.num_cached_blocks = full
 
-    def block_ids(self, request: Request) -> list[int]:
-        return [b.block_id for b in request.blocks]
+    def block_ids(self, request: Request, start: int = 0) -> list[int]:
+        return [b.block_id for b in request.blocks[start:]]
 
     def free(self, request: Request) -> None:
         """Release the request's device blocks, tail first so shared prefixes are evicted last."""

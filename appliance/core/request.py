@@ -68,6 +68,9 @@ class Request:
     num_cached_blocks: int = 0
     num_allocated_tokens: int = 0
     swap_blocks: list[int] = field(default_factory=list)
+    # What the runner holds of the block table: whether it has one, and how many ids long.
+    table_sent: bool = False
+    num_block_ids_sent: int = 0
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

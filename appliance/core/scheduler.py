@@ -25,12 +25,15 @@ class ScheduledRequest:
     # Tokens fed this step: positions start_pos .. start_pos + len(token_ids) - 1.
     token_ids: list[int]
     start_pos: int
+    # Block ids the runner appends to the request's block table; with new_table, the whole
+    # table (a request the runner has not seen since it was admitted or resumed).
     block_ids: list[int]
     # True when this step reaches the request's last known token: sample its next one.
     sample: bool
     sampling_params: SamplingParams
     # Index of the token to be sampled among the outputs (seeds randomness per position).
     output_index: int
+    new_table: bool = True
 
 
 @dataclass
@@ -41,6 +44,9 @@ class SchedulerOutput:
     num_context_tokens: int = 0
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # Requests whose block table the runner drops before this step: finished, preempted or
+    # swapped out since the last step (a resumed one comes back with a new table).
+    finished_request_ids: list[str] = field(default_factory=list)
     # Which limit stopped the step from doing more: none | token_budget | max_num_seqs | kv_blocks
     bound_by: str = "none"
 
@@ -72,6 +78,7 @@ class Scheduler:
         self.preemption_log: deque[PreemptionEvent] = deque(maxlen=256)
         self.finished: list[FinishedRequest] = []
         self._pressure_steps = 0
+        self._dropped_tables: list[str] = []
 
     # -- queues ----------------------------------------------------------------------------------
     def _key(self, req: Request) -> tuple[int, float]:
@@ -120,6 +127,7 @@ class Scheduler:
                 queue.remove(req)
                 break
         self.kv.forget(req)
+        self._drop_table(req)
         if req.preempted_at is not None:
             req.time_preempted += time.monotonic() - req.preempted_at
             self.counters.time_preempted_s += time.monotonic() - req.preempted_at
@@ -130,8 +138,19 @@ class Scheduler:
         self.finished.append(FinishedRequest(req, reason))
         return True
 
+    def _drop_table(self, req: Request) -> None:
+        """The request's blocks changed other than by growing: the runner forgets its table."""
+        if req.table_sent:
+            self._dropped_tables.append(req.request_id)
+            req.table_sent = False
+            req.num_block_ids_sent = 0
+
     def abort(self, request_id: str) -> bool:
         return self.finish_request(request_id, FinishReason.ABORT)
+
+    def take_dropped_tables(self) -> list[str]:
+        out, self._dropped_tables = self._dropped_tables, []
+        return out
 
     def take_finished(self) -> list[FinishedRequest]:
         out, self.finished = self.finished, []
@@ -204,6 +223,7 @@ class Scheduler:
             victim.status = RequestStatus.PREEMPTED
             self._insert(self.waiting, victim)
             self.counters.tokens_recomputed += recompute_tokens
+        self._drop_table(victim)
         victim.num_preemptions += 1
         victim.preempted_at = time.monotonic()
         self.counters.count_preemption(mode, victim.priority_class or str(victim.priority))
@@ -461,15 +481,21 @@ class _StepBuilder:
         for req in self.order:
             tokens = self.granted[req.request_id]
             start = req.num_computed_tokens
+            # Only what changed: the blocks added since the runner last saw the request.
+            new_table = not req.table_sent
+            block_ids = self.kv.block_ids(req, start=0 if new_table else req.num_block_ids_sent)
+            req.table_sent = True
+            req.num_block_ids_sent = len(req.blocks)
             scheduled.append(
                 ScheduledRequest(
                     request_id=req.request_id,
                     token_ids=req.token_ids[start : start + tokens],
                     start_pos=start,
-                    block_ids=self.kv.block_ids(req),
+                    block_ids=block_ids,
                     sample=start + tokens == req.num_tokens,
                     sampling_params=req.sampling_params,
                     output_index=req.num_output_tokens,
+                    new_table=new_table,
                 )
             )
             total += tokens
@@ -480,5 +506,6 @@ class _StepBuilder:
             num_context_tokens=context,
             blocks_to_swap_out=self.swap_out,
             blocks_to_swap_in=self.swap_in,
+            finished_request_ids=self.s.take_dropped_tables(),
             bound_by=self.bound_by,
         )
