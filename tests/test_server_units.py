@@ -211,3 +211,20 @@ def test_bench_summary_percentiles_and_goodput() -> None:
     assert s.goodput == 1.0  # two of the four met TTFT <= 250 ms, over 2 s
     assert s.output_token_throughput == 22.0
     assert s.tpot_ms["p50"] is not None
+
+
+def test_a_refusal_names_the_field_the_engine_validation_named() -> None:
+    from appliance.sampling_params import SamplingParams, invalid_field
+
+    cases = [
+        ({"temperature": -1.0}, "temperature"),
+        ({"max_tokens": 4, "min_tokens": 8}, "min_tokens"),
+        ({"stop": [""]}, "stop"),
+        ({"logprobs": 50}, "logprobs"),
+    ]
+    for bad, field in cases:
+        with pytest.raises(ValueError) as info:
+            SamplingParams(**bad).validate()  # type: ignore[arg-type]
+        assert invalid_field(str(info.value)) == field
+    assert invalid_field("prompt: token id 9 is outside the vocabulary [0, 4)") == "prompt"
+    assert invalid_field("the pool is full") is None

@@ -18,7 +18,7 @@ import msgspec
 from appliance.engine.client import EngineError
 from appliance.engine.output_processor import RequestState
 from appliance.engine.outputs import RequestOutput
-from appliance.sampling_params import SamplingParams
+from appliance.sampling_params import SamplingParams, invalid_field
 from appliance.server.errors import APIError
 
 if TYPE_CHECKING:
@@ -113,9 +113,7 @@ class Generation:
                 headers={"Retry-After": retry},
             )
         if reason == "invalid":
-            field_name, sep, _ = detail.partition(":")
-            param = field_name if sep and field_name.isidentifier() else None
-            return APIError(400, detail, param=param)
+            return APIError(400, detail, param=invalid_field(detail))
         return APIError(
             503,
             f"engine unavailable: {detail}",
