@@ -8,17 +8,7 @@ import logging
 import sys
 from typing import Any
 
-from appliance.config import ConfigError, list_templates, load_config, parse_override_value
-
-
-def parse_sets(items: list[str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. cache.block_size=16")
-        out[key.strip()] = parse_override_value(value.strip())
-    return out
+from appliance.config import ConfigError, list_templates, load_config, parse_sets
 
 
 def cmd_templates(ns: argparse.Namespace) -> int:
@@ -96,10 +86,10 @@ def _command_of(argv: list[str]) -> str | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from appliance import kv_eval, plan, router
     from appliance.bench import offline, serve
     from appliance.console import cli as console_cli
-    from appliance.models.demo import add_demo_model_parser
+    from appliance.tools import kv_eval, plan, router
+    from appliance.tools.demo_model import add_demo_model_parser
 
     parser = argparse.ArgumentParser(prog="appliance", description="LLM inference appliance")
     parser.add_argument("--log-level", default="INFO")

@@ -79,8 +79,9 @@ class CacheConfig(_Section):
 
 
 class SchedulerConfig(_Section):
-    # continuous (= fcfs): iteration-level batching in arrival order; priority: ordered by
-    # (priority, arrival); static: form a batch and run it until all its members finish.
+    # continuous: iteration-level batching in arrival order; priority: ordered by (priority,
+    # arrival); static: form a batch and run it until all its members finish. "fcfs" (vLLM's
+    # name for arrival order, in operators' templates) is accepted and read as "continuous".
     policy: Literal["continuous", "fcfs", "priority", "static"] = "continuous"
     max_num_seqs: PositiveInt = 256
     # Token budget of one step: decodes first, then prefill chunks.
@@ -103,12 +104,26 @@ class SchedulerConfig(_Section):
     # into 429s, and unlabelled traffic should not preempt what was marked urgent.
     default_priority_class: str = ""
 
+    def __post_init__(self) -> None:
+        # One name inside the appliance for one behaviour.
+        if self.policy == "fcfs":
+            self.policy = "continuous"
+
 
 class PriorityClass(_Section):
     priority: int
     # 0 inherits the scheduler-wide value.
     queue_timeout_s: NonNegFloat = 0.0
     max_waiting_requests: NonNegInt = 0
+
+
+def served_model_name(
+    config: ApplianceConfig, model_dir: str | os.PathLike[str] | None = None
+) -> str:
+    """The name the API serves the model under: model.name, else the model directory's name
+    (the resolved one once the engine has it, else model.path as configured)."""
+    path = Path(os.path.expanduser(model_dir if model_dir is not None else config.model.path))
+    return config.model.name or path.name or "model"
 
 
 def _default_classes() -> dict[str, PriorityClass]:
@@ -132,6 +147,9 @@ class HardwareConfig(_Section):
     gpu_memory_gib: NonNegFloat = 0.0
     # Typical prompt + output length the plan reports concurrency at.
     typical_seq_len: NonNegInt = 2048
+    # Torch threads of the engine core process; 0: all cores but one (the API process needs
+    # one for HTTP, tokenization and SSE), or torch's own choice when OMP_NUM_THREADS is set.
+    engine_threads: NonNegInt = 0
 
 
 class ServerConfig(_Section):
@@ -146,6 +164,13 @@ class ServerConfig(_Section):
     drain_timeout_s: NonNegFloat = 30.0
     # Retry-After (seconds) sent with 429 responses.
     retry_after_s: PositiveInt = 1
+
+
+class ClassLimits(msgspec.Struct, frozen=True):
+    """A priority class's effective admission limits (0: none)."""
+
+    max_waiting_requests: int
+    queue_timeout_s: float
 
 
 class ApplianceConfig(_Section):
@@ -183,6 +208,23 @@ class ApplianceConfig(_Section):
         if "interactive" in self.priority_classes:
             return "interactive"
         return min(self.priority_classes.items(), key=lambda kv: kv[1].priority, default=("",))[0]
+
+    def resolve_priority(self, value: str | int | None) -> tuple[int, str]:
+        """(integer priority, class name) of a request's `priority` (a class name, an integer
+        or None); ConfigError for an unknown class."""
+        prio = self.priority_of(value)
+        if value is None:
+            return prio, self.default_class()
+        return prio, value if isinstance(value, str) else self.class_of(prio)
+
+    def class_limits(self, priority_class: str) -> ClassLimits:
+        """A class's own limits where it sets them (non-zero), else the scheduler-wide ones."""
+        cls = self.priority_classes.get(priority_class) or PriorityClass(priority=0)
+        sched = self.scheduler
+        return ClassLimits(
+            max_waiting_requests=cls.max_waiting_requests or sched.max_waiting_requests,
+            queue_timeout_s=cls.queue_timeout_s or sched.queue_timeout_s,
+        )
 
     def class_of(self, priority: int) -> str:
         """Name of the class whose priority is closest at or below `priority` (for counters)."""
@@ -241,6 +283,17 @@ def parse_override_value(text: str) -> Any:
         return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         return text
+
+
+def parse_sets(items: list[str]) -> dict[str, Any]:
+    """`--set KEY=VALUE` arguments (every command that loads a template takes them)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. cache.block_size=16")
+        out[key.strip()] = parse_override_value(value.strip())
+    return out
 
 
 def apply_overrides(raw: dict[str, Any], overrides: dict[str, Any] | None) -> dict[str, Any]:

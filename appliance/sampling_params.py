@@ -4,6 +4,19 @@ from __future__ import annotations
 
 import msgspec
 
+# Top logprobs a request may ask for (the API's schema caps its fields at the same number).
+MAX_LOGPROBS = 20
+
+
+def invalid_field(message: str) -> str | None:
+    """The field a validation message names: "prompt: ..." or "max_tokens must ..." (the
+    engine's messages), for the API error's `param`."""
+    head, sep, _ = message.partition(":")
+    if sep and head.isidentifier():
+        return head
+    first = message.split(" ", 1)[0]
+    return first if first in SamplingParams.__struct_fields__ else None
+
 
 class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_tokens: int = 16
@@ -23,7 +36,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # Keep the stop string in the returned text (OpenAI drops it).
     include_stop_str_in_output: bool = False
 
-    def validate(self, max_logprobs: int = 20) -> None:
+    def validate(self, max_logprobs: int = MAX_LOGPROBS) -> None:
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.temperature < 0:

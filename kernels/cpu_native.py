@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from appliance.cpu.choice import NATIVE_MAX_QUERY_HEADS
 from appliance.cpu.features import CpuFeatures, detect
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ SHAPE_FIELDS = (
     "block_size", "table_stride", "threads",
 )  # fmt: skip
 SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
-MAX_QUERY_HEADS = 64
+MAX_QUERY_HEADS = NATIVE_MAX_QUERY_HEADS
 
 # Build flags -> (library or None, why not).
 _loaded: dict[tuple[str, ...], tuple[ctypes.CDLL | None, str | None]] = {}

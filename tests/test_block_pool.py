@@ -32,7 +32,7 @@ def test_prompt_takes_blocks_and_hashes_only_full_ones() -> None:
     kv = KVCacheManager(10, BS)
     req = make_request("a", list(range(55)))
     admit(kv, req)
-    blocks = kv.req_blocks["a"]
+    blocks = req.blocks
     assert [b.block_id for b in blocks] == [0, 1, 2, 3]
     assert [b.ref_cnt for b in blocks] == [1, 1, 1, 1]
     assert [b.block_hash is not None for b in blocks] == [True, True, True, False]
@@ -48,9 +48,9 @@ def test_shared_prefix_hits_and_raises_refs() -> None:
     b = make_request("b", list(range(48)) + [999] * 7)
     hit = admit(kv, b)
     assert hit == 48
-    assert kv.num_blocks_held("b") == 4
-    assert [blk.ref_cnt for blk in kv.req_blocks["b"][:3]] == [2, 2, 2]
-    assert kv.req_blocks["b"][3].block_id == 4  # the one new block
+    assert len(b.blocks) == 4
+    assert [blk.ref_cnt for blk in b.blocks[:3]] == [2, 2, 2]
+    assert b.blocks[3].block_id == 4  # the one new block
 
 
 def test_prefix_survives_free_and_hit_leaves_free_queue() -> None:
@@ -122,7 +122,7 @@ def test_allocation_is_atomic_when_short() -> None:
     before = (kv.pool.num_free_blocks, kv.pool.free_queue.ids())
     assert not kv.allocate_slots(b, 40)
     assert (kv.pool.num_free_blocks, kv.pool.free_queue.ids()) == before
-    assert "b" not in kv.req_blocks or not kv.req_blocks["b"]
+    assert b.blocks == [] and b.num_allocated_tokens == 0
 
 
 def test_allocating_never_evicts_own_hits() -> None:
@@ -135,7 +135,7 @@ def test_allocating_never_evicts_own_hits() -> None:
     assert [h.block_id for h in hits] == [0, 1]
     # 62 tokens need 4 blocks: 2 hits + 2 new; only 2 others exist, so it fits exactly.
     assert kv.allocate_slots(b, 62 - 32, hits)
-    assert sorted(blk.block_id for blk in kv.req_blocks["b"]) == [0, 1, 2, 3]
+    assert sorted(blk.block_id for blk in b.blocks) == [0, 1, 2, 3]
 
 
 def test_usage_counts_cached_free_as_free_and_reset_refused_in_use() -> None:
@@ -229,7 +229,10 @@ def test_random_operations_keep_invariants(ops: list[tuple[str, int, int]]) -> N
             kv.forget(req)
         # Invariants after every operation.
         refs = sum(b.ref_cnt for b in pool.blocks)
-        assert refs == sum(len(kv.req_blocks.get(r, [])) for r in live)
+        assert refs == sum(len(r.blocks) for r in live.values())
+        usage = kv.usage()
+        assert usage.slots_allocated == refs * kv.block_size
+        assert usage.slots_holding_tokens == sum(r.num_allocated_tokens for r in live.values())
         referenced = sum(1 for b in pool.blocks if b.ref_cnt > 0)
         assert pool.num_free_blocks + referenced == pool.num_blocks
         assert all(pool.blocks[i].ref_cnt == 0 for i in pool.free_queue.ids())
@@ -240,4 +243,20 @@ def test_random_operations_keep_invariants(ops: list[tuple[str, int, int]]) -> N
     for req in live.values():
         kv.forget(req)
     assert pool.num_free_blocks == pool.num_blocks
+    assert (kv.usage().slots_allocated, kv.usage().slots_holding_tokens) == (0, 0)
     assert not evicted_with_refs
+
+
+def test_the_manager_keeps_no_table_per_request() -> None:
+    # A request's blocks, hashes and swap blocks live on the request: the manager holds only
+    # pool-wide state, so a finished request leaves nothing in it.
+    kv = KVCacheManager(10, BS, num_swap_blocks=4)
+    a, b = make_request("a", list(range(40))), make_request("b", list(range(20)))
+    admit(kv, a)
+    admit(kv, b)
+    assert kv.swap_out(b) is not None and len(b.swap_blocks) == 2 and b.blocks == []
+    assert [name for name, value in vars(kv).items() if isinstance(value, dict)] == []
+    kv.forget(a)
+    kv.forget(b)
+    assert (a.blocks, a.block_hashes, b.swap_blocks) == ([], [], [])
+    assert kv.usage().swap_blocks_used == 0 and kv.usage().slots_allocated == 0

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
-from appliance.config import ConfigError, list_templates, load_config
+from appliance.config import (
+    ClassLimits,
+    ConfigError,
+    list_templates,
+    load_config,
+    served_model_name,
+)
 
 
 def test_every_shipped_template_validates() -> None:
@@ -75,3 +82,51 @@ def test_a_request_without_priority_takes_the_default_class() -> None:
 def test_the_default_class_must_exist() -> None:
     with pytest.raises(ConfigError, match=r"scheduler.default_priority_class 'vip' is not a class"):
         load_config("cpu-demo", {"scheduler.default_priority_class": "vip"})
+
+
+def test_class_limits_take_the_class_value_else_the_scheduler_default() -> None:
+    classes = {
+        f"priority_classes.{name}.priority": p
+        for name, p in (("realtime", 0), ("interactive", 5), ("batch", 10))
+    }
+    cfg = load_config(
+        None,
+        {
+            "scheduler.max_waiting_requests": 7,
+            "scheduler.queue_timeout_s": 2.0,
+            **classes,
+            "priority_classes.batch.max_waiting_requests": 3,
+        },
+    )
+    assert cfg.class_limits("batch") == ClassLimits(max_waiting_requests=3, queue_timeout_s=2.0)
+    assert cfg.class_limits("realtime") == ClassLimits(max_waiting_requests=7, queue_timeout_s=2.0)
+    # An integer priority's counter class (e.g. "3") has no class table: the defaults apply.
+    assert cfg.class_limits("3") == ClassLimits(max_waiting_requests=7, queue_timeout_s=2.0)
+    assert cfg.resolve_priority("batch") == (10, "batch")
+    assert cfg.resolve_priority(6) == (6, "interactive")
+    assert cfg.resolve_priority(None) == (5, "interactive")  # scheduler.default_priority_class
+
+
+def test_fcfs_is_read_as_continuous_one_name_inside() -> None:
+    assert load_config(None, {"scheduler.policy": "fcfs"}).scheduler.policy == "continuous"
+    assert load_config(None, {"scheduler.policy": "priority"}).scheduler.policy == "priority"
+
+
+def test_served_name_rule(tmp_path: Path) -> None:
+    cfg = load_config(None, {"model.path": str(tmp_path / "Llama-2-13b-chat-hf")})
+    assert served_model_name(cfg) == "Llama-2-13b-chat-hf"
+    # Once the engine resolved the directory, its name counts (a demo model built elsewhere).
+    assert served_model_name(cfg, tmp_path / "built") == "built"
+    named = load_config(None, {"model.path": str(tmp_path / "x"), "model.name": "chat"})
+    assert served_model_name(named, tmp_path / "built") == "chat"
+
+
+def test_engine_threads_field_sets_the_core_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    from appliance.engine.core_process import core_threads
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert core_threads(3) == 3  # the config field wins
+    assert core_threads(0) is None  # OMP_NUM_THREADS: torch's own choice
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert core_threads(0) == max(1, len(os.sched_getaffinity(0)) - 1)
+    assert load_config(None, {"hardware.engine_threads": 1}).hardware.engine_threads == 1

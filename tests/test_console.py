@@ -21,11 +21,11 @@ from appliance.console import figures
 from appliance.console.app import ConsoleApp
 from appliance.console.blockmap import cells_from_counts, cells_from_states
 from appliance.console.dialogs import ConfirmScreen, HelpScreen
-from appliance.console.screenshots import svg_text
 from server_harness import START_TIMEOUT_S, ServerProcess, free_port
 from textual.widgets import DataTable
 
 from appliance.server.admin_schema import StepRecord
+from appliance.tools.screenshots import svg_text
 
 TOKEN = "console-test-token"
 POLL_S = 0.25  # faster than an operator's 1 s: the tests wait on polls

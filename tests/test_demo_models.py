@@ -9,13 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from appliance.models.demo import (
-    CHAT_TEMPLATE,
-    add_demo_model_parser,
-    build_demo_model,
-    corpus_text,
-    demo_model_command,
-)
 from appliance.models.hf_files import (
     has_model,
     iter_safetensors,
@@ -24,6 +17,13 @@ from appliance.models.hf_files import (
     rope_parameters,
     safetensors_files,
 )
+from appliance.tools.demo_model import (
+    CHAT_TEMPLATE,
+    add_demo_model_parser,
+    build_demo_model,
+    demo_model_command,
+)
+from appliance.tools.demo_spec import corpus_text
 
 BOS_ID, EOS_ID, IM_START_ID, IM_END_ID, PAD_ID = range(5)
 

@@ -20,9 +20,9 @@ from appliance.core.scheduler import ScheduledRequest, SchedulerOutput
 from appliance.cpu import backend as cpu_backend_mod
 from appliance.engine.loader import LoadedModel, load_model
 from appliance.engine.model_runner import KVCachePool
-from appliance.kv_eval import Report, format_report, run_kv_eval
-from appliance.kv_template import write_keep_list
-from appliance.models.demo import corpus_text
+from appliance.tools.demo_spec import corpus_text
+from appliance.tools.kv_eval import Report, format_report, run_kv_eval
+from appliance.tools.kv_template import write_keep_list
 
 PROMPTS, PROMPT_LEN, GEN = 4, 32, 64  # 4 x 64 = 256 generated tokens
 TEMPLATE = """# a template as an operator writes it
@@ -243,7 +243,7 @@ def test_brief_training_lowers_the_loss_and_keeps_the_model_loadable(
     """`demo-model --train-steps` (the trained tiny model kv-eval is better judged on)."""
     import shutil
 
-    from appliance.models.train_demo import train_demo_model
+    from appliance.tools.train_demo import train_demo_model
 
     model_dir = tmp_path / "tiny"
     shutil.copytree(tiny_model_dir, model_dir)

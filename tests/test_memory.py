@@ -15,7 +15,7 @@ from appliance.config import ConfigError, load_config
 from appliance.engine import memory
 from appliance.engine.memory import GpuMemoryPlan
 from appliance.models.llama import LlamaForCausalLM, ModelArgs
-from appliance.plan import reference_architectures
+from appliance.tools.plan import reference_architectures
 
 GiB = 1024**3
 

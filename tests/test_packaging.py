@@ -114,7 +114,7 @@ def test_contents_units_env_files_keys(staged: tuple[Path, dict[str, str], Path]
     for src in ("prometheus.yml", "grafana-dashboard.json"):
         assert (dest / "opt/appliance/share/observability" / src).read_bytes() == \
             (REPO / "templates/observability" / src).read_bytes()
-    from appliance.router import load_router_config
+    from appliance.tools.router import load_router_config
 
     cfg = load_router_config(str(dest / "etc/appliance/router.toml"), {})
     assert cfg.pools == {"realtime": "http://127.0.0.1:8001", "long": "http://127.0.0.1:8002",

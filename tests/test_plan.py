@@ -12,11 +12,11 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from appliance import plan as plan_cmd
 from appliance.config import load_config, shipped_template_dir
 from appliance.layers.parallel import tensor_parallel
 from appliance.models.llama import LlamaForCausalLM, ModelArgs
-from appliance.plan import ArchSpec, make_plan, reference_architectures
+from appliance.tools import plan as plan_cmd
+from appliance.tools.plan import ArchSpec, make_plan, reference_architectures
 
 GiB = 1024**3
 
@@ -163,9 +163,9 @@ def test_plan_kv_bytes_equal_the_loaders(kv_dtype: str, keep: list[int], tp: int
     including 16-bit layers kept beside quantized ones."""
     from appliance.engine.kv_quant import layer_kv_dtypes, storage_dtypes
     from appliance.engine.loader import kv_bytes_per_block
-    from appliance.models.demo import _SHAPES
+    from appliance.tools.demo_spec import DEMO_SHAPES
 
-    s = _SHAPES["tiny"]
+    s = DEMO_SHAPES["tiny"]
     cfg = {
         "vocab_size": s.model_vocab,
         "hidden_size": s.hidden_size,

@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from server_harness import ServerProcess, free_port, write_template
 
 from appliance.config import ConfigError
-from appliance.router import (
+from appliance.tools.router import (
     Router,
     RouterConfig,
     TokenCounter,

@@ -222,3 +222,47 @@ def test_swapped_mid_prefill_resumes_only_with_room_for_its_next_chunk() -> None
     reasons = {f.request.request_id: f.reason for f in s.take_finished()}
     assert reasons == {"x": FinishReason.LENGTH, "b": FinishReason.LENGTH}
     assert s.kv.pool.num_used_blocks == 0 and s.kv.usage().swap_blocks_used == 0
+
+
+def test_each_step_sends_only_the_blocks_that_changed() -> None:
+    """The runner keeps each request's block table: a step carries a new request's whole table,
+    then only the blocks added since; a preempted or finished request is named for the runner
+    to drop, and a resumed one comes back with a whole new table."""
+    s = make(
+        {"scheduler.max_num_batched_tokens": 64, "scheduler.preemption_mode": "recompute"},
+        num_blocks=8,
+    )
+    s.add_request(req("a", 30, max_tokens=40))
+    tables: dict[str, list[int]] = {}
+
+    def apply(out: SchedulerOutput) -> None:  # what the runner does with it
+        for rid in out.finished_request_ids:
+            tables.pop(rid, None)
+        for r in out.scheduled:
+            tables[r.request_id] = (
+                list(r.block_ids) if r.new_table else tables[r.request_id] + r.block_ids
+            )
+
+    first = step(s)
+    apply(first)
+    (a,) = first.scheduled
+    assert a.new_table and a.block_ids == s.kv.block_ids(s.requests["a"]) and len(a.block_ids) == 2
+    for _ in range(2):  # positions 30 and 31 still fit the second block
+        out = step(s)
+        apply(out)
+        assert (out.scheduled[0].new_table, out.scheduled[0].block_ids) == (False, [])
+    out = step(s)  # position 32 opens a third block
+    apply(out)
+    assert (out.scheduled[0].new_table, len(out.scheduled[0].block_ids)) == (False, 1)
+    assert tables["a"] == s.kv.block_ids(s.requests["a"])
+    s.preempt(s.requests["a"], "test")
+    out = step(s)  # dropped and resumed in the same step: drop first, then the new table
+    apply(out)
+    assert out.finished_request_ids == ["a"] and out.scheduled[0].new_table
+    assert tables["a"] == s.kv.block_ids(s.requests["a"])
+    while s.has_unfinished():
+        out = step(s)
+        apply(out)
+        if "a" in s.requests:
+            assert tables["a"] == s.kv.block_ids(s.requests["a"])
+    assert step(s).finished_request_ids == ["a"]

@@ -36,6 +36,12 @@ VLLM_NAMES = [
     "vllm:prefix_cache_queries",
     "vllm:prefix_cache_hits",
     "vllm:cache_config_info",
+    # Per-request histograms of vLLM's classic Grafana dashboard.
+    "vllm:request_prompt_tokens",
+    "vllm:request_generation_tokens",
+    "vllm:request_prefill_time_seconds",
+    "vllm:request_decode_time_seconds",
+    "vllm:request_max_num_generation_tokens",
     # Old names that classic dashboards still query.
     "vllm:gpu_cache_usage_perc",
     "vllm:time_per_output_token_seconds",
@@ -61,8 +67,16 @@ def families(server: ServerProcess) -> dict[str, object]:
 
 def test_metrics_parse_and_carry_every_name(server: ServerProcess) -> None:
     for _ in range(2):
-        r = server.post("/v1/completions", json={"model": MODEL, "prompt": "metrics please", "max_tokens": 5,
-                                                  "temperature": 0, "ignore_eos": True})
+        r = server.post(
+            "/v1/completions",
+            json={
+                "model": MODEL,
+                "prompt": "metrics please",
+                "max_tokens": 5,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+        )
         assert r.status_code == 200
     response = server.get("/metrics")
     assert response.headers["content-type"].startswith("text/plain")
@@ -74,7 +88,9 @@ def test_metrics_parse_and_carry_every_name(server: ServerProcess) -> None:
     samples = {s.name: s for s in fams["vllm:generation_tokens"].samples}
     assert samples["vllm:generation_tokens_total"].value >= 10
     assert samples["vllm:generation_tokens_total"].labels == {"model_name": MODEL}
-    ttft_count = next(s for s in fams["vllm:time_to_first_token_seconds"].samples if s.name.endswith("_count"))
+    ttft_count = next(
+        s for s in fams["vllm:time_to_first_token_seconds"].samples if s.name.endswith("_count")
+    )
     assert ttft_count.value >= 2
     it = next(s for s in fams["vllm:iteration_tokens_total"].samples if s.name.endswith("_count"))
     assert it.value >= 10  # one observation per engine step
@@ -82,18 +98,49 @@ def test_metrics_parse_and_carry_every_name(server: ServerProcess) -> None:
     assert info.labels["block_size"] == "16" and info.value == 1
     states = {s.labels["state"] for s in fams["appliance_kv_blocks"].samples}
     assert {"used", "cached", "free"} <= states
-    success = {s.labels["finished_reason"]: s.value for s in fams["vllm:request_success"].samples
-               if s.name.endswith("_total")}
+    success = {
+        s.labels["finished_reason"]: s.value
+        for s in fams["vllm:request_success"].samples
+        if s.name.endswith("_total")
+    }
     assert success["length"] >= 2
+
+    def sample(family: str, suffix: str) -> object:
+        return next(s for s in fams[family].samples if s.name == family + suffix)
+
+    # The dashboard's queries: *_bucket for the token histograms, *_sum for the phases.
+    for family in ("vllm:request_prompt_tokens", "vllm:request_generation_tokens"):
+        assert sample(family, "_bucket").labels["model_name"] == MODEL
+    assert sample("vllm:request_generation_tokens", "_count").value >= 2
+    assert sample("vllm:request_generation_tokens", "_sum").value >= 10  # 5 tokens each
+    assert sample("vllm:request_max_num_generation_tokens", "_sum").value >= 10
+    five = [
+        s.value
+        for s in fams["vllm:request_max_num_generation_tokens"].samples
+        if s.name.endswith("_bucket") and s.labels["le"] == "5.0"
+    ]
+    assert five and five[0] >= 2  # both requests generated exactly 5, all at or below le=5
+    assert sample("vllm:request_decode_time_seconds", "_sum").value > 0
+    assert sample("vllm:request_prefill_time_seconds", "_sum").value > 0
+    assert sample("vllm:request_prefill_time_seconds", "_count").value >= 2
 
 
 def test_admin_stats_decodes_into_its_schema(server: ServerProcess) -> None:
     stop, first = threading.Event(), threading.Event()
 
     def stream() -> None:
-        body = {"model": MODEL, "prompt": "busy", "max_tokens": 300, "stream": True, "ignore_eos": True,
-                "priority": "batch"}
-        with httpx.Client(timeout=60) as http, http.stream("POST", server.url + "/v1/completions", json=body) as r:
+        body = {
+            "model": MODEL,
+            "prompt": "busy",
+            "max_tokens": 300,
+            "stream": True,
+            "ignore_eos": True,
+            "priority": "batch",
+        }
+        with (
+            httpx.Client(timeout=60) as http,
+            http.stream("POST", server.url + "/v1/completions", json=body) as r,
+        ):
             for line in r.iter_lines():
                 if line.startswith("data: "):
                     first.set()
@@ -135,7 +182,13 @@ def test_admin_stats_decodes_into_its_schema(server: ServerProcess) -> None:
 def test_paused_engine_holds_requests_and_resumes_them(server: ServerProcess) -> None:
     assert server.post("/admin/pause").status_code == 200
     try:
-        body = {"model": MODEL, "prompt": "held", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+        body = {
+            "model": MODEL,
+            "prompt": "held",
+            "max_tokens": 6,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
         with ThreadPoolExecutor(1) as pool:
             fut = pool.submit(server.post, "/v1/completions", json=body)
             held = wait_for(lambda: server.get("/admin/stats").json()["requests"])
@@ -182,7 +235,9 @@ def test_reload_valid_switches_the_config(server: ServerProcess) -> None:
     # The start-up server.* overrides (here --port) stay pinned across reloads.
     assert cfg["overrides"]["scheduler.max_num_seqs"] == 8
     assert server.get("/ready").status_code == 200
-    out = server.post("/v1/completions", json={"model": MODEL, "prompt": "after reload", "max_tokens": 3})
+    out = server.post(
+        "/v1/completions", json={"model": MODEL, "prompt": "after reload", "max_tokens": 3}
+    )
     assert out.status_code == 200
 
 
@@ -197,7 +252,9 @@ def test_reload_that_fails_to_start_restores_the_previous_engine(server: ServerP
     assert server.get("/ready").status_code == 200
     stats = server.get("/admin/stats").json()
     assert stats["server"]["last_reload"]["ok"] is False
-    out = server.post("/v1/completions", json={"model": MODEL, "prompt": "still serving", "max_tokens": 3})
+    out = server.post(
+        "/v1/completions", json={"model": MODEL, "prompt": "still serving", "max_tokens": 3}
+    )
     assert out.status_code == 200
 
 

@@ -14,10 +14,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from appliance.config import ConfigError, ServerConfig
-from appliance.engine.outputs import Logprob, RequestOutput
+from appliance.engine import ipc
+from appliance.engine.outputs import EngineOutput, Logprob
 from appliance.metrics import Metrics
 from appliance.sampling_params import SamplingParams
-from appliance.server import ipc, sdnotify
+from appliance.server import sdnotify
 from appliance.server.auth import AuthKeys, check_bind, is_loopback
 from appliance.server.errors import from_validation
 from appliance.server.schemas import CompletionRequest
@@ -26,9 +27,15 @@ from appliance.server.schemas import CompletionRequest
 def test_frames_match_multiprocessing_connection() -> None:
     """The asyncio side writes and reads exactly what Connection.send_bytes/recv_bytes do."""
     a, b = mp.Pipe(duplex=True)
-    payload = ipc.encode(ipc.AddRequest(request_id="r1", prompt_token_ids=[1, 2, 3],
-                                        params=SamplingParams(max_tokens=4, stop=["x"]), priority="batch",
-                                        arrival_time=1.5))
+    payload = ipc.encode(
+        ipc.AddRequest(
+            request_id="r1",
+            prompt_token_ids=[1, 2, 3],
+            params=SamplingParams(max_tokens=4, stop=["x"]),
+            priority="batch",
+            arrival_time=1.5,
+        )
+    )
     a.send_bytes(payload)
     raw = os.read(b.fileno(), 1 << 16)
     assert raw == ipc.frame(payload)
@@ -38,11 +45,21 @@ def test_frames_match_multiprocessing_connection() -> None:
 
 
 def test_frame_roundtrip_of_outputs() -> None:
-    ro = RequestOutput(request_id="r", new_token_ids=[7], new_text="hi",
-                       new_logprobs=[Logprob(7, -0.1, [(7, -0.1), (9, -2.0)])], finished=True,
-                       finish_reason="stop")
-    frame = ipc.Frame(added=[ipc.AddResult("r")], outputs=[ro], steps=[(12, 3)],
-                      finished=[ipc.FinishInfo("r", 0.01, 0, 0.0)], waiting_by_class={"batch": 2})
+    out = EngineOutput(
+        request_id="r",
+        new_token_ids=[7],
+        new_logprobs=[Logprob(7, -0.1, [(7, -0.1), (9, -2.0)])],
+        finished=True,
+        finish_reason="stop",
+        queue_time_s=0.01,
+        num_preemptions=2,
+    )
+    frame = ipc.Frame(
+        added=[ipc.AddResult("r")],
+        outputs=[out, EngineOutput(request_id="q", new_token_ids=[3])],
+        steps=[(12, 3)],
+        waiting_by_class={"batch": 2},
+    )
     back = ipc.decode_from_core(ipc.encode(frame))
     assert back == frame
 
@@ -62,7 +79,9 @@ async def test_asyncio_reader_reads_connection_frames() -> None:
 def test_api_keys_from_file_and_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "keys").write_text("# comment\nkey-a\n\nkey-b\n")
     monkeypatch.setenv("KEYS", "key-c, key-d")
-    keys = AuthKeys.from_config(ServerConfig(api_key_file=str(tmp_path / "keys"), api_key_env="KEYS"))
+    keys = AuthKeys.from_config(
+        ServerConfig(api_key_file=str(tmp_path / "keys"), api_key_env="KEYS")
+    )
     assert keys.api_keys == [b"key-a", b"key-b", b"key-c", b"key-d"]
     assert keys.check_api_key(b"key-d") and not keys.check_api_key(b"key-")
     assert not keys.check_api_key(None)
@@ -106,18 +125,40 @@ def _sample(m: Metrics, name: str, **labels: str) -> float:
 
 
 def test_engine_counters_stay_monotonic_across_rebuilds() -> None:
-    from appliance.core.scheduler_stats import SchedulerCounters
-    from appliance.engine.stats import EngineStats
+    from appliance.stats import EngineStats, SchedulerCounters
 
     def stats(preemptions: int, hits: int) -> EngineStats:
-        c = SchedulerCounters(preemptions=preemptions, preemptions_by={"recompute/batch": preemptions},
-                              rejected_by={"queue_timeout/realtime": 1})
-        return EngineStats(model_name="m", step=0, num_running=1, num_waiting=2, num_swapped=0, num_blocks=10,
-                           block_size=16, blocks_used=3, blocks_cached=2, blocks_free=5, kv_usage=0.3,
-                           slots_holding_tokens=0, slots_allocated=0, slot_utilisation=1.0,
-                           slot_utilisation_at_peak=1.0, swap_blocks_total=0, swap_blocks_used=0,
-                           prefix_cache_queries=100, prefix_cache_hits=hits, prompt_tokens_total=0,
-                           generation_tokens_total=0, requests_finished={}, counters=c, last_step=None)
+        c = SchedulerCounters(
+            preemptions=preemptions,
+            preemptions_by={"recompute/batch": preemptions},
+            rejected_by={"queue_timeout/realtime": 1},
+        )
+        return EngineStats(
+            model_name="m",
+            step=0,
+            num_running=1,
+            num_waiting=2,
+            num_swapped=0,
+            num_blocks=10,
+            block_size=16,
+            blocks_used=3,
+            blocks_cached=2,
+            blocks_free=5,
+            kv_usage=0.3,
+            slots_holding_tokens=0,
+            slots_allocated=0,
+            slot_utilisation=1.0,
+            slot_utilisation_at_peak=1.0,
+            swap_blocks_total=0,
+            swap_blocks_used=0,
+            prefix_cache_queries=100,
+            prefix_cache_hits=hits,
+            prompt_tokens_total=0,
+            generation_tokens_total=0,
+            requests_finished={},
+            counters=c,
+            last_step=None,
+        )
 
     m = Metrics("m")
     m.engine_rebuilt("m", {"block_size": 16})
@@ -146,7 +187,9 @@ def test_workload_is_deterministic_and_mixed() -> None:
 
     a = make_workload("mixed", 200, "poisson", 4.0, seed=3)
     b = make_workload("mixed", 200, "poisson", 4.0, seed=3)
-    assert [(i.prompt, i.output_len, i.arrival_s) for i in a] == [(i.prompt, i.output_len, i.arrival_s) for i in b]
+    assert [(i.prompt, i.output_len, i.arrival_s) for i in a] == [
+        (i.prompt, i.output_len, i.arrival_s) for i in b
+    ]
     share = sum(i.priority_class == "realtime" for i in a) / len(a)
     assert 0.7 < share < 0.9
     assert all(len(i.prompt) + i.output_len <= 2048 for i in a)
@@ -160,11 +203,30 @@ def test_bench_summary_percentiles_and_goodput() -> None:
     from appliance.bench.serve import SLO, Result, pct, summarize
 
     assert pct([1.0, 2.0, 3.0, 4.0, 5.0], 50) == 3.0 and pct([], 50) is None
-    results = [Result(i, "realtime", 10, output_tokens=11, status=200, ttft_s=0.1 * (i + 1), e2e_s=1.0 + i)
-               for i in range(4)]
+    results = [
+        Result(i, "realtime", 10, output_tokens=11, status=200, ttft_s=0.1 * (i + 1), e2e_s=1.0 + i)
+        for i in range(4)
+    ]
     results.append(Result(9, "batch", 10, status=429))
     s = summarize(results, 2.0, SLO(ttft_ms=250))
     assert s.ok == 4 and s.requests == 5
     assert s.goodput == 1.0  # two of the four met TTFT <= 250 ms, over 2 s
     assert s.output_token_throughput == 22.0
     assert s.tpot_ms["p50"] is not None
+
+
+def test_a_refusal_names_the_field_the_engine_validation_named() -> None:
+    from appliance.sampling_params import SamplingParams, invalid_field
+
+    cases = [
+        ({"temperature": -1.0}, "temperature"),
+        ({"max_tokens": 4, "min_tokens": 8}, "min_tokens"),
+        ({"stop": [""]}, "stop"),
+        ({"logprobs": 50}, "logprobs"),
+    ]
+    for bad, field in cases:
+        with pytest.raises(ValueError) as info:
+            SamplingParams(**bad).validate()  # type: ignore[arg-type]
+        assert invalid_field(str(info.value)) == field
+    assert invalid_field("prompt: token id 9 is outside the vocabulary [0, 4)") == "prompt"
+    assert invalid_field("the pool is full") is None

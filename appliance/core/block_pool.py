@@ -98,7 +98,6 @@ class BlockPool:
         self.cached: dict[BlockHash, KVBlock] = {}
         # Unreferenced blocks that still hold a hit-able prefix.
         self.num_cached_free_blocks = 0
-        self.num_evictions = 0
 
     # -- queries ---------------------------------------------------------------------------------
     @property
@@ -156,7 +155,6 @@ class BlockPool:
             del self.cached[block.block_hash]
         block.block_hash = None
         block.token_ids = ()
-        self.num_evictions += 1
 
     def cache_block(self, block: KVBlock, block_hash: BlockHash, token_ids: Sequence[int]) -> None:
         """Register a full block whose KV has been written."""

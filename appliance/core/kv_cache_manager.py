@@ -1,5 +1,9 @@
-"""Per-request block tables over the block pool: prefix lookups, atomic allocation, caching of
-filled blocks, freeing, and the host swap pool. Block ids only; the runner moves the bytes."""
+"""Block tables over the block pool: prefix lookups, atomic allocation, caching of filled
+blocks, freeing, and the host swap pool. Block ids only; the runner moves the bytes.
+
+What belongs to one request (its blocks, its hash chain, its swap blocks) is kept on the
+request itself (core/request.py), so finishing a request leaves nothing behind here; this
+manager keeps only pool-wide state and running totals."""
 
 from __future__ import annotations
 
@@ -37,22 +41,31 @@ class KVCacheManager:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching)
         self.enable_caching = enable_caching
-        self.req_blocks: dict[str, list[KVBlock]] = {}
-        self.req_hashes: dict[str, list[int]] = {}
-        # Leading blocks of each request already registered in the prefix cache.
-        self.num_cached_blocks: dict[str, int] = {}
-        # Tokens each request's allocation covers (slot utilisation).
-        self.req_slots: dict[str, int] = {}
         self.num_swap_blocks = num_swap_blocks
         self.swap_free: list[int] = list(range(num_swap_blocks - 1, -1, -1))
-        self.req_swap: dict[str, list[int]] = {}
         self.prefix_queries = 0
         self.prefix_hits = 0
+        # Running totals over every request's table (slot utilisation): table entries (a
+        # shared block counts once per request) and the tokens the allocations cover.
+        self._table_blocks = 0
+        self._table_tokens = 0
+
+    # -- the pool, as the scheduler needs it -----------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def usage_fraction(self) -> float:
+        return self.pool.usage()
 
     # -- prefix cache ----------------------------------------------------------------------------
     def _hashes(self, request: Request) -> list[int]:
         """Hash chain over the request's full blocks, extended as tokens arrive."""
-        hashes = self.req_hashes.setdefault(request.request_id, [])
+        hashes = request.block_hashes
         bs = self.block_size
         tokens = request.token_ids
         while (len(hashes) + 1) * bs <= len(tokens):
@@ -85,7 +98,7 @@ class KVCacheManager:
     # -- allocation ------------------------------------------------------------------------------
     def blocks_needed(self, request: Request, num_new_tokens: int, num_hit_blocks: int = 0) -> int:
         total = request.num_computed_tokens + num_hit_blocks * self.block_size + num_new_tokens
-        have = len(self.req_blocks.get(request.request_id, ())) + num_hit_blocks
+        have = len(request.blocks) + num_hit_blocks
         return max(0, -(-total // self.block_size) - have)
 
     def can_allocate(
@@ -105,102 +118,99 @@ class KVCacheManager:
         if not self.can_allocate(request, num_new_tokens, hits):
             return False
         needed = self.blocks_needed(request, num_new_tokens, len(hits))
-        rid = request.request_id
-        blocks = self.req_blocks.setdefault(rid, [])
+        blocks = request.blocks
         if hits:
             self.pool.touch(hits)
             blocks.extend(hits)
-            self.num_cached_blocks[rid] = len(blocks)
+            request.num_cached_blocks = len(blocks)
         blocks.extend(self.pool.get_new_blocks(needed))
-        self.num_cached_blocks.setdefault(rid, 0)
-        self.req_slots[rid] = (
-            request.num_computed_tokens + len(hits) * self.block_size + num_new_tokens
-        )
+        self._table_blocks += len(hits) + needed
+        covered = request.num_computed_tokens + len(hits) * self.block_size + num_new_tokens
+        self._set_covered(request, covered)
         return True
+
+    def _set_covered(self, request: Request, tokens: int) -> None:
+        self._table_tokens += tokens - request.num_allocated_tokens
+        request.num_allocated_tokens = tokens
 
     def cache_blocks(self, request: Request) -> None:
         """Register the request's newly filled blocks (their KV is written) for prefix hits."""
         if not self.enable_caching:
             return
-        rid = request.request_id
-        blocks = self.req_blocks.get(rid)
+        blocks = request.blocks
         if not blocks:
             return
         bs = self.block_size
         full = min(request.num_computed_tokens // bs, len(blocks))
-        start = self.num_cached_blocks.get(rid, 0)
+        start = request.num_cached_blocks
         if full <= start:
             return
         hashes = self._hashes(request)
         tokens = request.token_ids
         for i in range(start, full):
             self.pool.cache_block(blocks[i], hashes[i], tokens[i * bs : (i + 1) * bs])
-        self.num_cached_blocks[rid] = full
+        request.num_cached_blocks = full
 
-    def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(request_id, ())]
-
-    def num_blocks_held(self, request_id: str) -> int:
-        return len(self.req_blocks.get(request_id, ()))
+    def block_ids(self, request: Request, start: int = 0) -> list[int]:
+        return [b.block_id for b in request.blocks[start:]]
 
     def free(self, request: Request) -> None:
         """Release the request's device blocks, tail first so shared prefixes are evicted last."""
-        rid = request.request_id
-        blocks = self.req_blocks.pop(rid, [])
-        self.pool.free_blocks(reversed(blocks))
-        self.num_cached_blocks.pop(rid, None)
-        self.req_slots.pop(rid, None)
+        self.pool.free_blocks(reversed(request.blocks))
+        self._table_blocks -= len(request.blocks)
+        request.blocks = []
+        request.num_cached_blocks = 0
+        self._set_covered(request, 0)
 
     def forget(self, request: Request) -> None:
         """Everything about a finished request: device blocks, swap blocks, hashes."""
         self.free(request)
         self.free_swap(request)
-        self.req_hashes.pop(request.request_id, None)
+        request.block_hashes = []
 
     # -- swap ------------------------------------------------------------------------------------
     def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
         """Move the request's blocks to host swap blocks: (device id, host id) pairs to copy
         before this step's forward; None when the swap pool cannot take them."""
-        blocks = self.req_blocks.get(request.request_id, [])
+        blocks = request.blocks
         if len(blocks) > len(self.swap_free):
             return None
         host = [self.swap_free.pop() for _ in blocks]
-        self.req_swap[request.request_id] = host
+        request.swap_blocks = host
         mapping = [(b.block_id, h) for b, h in zip(blocks, host, strict=True)]
         self.free(request)
         return mapping
 
     def can_swap_in(self, request: Request) -> bool:
-        return len(self.req_swap.get(request.request_id, ())) <= self.pool.num_free_blocks
+        return len(request.swap_blocks) <= self.pool.num_free_blocks
 
     def swap_in(self, request: Request) -> list[tuple[int, int]]:
         """(host id, device id) pairs to copy back; the caller checked `can_swap_in`."""
-        rid = request.request_id
-        host = self.req_swap.pop(rid)
+        host, request.swap_blocks = request.swap_blocks, []
         device = self.pool.get_new_blocks(len(host))
-        self.req_blocks[rid] = device
-        self.num_cached_blocks[rid] = 0
-        self.req_slots[rid] = request.num_computed_tokens
+        request.blocks = device
+        request.num_cached_blocks = 0
+        self._table_blocks += len(device)
+        self._set_covered(request, request.num_computed_tokens)
         self.swap_free.extend(reversed(host))
         return [(h, d.block_id) for h, d in zip(host, device, strict=True)]
 
     def free_swap(self, request: Request) -> None:
-        host = self.req_swap.pop(request.request_id, None)
+        host, request.swap_blocks = request.swap_blocks, []
         if host:
             self.swap_free.extend(reversed(host))
 
     # -- figures ---------------------------------------------------------------------------------
     def usage(self) -> KVUsage:
         pool = self.pool
-        allocated = sum(len(b) for b in self.req_blocks.values()) * self.block_size
         return KVUsage(
             num_blocks=pool.num_blocks,
             used=pool.num_used_blocks,
             cached_free=pool.num_cached_free_blocks,
             free=pool.num_free_blocks - pool.num_cached_free_blocks,
             usage=pool.usage(),
-            slots_holding_tokens=sum(self.req_slots.values()),
-            slots_allocated=allocated,
+            slots_holding_tokens=self._table_tokens,
+            slots_allocated=self._table_blocks * self.block_size,
             swap_blocks_total=self.num_swap_blocks,
             swap_blocks_used=self.num_swap_blocks - len(self.swap_free),
         )

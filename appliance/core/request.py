@@ -1,12 +1,18 @@
-"""A request as the scheduler sees it: token ids, progress, state. Plain Python, no tensors."""
+"""A request as the scheduler sees it: token ids, progress, state, and the KV blocks it holds.
+Plain Python, no tensors. The one record of a request in the engine: the scheduler's queues
+and the KV cache manager both work on it, so finishing it leaves nothing behind."""
 
 from __future__ import annotations
 
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from appliance.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from appliance.core.block_pool import KVBlock
 
 
 class RequestStatus(enum.Enum):
@@ -53,7 +59,18 @@ class Request:
     preempted_at: float | None = None
     time_preempted: float = 0.0
     first_scheduled_time: float | None = None
-    first_token_time: float | None = None
+
+    # The KV cache manager's bookkeeping (block ids, never tensors): the device blocks in table
+    # order, the hash chain of the full blocks, how many leading blocks are registered in the
+    # prefix cache, the tokens the allocation covers, and the host swap blocks while swapped.
+    blocks: list[KVBlock] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    num_cached_blocks: int = 0
+    num_allocated_tokens: int = 0
+    swap_blocks: list[int] = field(default_factory=list)
+    # What the runner holds of the block table: whether it has one, and how many ids long.
+    table_sent: bool = False
+    num_block_ids_sent: int = 0
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from appliance.config import ApplianceConfig
 from appliance.core.kv_cache_manager import KVCacheManager
 from appliance.core.request import FinishReason, Request, RequestStatus
-from appliance.core.scheduler_stats import PreemptionEvent, SchedulerCounters
 from appliance.sampling_params import SamplingParams
+from appliance.stats import PreemptionEvent, SchedulerCounters
 
 
 @dataclass
@@ -25,12 +25,15 @@ class ScheduledRequest:
     # Tokens fed this step: positions start_pos .. start_pos + len(token_ids) - 1.
     token_ids: list[int]
     start_pos: int
+    # Block ids the runner appends to the request's block table; with new_table, the whole
+    # table (a request the runner has not seen since it was admitted or resumed).
     block_ids: list[int]
     # True when this step reaches the request's last known token: sample its next one.
     sample: bool
     sampling_params: SamplingParams
     # Index of the token to be sampled among the outputs (seeds randomness per position).
     output_index: int
+    new_table: bool = True
 
 
 @dataclass
@@ -41,6 +44,9 @@ class SchedulerOutput:
     num_context_tokens: int = 0
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # Requests whose block table the runner drops before this step: finished, preempted or
+    # swapped out since the last step (a resumed one comes back with a new table).
+    finished_request_ids: list[str] = field(default_factory=list)
     # Which limit stopped the step from doing more: none | token_budget | max_num_seqs | kv_blocks
     bound_by: str = "none"
 
@@ -72,6 +78,7 @@ class Scheduler:
         self.preemption_log: deque[PreemptionEvent] = deque(maxlen=256)
         self.finished: list[FinishedRequest] = []
         self._pressure_steps = 0
+        self._dropped_tables: list[str] = []
 
     # -- queues ----------------------------------------------------------------------------------
     def _key(self, req: Request) -> tuple[int, float]:
@@ -84,11 +91,6 @@ class Scheduler:
     def _insert(self, queue: list[Request], req: Request) -> None:
         keys = [self._key(r) for r in queue]
         queue.insert(bisect.bisect_right(keys, self._key(req)), req)
-
-    def _class_limit(self, req: Request, attr: str) -> float:
-        cls = self.config.priority_classes.get(req.priority_class)
-        value = getattr(cls, attr) if cls is not None else 0
-        return value or getattr(self.cfg, attr)
 
     @property
     def num_unfinished(self) -> int:
@@ -103,7 +105,7 @@ class Scheduler:
         queue of its class is full."""
         if req.request_id in self.requests:
             raise ValueError(f"request_id {req.request_id!r} is already in use")
-        limit = int(self._class_limit(req, "max_waiting_requests"))
+        limit = self.config.class_limits(req.priority_class).max_waiting_requests
         if limit:
             same_class = sum(1 for r in self.waiting if r.priority_class == req.priority_class)
             if same_class >= limit:
@@ -125,6 +127,7 @@ class Scheduler:
                 queue.remove(req)
                 break
         self.kv.forget(req)
+        self._drop_table(req)
         if req.preempted_at is not None:
             req.time_preempted += time.monotonic() - req.preempted_at
             self.counters.time_preempted_s += time.monotonic() - req.preempted_at
@@ -135,8 +138,19 @@ class Scheduler:
         self.finished.append(FinishedRequest(req, reason))
         return True
 
+    def _drop_table(self, req: Request) -> None:
+        """The request's blocks changed other than by growing: the runner forgets its table."""
+        if req.table_sent:
+            self._dropped_tables.append(req.request_id)
+            req.table_sent = False
+            req.num_block_ids_sent = 0
+
     def abort(self, request_id: str) -> bool:
         return self.finish_request(request_id, FinishReason.ABORT)
+
+    def take_dropped_tables(self) -> list[str]:
+        out, self._dropped_tables = self._dropped_tables, []
+        return out
 
     def take_finished(self) -> list[FinishedRequest]:
         out, self.finished = self.finished, []
@@ -159,7 +173,7 @@ class Scheduler:
         for req in list(self.waiting):
             if req.first_scheduled_time is not None:
                 continue  # only requests that never started can time out in the queue
-            timeout = self._class_limit(req, "queue_timeout_s")
+            timeout = self.config.class_limits(req.priority_class).queue_timeout_s
             if timeout and now - req.arrival_time > timeout:
                 self.counters.count_rejected(req.priority_class, FinishReason.QUEUE_TIMEOUT)
                 self.finish_request(
@@ -169,7 +183,7 @@ class Scheduler:
                 )
 
     def _update_pressure(self) -> None:
-        if self.kv.pool.usage() > self.cfg.preemption_threshold:
+        if self.kv.usage_fraction() > self.cfg.preemption_threshold:
             self._pressure_steps += 1
         else:
             self._pressure_steps = 0
@@ -183,8 +197,8 @@ class Scheduler:
 
     def preempt(self, victim: Request, cause: str) -> list[tuple[int, int]]:
         """Take `victim` off the running list; returns device->host copies for a swap."""
-        usage_before = self.kv.pool.usage()
-        blocks_held = self.kv.num_blocks_held(victim.request_id)
+        usage_before = self.kv.usage_fraction()
+        blocks_held = len(victim.blocks)
         self.running.remove(victim)
         mode = self.cfg.preemption_mode
         mapping: list[tuple[int, int]] = []
@@ -209,6 +223,7 @@ class Scheduler:
             victim.status = RequestStatus.PREEMPTED
             self._insert(self.waiting, victim)
             self.counters.tokens_recomputed += recompute_tokens
+        self._drop_table(victim)
         victim.num_preemptions += 1
         victim.preempted_at = time.monotonic()
         self.counters.count_preemption(mode, victim.priority_class or str(victim.priority))
@@ -225,7 +240,7 @@ class Scheduler:
                 blocks_swapped=len(mapping),
                 blocks_held=blocks_held,
                 kv_usage_before=usage_before,
-                kv_usage_after=self.kv.pool.usage(),
+                kv_usage_after=self.kv.usage_fraction(),
                 times_preempted=victim.num_preemptions,
             )
         )
@@ -238,7 +253,6 @@ class Scheduler:
         """Advance computed tokens, append sampled tokens, finish what stopped.
         Returns (request, new token) for every request that got a token."""
         new_tokens: list[tuple[Request, int]] = []
-        now = time.monotonic()
         for sr in output.scheduled:
             req = self.requests.get(sr.request_id)
             if req is None or req.status is not RequestStatus.RUNNING:
@@ -249,8 +263,6 @@ class Scheduler:
                 continue
             token = sampled[sr.request_id]
             req.token_ids.append(token)
-            if req.first_token_time is None:
-                req.first_token_time = now
             new_tokens.append((req, token))
             reason = self._stop_reason(req, token)
             if reason is not None:
@@ -340,8 +352,8 @@ class _StepBuilder:
                         req.request_id,
                         FinishReason.ERROR,
                         f"KV cache exhausted: the request needs "
-                        f"{self.kv.num_blocks_held(req.request_id) + self.kv.blocks_needed(req, tokens)}"
-                        f" blocks, the pool has {self.kv.pool.num_blocks}",
+                        f"{len(req.blocks) + self.kv.blocks_needed(req, tokens)}"
+                        f" blocks, the pool has {self.kv.num_blocks}",
                     )
                     self._bound("kv_blocks")
                     return False
@@ -351,7 +363,7 @@ class _StepBuilder:
         return True
 
     def _alone_cannot_fit(self, req: Request, tokens: int) -> bool:
-        return self.kv.blocks_needed(req, tokens) > self.kv.pool.num_free_blocks
+        return self.kv.blocks_needed(req, tokens) > self.kv.num_free_blocks
 
     # Waiting and swapped requests, most urgent first.
     def admit(self) -> None:
@@ -393,19 +405,24 @@ class _StepBuilder:
     def _admit_swapped(self, req: Request) -> bool:
         s = self.s
         while True:
-            host_blocks = len(self.kv.req_swap.get(req.request_id, ()))
+            host_blocks = len(req.swap_blocks)
             # Room for the swapped blocks and for what it computes next: one decode token, or
             # the next chunk when it was preempted in the middle of its prefill.
             chunk = self._chunk(req, req.num_tokens - req.num_computed_tokens)
             need = max(host_blocks, -(-(req.num_computed_tokens + chunk) // self.kv.block_size))
-            if need <= self.kv.pool.num_free_blocks:
+            if need <= self.kv.num_free_blocks:
                 break
             if not self._make_room(req, "kv_pressure"):
                 return False
         self.swap_in.extend(self.kv.swap_in(req))
         s.counters.blocks_swapped_in += host_blocks
         s.swapped.remove(req)
-        return self._start(req, [])
+        tokens = self._chunk(req, req.num_tokens - req.num_computed_tokens)
+        if not self.kv.allocate_slots(req, tokens):
+            # Cannot happen after the check above; keep the invariant loud.
+            raise RuntimeError(f"allocation for resumed request {req.request_id} failed")
+        self._start(req, tokens)
+        return True
 
     def _admit_waiting(self, req: Request) -> bool:
         hits, _ = self.kv.get_computed_blocks(req)
@@ -416,6 +433,8 @@ class _StepBuilder:
             if not self._make_room(req, "kv_pressure"):
                 return False
             hits, _ = self.kv.get_computed_blocks(req)
+        # One allocation for the hits and the first chunk (or a protected request's whole
+        # remaining length); _start only grants the chunk.
         self.kv.allocate_slots(req, tokens, hits)
         hit_tokens = len(hits) * self.kv.block_size
         self.kv.record_prefix_lookup(req.num_tokens, hit_tokens)
@@ -423,7 +442,8 @@ class _StepBuilder:
         if req.first_scheduled_time is None:
             req.num_cached_prompt_tokens = hit_tokens
         self.s.waiting.remove(req)
-        return self._start(req, hits)
+        self._start(req, self._chunk(req, req.num_tokens - hit_tokens))
+        return True
 
     def _initial_tokens(self, req: Request, num_hits: int) -> int:
         """Tokens to allocate for on admission: the first chunk, or for a request the thrash
@@ -434,11 +454,12 @@ class _StepBuilder:
             params = req.sampling_params
             final = min(req.num_prompt_tokens + params.max_tokens, self.s.max_model_len)
             # A reservation the whole pool cannot hold would never be admitted: fall back.
-            if -(-final // self.kv.block_size) <= self.kv.pool.num_blocks:
+            if -(-final // self.kv.block_size) <= self.kv.num_blocks:
                 return max(chunk, final - num_hits * self.kv.block_size - 1)
         return chunk
 
-    def _start(self, req: Request, hits: list) -> bool:
+    def _start(self, req: Request, tokens: int) -> None:
+        """Move an admitted request (its blocks allocated) to running, granting `tokens`."""
         s = self.s
         now = time.monotonic()
         if req.preempted_at is not None:
@@ -449,15 +470,9 @@ class _StepBuilder:
             req.first_scheduled_time = now
         req.status = RequestStatus.RUNNING
         s.running.append(req)
-        remaining = req.num_tokens - req.num_computed_tokens
-        tokens = self._chunk(req, remaining)
-        if tokens < remaining:
+        if tokens < req.num_tokens - req.num_computed_tokens:
             self._bound("token_budget")
-        if not self.kv.allocate_slots(req, tokens):
-            # Cannot happen after the checks above; keep the invariant loud.
-            raise RuntimeError(f"allocation for admitted request {req.request_id} failed")
         self._grant(req, tokens)
-        return True
 
     def build(self) -> SchedulerOutput:
         scheduled = []
@@ -466,15 +481,21 @@ class _StepBuilder:
         for req in self.order:
             tokens = self.granted[req.request_id]
             start = req.num_computed_tokens
+            # Only what changed: the blocks added since the runner last saw the request.
+            new_table = not req.table_sent
+            block_ids = self.kv.block_ids(req, start=0 if new_table else req.num_block_ids_sent)
+            req.table_sent = True
+            req.num_block_ids_sent = len(req.blocks)
             scheduled.append(
                 ScheduledRequest(
                     request_id=req.request_id,
                     token_ids=req.token_ids[start : start + tokens],
                     start_pos=start,
-                    block_ids=self.kv.block_ids(req.request_id),
+                    block_ids=block_ids,
                     sample=start + tokens == req.num_tokens,
                     sampling_params=req.sampling_params,
                     output_index=req.num_output_tokens,
+                    new_table=new_table,
                 )
             )
             total += tokens
@@ -485,5 +506,6 @@ class _StepBuilder:
             num_context_tokens=context,
             blocks_to_swap_out=self.swap_out,
             blocks_to_swap_in=self.swap_in,
+            finished_request_ids=self.s.take_dropped_tables(),
             bound_by=self.bound_by,
         )

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from appliance.config import ApplianceConfig
+from appliance.cpu.choice import choose
 from appliance.cpu.features import CpuFeatures, detect
 from appliance.cpu.fused_decode import FusedCpuDecode
 from appliance.kernels import cpu_native, get_attention_backend
@@ -116,84 +117,31 @@ def plan_cpu(
     native_available: bool | None = None,
     native_error: str | None = None,
 ) -> CpuPlan:
-    """The decision, from the CPU's features and the config alone (no weights touched).
-    `native_available` defaults to whether the kernels build here."""
+    """The decision (appliance.cpu.choice) in torch dtypes. `native_available` defaults to
+    whether the kernels build here."""
     features = features or detect()
-    notes: list[str] = []
-    warning = ""
-    wanted = config.model.dtype
-    bf16_native = features.native_bf16_compute
-    if wanted == "auto":
-        weight = torch.bfloat16
-        if bf16_native:
-            compute = torch.bfloat16
-            notes.append("dtype auto: bf16 (the CPU has bf16 arithmetic)")
-        else:
-            compute = torch.float32
-            notes.append(
-                "dtype auto: bf16 weights and KV, float32 compute (no AVX-512-BF16 or AMX: "
-                "bf16 GEMMs would be emulated, ~5x slower than float32)"
-            )
-    else:
-        weight = compute = DTYPES[wanted]
-        if compute == torch.bfloat16 and not bf16_native:
-            warning = (
-                "model.dtype bfloat16 on a CPU without bf16 arithmetic (no AVX-512-BF16, no AMX): "
-                "oneDNN emulates bf16 GEMMs, so prefills and decode batches run several times "
-                "slower than float32; model.dtype = \"auto\" keeps bf16 weights and computes in "
-                "float32"
-            )
-        if compute == torch.float16:
-            notes.append("float16: torch path only (oneDNN's fp16 kernels need AVX-512-FP16)")
-    kv = weight if weight != torch.float16 else torch.float16
 
-    prepack = False
-    if config.model.cpu_prepack_weights and torch.backends.mkldnn.is_available():
-        if compute == torch.float32:
-            prepack = True
-        elif compute == torch.bfloat16 and features.onednn_bf16_prepack:
-            prepack = True
-        elif compute == torch.bfloat16:
-            notes.append(
-                "no bf16 prepacking: oneDNN's bf16 reorder needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT"
-            )
-    elif not config.model.cpu_prepack_weights:
-        notes.append("prepacking off (model.cpu_prepack_weights = false)")
+    def native_built() -> tuple[bool, str | None]:
+        if native_available is not None:
+            return native_available, native_error
+        return cpu_native.load(features) is not None, cpu_native.load_error(features)
 
-    native_ops = native_decode = False
-    single_rank = config.parallel.tensor_parallel_size == 1
-    if not config.model.cpu_native_kernels:
-        notes.append("native kernels off (model.cpu_native_kernels = false)")
-    elif not single_rank:
-        notes.append("native kernels off (tensor_parallel_size > 1 runs the torch path)")
-    elif compute not in cpu_native.SUFFIX or num_heads // num_kv_heads > cpu_native.MAX_QUERY_HEADS:
-        notes.append(f"native kernels off (they take bf16/float32 and up to "
-                     f"{cpu_native.MAX_QUERY_HEADS} query heads per KV head)")  # fmt: skip
-    else:
-        available = cpu_native.load(features) is not None if native_available is None else native_available
-        if not available:
-            why = native_error if native_available is not None else cpu_native.load_error(features)
-            notes.append(f"native kernels off ({why})")
-        else:
-            native_ops = True
-            native_decode = config.cache.kv_cache_dtype == "auto"
-            if not native_decode:
-                notes.append(
-                    f"native decode off for kv_cache_dtype {config.cache.kv_cache_dtype} "
-                    "(the element-wise kernels still run)"
-                )
+    c = choose(
+        config, num_heads, num_kv_heads, features, torch.backends.mkldnn.is_available(), native_built
+    )
+    compute = DTYPES[c.compute]
     fused_max = BF16_FUSED_MAX if compute == torch.bfloat16 else FP32_FUSED_MAX
     return CpuPlan(
         features=features,
-        weight_dtype=weight,
+        weight_dtype=DTYPES[c.weight],
         compute_dtype=compute,
-        kv_dtype=kv,
-        prepack=prepack,
-        native_ops=native_ops,
-        native_decode=native_decode,
+        kv_dtype=DTYPES[c.kv],
+        prepack=c.prepack,
+        native_ops=c.native_ops,
+        native_decode=c.native_decode,
         fused_max_batch=fused_max,
-        notes=notes,
-        warning=warning,
+        notes=c.notes,
+        warning=c.warning,
     )
 
 

@@ -65,7 +65,7 @@ def storage_dtypes(kinds: Sequence[str], model_dtype: torch.dtype) -> list[torch
 
 def calibration_windows(tokenizer: object, max_len: int) -> list[list[int]]:
     """Token windows from the shipped corpus (spread over it, so several kinds of text)."""
-    from appliance.models.demo import corpus_text
+    from appliance.tools.demo_spec import corpus_text
 
     text = corpus_text()
     size = max(2, min(CALIBRATION_WINDOW_TOKENS, max_len))

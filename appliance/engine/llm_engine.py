@@ -1,7 +1,9 @@
 """The engine: requests in, one scheduled forward pass per `step()`, outputs out.
 
-`Engine.generate()` is the offline API; `add_request` / `step` / `abort` is what the server
-drives. The engine owns the scheduler, the runner and the detokenizers of live requests.
+`Engine.generate()` is the offline API; `add_request` / `step` / `abort` is what the engine
+core process drives for the server. The engine owns the scheduler and the runner; it emits
+token ids, never text: detokenizing and stop strings are the output processor's, on the
+caller's side (output_processor.py), for the server and `generate` alike.
 """
 
 from __future__ import annotations
@@ -15,14 +17,14 @@ from typing import Any
 
 from appliance.config import ApplianceConfig, ConfigError, load_config
 from appliance.core.kv_cache_manager import KVCacheManager
-from appliance.core.request import FinishReason, Request, RequestStatus
+from appliance.core.request import FinishReason, Request
 from appliance.core.scheduler import Scheduler
-from appliance.core.scheduler_stats import PreemptionEvent
-from appliance.engine.detokenizer import IncrementalDetokenizer
 from appliance.engine.loader import LoadedModel, load_model
-from appliance.engine.outputs import CompletionResult, Logprob, RequestOutput
-from appliance.engine.stats import EngineStats, StepHistory, StepRecord
+from appliance.engine.output_processor import OutputProcessor
+from appliance.engine.outputs import CompletionResult, EngineOutput, Logprob
+from appliance.engine.stats import StepHistory, snapshot
 from appliance.sampling_params import SamplingParams
+from appliance.stats import EngineStats, PreemptionEvent, StepRecord
 
 log = logging.getLogger("appliance.engine")
 
@@ -70,20 +72,20 @@ class Engine:
         # runner.execute at TP 1; at TP > 1 it also drives the worker ranks (engine/tp.py).
         self.executor = self.loaded.executor
         self._ids = itertools.count()
-        self._detok: dict[str, IncrementalDetokenizer] = {}
-        self._logprobs: dict[str, list[Logprob]] = {}
         self.history = StepHistory()
         self.step_count = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.requests_finished: dict[str, int] = {}
         self._peak_blocks = 0
-        self._slot_util_at_peak = 1.0
-        self._last_step: StepRecord | None = None
+        # Slot utilisation when the most blocks were in use (PagedAttention's waste figure).
+        self.slot_utilisation_at_peak = 1.0
 
     @classmethod
     def from_template(
-        cls, name_or_path: str | os.PathLike[str] | None = None, overrides: dict[str, Any] | None = None
+        cls,
+        name_or_path: str | os.PathLike[str] | None = None,
+        overrides: dict[str, Any] | None = None,
     ) -> Engine:
         return cls(load_config(name_or_path, overrides))
 
@@ -110,7 +112,6 @@ class Engine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         priority: int | str | None = None,
-        stream_text: bool = False,
         arrival_time: float | None = None,
     ) -> Request:
         """Validate and queue a request. Raises ValueError for bad input (naming the field and
@@ -130,16 +131,15 @@ class Engine:
                 f"max_model_len {self.max_model_len} (the prompt must be shorter)"
             )
         blocks_for_prompt = -(-(len(token_ids) + 1) // self.kv.block_size)
-        if blocks_for_prompt > self.kv.pool.num_blocks:
+        if blocks_for_prompt > self.kv.num_blocks:
             raise ValueError(
                 f"prompt: {len(token_ids)} tokens need {blocks_for_prompt} KV blocks, "
-                f"the pool has {self.kv.pool.num_blocks}"
+                f"the pool has {self.kv.num_blocks}"
             )
         try:
-            prio = self.config.priority_of(priority)
+            prio, cls_name = self.config.resolve_priority(priority)
         except ConfigError as exc:
             raise ValueError(str(exc)) from None
-        cls_name = priority if isinstance(priority, str) else self.config.class_of(prio)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         kwargs: dict[str, Any] = {}
         if arrival_time is not None:
@@ -155,63 +155,52 @@ class Engine:
         )
         if not self.scheduler.add_request(req):
             self._count_finish(req.finish_reason or FinishReason.QUEUE_FULL)
-            return req
-        if params.stop or stream_text:
-            self._detok[rid] = IncrementalDetokenizer(
-                self.tokenizer, params.stop, params.include_stop_str_in_output
-            )
-        if params.logprobs is not None:
-            self._logprobs[rid] = []
         return req
 
-    def abort(self, request_id: str) -> bool:
-        return self.scheduler.abort(request_id)
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
+        """Finish a request now (its blocks return at once); STOP is how a stop string that the
+        output processor found ends it."""
+        return self.scheduler.finish_request(request_id, reason)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     # -- the step --------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[EngineOutput]:
         started = time.perf_counter()
         sched = self.scheduler
         out = sched.schedule()
         result = self.executor.execute(out)
         new_tokens = sched.update_from_output(out, result.sampled)
 
-        outputs: dict[str, RequestOutput] = {}
+        outputs: dict[str, EngineOutput] = {}
         touched: dict[str, Request] = {}
         for req, token in new_tokens:
             rid = req.request_id
             touched[rid] = req
-            ro = RequestOutput(request_id=rid, new_token_ids=[token])
+            eo = EngineOutput(request_id=rid, new_token_ids=[token])
             lp = result.logprobs.get(rid)
-            if lp is not None and rid in self._logprobs:
-                entry = Logprob(lp.token_id, lp.logprob, list(zip(lp.top_ids, lp.top_logprobs, strict=True)))
-                self._logprobs[rid].append(entry)
-                ro.new_logprobs = [entry]
-            detok = self._detok.get(rid)
-            if detok is not None:
-                ro.new_text = detok.add(token)
-                if detok.stopped and not req.is_finished:
-                    sched.finish_request(rid, FinishReason.STOP)
-            outputs[rid] = ro
+            if lp is not None:
+                top = list(zip(lp.top_ids, lp.top_logprobs, strict=True))
+                eo.new_logprobs = [Logprob(lp.token_id, lp.logprob, top)]
+            outputs[rid] = eo
 
         for fin in sched.take_finished():
             req = fin.request
-            touched[req.request_id] = req
-            ro = outputs.setdefault(req.request_id, RequestOutput(request_id=req.request_id, new_token_ids=[]))
-            ro.finished = True
-            ro.finish_reason = fin.reason.value
-            ro.finish_detail = req.finish_detail
-            detok = self._detok.pop(req.request_id, None)
-            if detok is not None:
-                ro.new_text += detok.flush()
+            rid = req.request_id
+            touched[rid] = req
+            eo = outputs.setdefault(rid, EngineOutput(request_id=rid, new_token_ids=[]))
+            eo.finished = True
+            eo.finish_reason = fin.reason.value
+            eo.finish_detail = req.finish_detail
+            if req.first_scheduled_time is not None:
+                eo.queue_time_s = req.first_scheduled_time - req.arrival_time
+            eo.num_preemptions = req.num_preemptions
             self._count_finish(fin.reason)
-        for rid, ro in outputs.items():
+        for rid, eo in outputs.items():
             req = touched[rid]
-            ro.num_prompt_tokens = req.num_prompt_tokens
-            ro.num_cached_tokens = req.num_cached_prompt_tokens
-            ro.num_output_tokens = req.num_output_tokens
+            eo.num_prompt_tokens = req.num_prompt_tokens
+            eo.num_cached_tokens = req.num_cached_prompt_tokens
 
         self._record_step(out, time.perf_counter() - started)
         return list(outputs.values())
@@ -229,7 +218,7 @@ class Engine:
         self.generation_tokens_total += gen_tokens
         if usage.used >= self._peak_blocks and usage.slots_allocated:
             self._peak_blocks = usage.used
-            self._slot_util_at_peak = usage.slot_utilisation
+            self.slot_utilisation_at_peak = usage.slot_utilisation
         sched = self.scheduler
         record = StepRecord(
             step=self.step_count,
@@ -249,7 +238,6 @@ class Engine:
             kv_usage=usage.usage,
             bound_by=out.bound_by,
         )
-        self._last_step = record
         self.history.append(record)
 
     # -- offline API -----------------------------------------------------------------------------
@@ -272,64 +260,26 @@ class Engine:
                 raise ValueError(
                     f"params: {len(param_list)} SamplingParams for {len(prompt_list)} prompts"
                 )
-        requests = [self.add_request(p, sp, priority=priority) for p, sp in zip(prompt_list, param_list, strict=True)]
-        texts: dict[str, str] = {}
-        while self.has_unfinished():
-            for ro in self.step():
-                if ro.new_text:
-                    texts[ro.request_id] = texts.get(ro.request_id, "") + ro.new_text
-        return [self._result(req, texts.get(req.request_id)) for req in requests]
-
-    def _result(self, req: Request, streamed_text: str | None) -> CompletionResult:
-        if streamed_text is None:
-            streamed_text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
-        reason = req.finish_reason or FinishReason.ABORT
-        return CompletionResult(
-            request_id=req.request_id,
-            prompt_token_ids=req.prompt_token_ids,
-            token_ids=req.output_token_ids,
-            text=streamed_text,
-            finish_reason=reason.value,
-            finish_detail=req.finish_detail,
-            logprobs=self._logprobs.pop(req.request_id, None),
-            num_cached_tokens=req.num_cached_prompt_tokens,
-        )
+        processor = OutputProcessor(self.tokenizer)
+        states = []
+        for prompt, sp in zip(prompt_list, param_list, strict=True):
+            req = self.add_request(prompt, sp, priority=priority)
+            states.append(
+                processor.add(req.request_id, req.prompt_token_ids, sp, stream_text=False)
+            )
+            if req.is_finished:  # refused by admission control
+                reason = req.finish_reason or FinishReason.QUEUE_FULL
+                processor.end(req.request_id, reason.value, req.finish_detail)
+        # Finished requests are reported by the step after their finish (a stop string's abort).
+        while self.has_unfinished() or self.scheduler.finished:
+            for request_id in processor.process(self.step()):
+                self.abort(request_id, FinishReason.STOP)
+        return [state.result() for state in states]
 
     # -- figures ---------------------------------------------------------------------------------
     def stats(self, detail: bool = False) -> EngineStats:
-        usage = self.kv.usage()
-        sched = self.scheduler
-        return EngineStats(
-            model_name=self.model_name,
-            step=self.step_count,
-            num_running=len(sched.running),
-            num_waiting=len(sched.waiting),
-            num_swapped=len(sched.swapped),
-            num_blocks=usage.num_blocks,
-            block_size=self.kv.block_size,
-            blocks_used=usage.used,
-            blocks_cached=usage.cached_free,
-            blocks_free=usage.free,
-            kv_usage=usage.usage,
-            slots_holding_tokens=usage.slots_holding_tokens,
-            slots_allocated=usage.slots_allocated,
-            slot_utilisation=usage.slot_utilisation,
-            slot_utilisation_at_peak=self._slot_util_at_peak,
-            swap_blocks_total=usage.swap_blocks_total,
-            swap_blocks_used=usage.swap_blocks_used,
-            prefix_cache_queries=self.kv.prefix_queries,
-            prefix_cache_hits=self.kv.prefix_hits,
-            prompt_tokens_total=self.prompt_tokens_total,
-            generation_tokens_total=self.generation_tokens_total,
-            requests_finished=dict(self.requests_finished),
-            counters=sched.counters,
-            last_step=self._last_step,
-            block_states=self.kv.pool.state_string() if detail else None,
-        )
+        """The engine part of the stats snapshot (engine/stats.py builds it)."""
+        return snapshot(self, detail=detail).engine
 
     def preemption_log(self) -> list[PreemptionEvent]:
         return list(self.scheduler.preemption_log)
-
-    def request_status(self, request_id: str) -> RequestStatus | None:
-        req = self.scheduler.requests.get(request_id)
-        return req.status if req is not None else None

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from appliance.config import ApplianceConfig, ConfigError
+from appliance.config import ApplianceConfig, ConfigError, served_model_name
 from appliance.cpu.backend import CpuBackend
 from appliance.engine import memory
 from appliance.engine.kv_quant import configure_kv_cache
@@ -93,7 +93,7 @@ def resolve_model_dir(config: ApplianceConfig, progress: Callable[[str], None]) 
     if has_model(path):
         return path
     if config.model.demo_shape:
-        from appliance.models.demo import build_demo_model
+        from appliance.tools.demo_model import build_demo_model
 
         progress(f"building the {config.model.demo_shape!r} demo model into {path} (first start)")
         build_demo_model(config.model.demo_shape, path, progress=progress)
@@ -292,7 +292,7 @@ def wire_backend(
     runner = ModelRunner(w.model, pool, config.cache.block_size, device, eos, cpu=w.cpu)
     weight_dtype = w.cpu.plan.weight_dtype if w.cpu is not None else resolve_dtype(config)
     return LoadedModel(
-        model_name=config.model.name or w.model_dir.name,
+        model_name=served_model_name(config, w.model_dir),
         model_dir=w.model_dir,
         args=args,
         model=w.model,

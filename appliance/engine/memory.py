@@ -101,7 +101,7 @@ def check_weights_fit(
 
 
 def _suggest_tp(hf_config: Any, elem: int, available: int, tp: int) -> str:
-    from appliance.plan import TP_SIZES, ArchSpec
+    from appliance.tools.plan import TP_SIZES, ArchSpec
 
     try:
         spec = ArchSpec.from_config_json(hf_config.to_dict())

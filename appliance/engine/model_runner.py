@@ -112,11 +112,14 @@ class ModelRunner:
         self.cpu = cpu
         self.fused_max_batch = cpu.fused_max_batch() if cpu is not None else 0
         self.native_decode_steps = 0
+        # Block table per live request, kept up to date from what each step changed.
+        self.block_tables: dict[str, list[int]] = {}
 
     def _matmuls(self, rows: int) -> AbstractContextManager[None]:
         return self.cpu.matmuls(rows) if self.cpu is not None else nullcontext()
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        self._update_block_tables(out)
         self.kv.swap_out(out.blocks_to_swap_out)
         self.kv.swap_in(out.blocks_to_swap_in)
         if not out.scheduled:
@@ -143,9 +146,8 @@ class ModelRunner:
                 return RunnerOutput({}, {})
             with self._matmuls(len(sampling)):
                 logits = self.model.compute_logits(hidden.index_select(0, rows))
-        if not sampling:
-            return RunnerOutput({}, {})
-        if not self.samples:
+        # TP workers ran the forward and the logits' all-gather with the driver; it samples.
+        if not sampling or not self.samples:
             return RunnerOutput({}, {})
         logits = logits.cpu()
         tokens, logprobs = self.sampler(logits, [self._sample_request(r) for _, r in sampling])
@@ -154,6 +156,15 @@ class ModelRunner:
             r.request_id: lp for (_, r), lp in zip(sampling, logprobs, strict=True) if lp is not None
         }
         return RunnerOutput(sampled, lps)
+
+    def _update_block_tables(self, out: SchedulerOutput) -> None:
+        for request_id in out.finished_request_ids:
+            self.block_tables.pop(request_id, None)
+        for r in out.scheduled:
+            if r.new_table:
+                self.block_tables[r.request_id] = list(r.block_ids)
+            else:
+                self.block_tables[r.request_id].extend(r.block_ids)
 
     def _sample_request(self, req: ScheduledRequest) -> SampleRequest:
         params = req.sampling_params
@@ -179,8 +190,9 @@ class ModelRunner:
         torch.cumsum(q_lens, 0, out=q_start[1:])
         positions = torch.tensor(starts)[seq_index] + (torch.arange(num_tokens) - q_start[:-1][seq_index])
 
-        max_blocks = max(len(r.block_ids) for r in batch)
-        tables = torch.tensor([r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r in batch])
+        rows = [self.block_tables[r.request_id] for r in batch]
+        max_blocks = max(len(row) for row in rows)
+        tables = torch.tensor([row + [0] * (max_blocks - len(row)) for row in rows])
         slots = tables[seq_index, positions // bs] * bs + positions % bs
         seq_lens = torch.tensor(starts) + q_lens
 

@@ -1,4 +1,5 @@
-"""What the engine hands back: per-step request outputs and finished completions."""
+"""What the engine hands back (`EngineOutput`, token ids only: the engine process keeps no
+text) and what the output processor makes of it for a caller (`RequestOutput`, with text)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,13 @@ class Logprob(msgspec.Struct):
     top: list[tuple[int, float]]
 
 
-class RequestOutput(msgspec.Struct, kw_only=True):
+class EngineOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One request's part of one engine step, as it crosses from the engine core."""
+
     request_id: str
     # Tokens sampled this step (at most one per step; empty for a finish without a token).
     new_token_ids: list[int]
-    # Text that became final this step (stop strings held back until resolved).
-    new_text: str = ""
+    # Only for requests that asked for logprobs.
     new_logprobs: list[Logprob] = []
     finished: bool = False
     # stop | length | abort | queue_full | queue_timeout | error
@@ -25,7 +27,24 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     finish_detail: str = ""
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
-    num_output_tokens: int = 0
+    # On the finishing output: from arrival to first scheduled (None: never scheduled).
+    queue_time_s: float | None = None
+    num_preemptions: int = 0
+
+
+class RequestOutput(msgspec.Struct, kw_only=True):
+    """What one engine output meant for a request, after the output processor."""
+
+    request_id: str
+    new_token_ids: list[int]
+    # Text that became final this step (stop strings held back until resolved).
+    new_text: str = ""
+    new_logprobs: list[Logprob] = []
+    finished: bool = False
+    finish_reason: str | None = None
+    finish_detail: str = ""
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
 
 
 class CompletionResult(msgspec.Struct, kw_only=True):

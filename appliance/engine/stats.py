@@ -1,62 +1,17 @@
-"""Per-step records and the stats snapshot the API and console read."""
+"""The engine's figures: the ring buffer of per-step records and the one function that builds
+the stats snapshot (`snapshot`) that the console, `/admin/stats`, `/metrics` and the benchmarks
+read. The snapshot's types are in appliance.stats (plain msgspec, no engine needed to read)."""
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from typing import TYPE_CHECKING
 
-import msgspec
+from appliance.stats import EngineStats, LiveRequest, QueueInfo, StatsSnapshot, StepRecord
 
-from appliance.core.scheduler_stats import SchedulerCounters
-
-
-class StepRecord(msgspec.Struct, kw_only=True, array_like=False):
-    step: int
-    time: float
-    duration_s: float
-    num_running: int
-    num_waiting: int
-    num_swapped: int
-    num_seqs: int
-    num_scheduled_tokens: int
-    num_context_tokens: int
-    num_prompt_tokens: int
-    num_generation_tokens: int
-    blocks_used: int
-    blocks_cached: int
-    blocks_free: int
-    kv_usage: float
-    # none | token_budget | max_num_seqs | kv_blocks
-    bound_by: str
-
-
-class EngineStats(msgspec.Struct, kw_only=True):
-    model_name: str
-    step: int
-    num_running: int
-    num_waiting: int
-    num_swapped: int
-    num_blocks: int
-    block_size: int
-    blocks_used: int
-    blocks_cached: int
-    blocks_free: int
-    kv_usage: float
-    slots_holding_tokens: int
-    slots_allocated: int
-    slot_utilisation: float
-    # Slot utilisation when the most blocks were in use (PagedAttention's waste figure).
-    slot_utilisation_at_peak: float
-    swap_blocks_total: int
-    swap_blocks_used: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    prompt_tokens_total: int
-    generation_tokens_total: int
-    requests_finished: dict[str, int]
-    counters: SchedulerCounters
-    last_step: StepRecord | None
-    # Per block id: U used, C cached (free, hit-able), F free; only when asked for (detail).
-    block_states: str | None = None
+if TYPE_CHECKING:
+    from appliance.engine.llm_engine import Engine
 
 
 class StepHistory:
@@ -70,3 +25,88 @@ class StepHistory:
 
     def since(self, t: float) -> list[StepRecord]:
         return [r for r in self.records if r.time >= t]
+
+
+def snapshot(engine: Engine, history_s: float = 0.0, detail: bool = False) -> StatsSnapshot:
+    """Everything the engine reports, at this moment. `history_s`: seconds of step records to
+    include (0: none, for a metrics scrape); `detail`: the block map, the preemption log, the
+    live requests and the queues (the console's and /admin/stats' extras)."""
+    snap = StatsSnapshot(engine=_engine_stats(engine, detail))
+    if history_s > 0:
+        snap.history = engine.history.since(time.time() - history_s)
+    if detail:
+        snap.preemptions = list(engine.scheduler.preemption_log)
+        snap.requests = _live_requests(engine)
+        snap.queues = _queues(engine)
+    return snap
+
+
+def _engine_stats(engine: Engine, detail: bool) -> EngineStats:
+    kv = engine.kv
+    usage = kv.usage()
+    sched = engine.scheduler
+    return EngineStats(
+        model_name=engine.model_name,
+        step=engine.step_count,
+        num_running=len(sched.running),
+        num_waiting=len(sched.waiting),
+        num_swapped=len(sched.swapped),
+        num_blocks=usage.num_blocks,
+        block_size=kv.block_size,
+        blocks_used=usage.used,
+        blocks_cached=usage.cached_free,
+        blocks_free=usage.free,
+        kv_usage=usage.usage,
+        slots_holding_tokens=usage.slots_holding_tokens,
+        slots_allocated=usage.slots_allocated,
+        slot_utilisation=usage.slot_utilisation,
+        slot_utilisation_at_peak=engine.slot_utilisation_at_peak,
+        swap_blocks_total=usage.swap_blocks_total,
+        swap_blocks_used=usage.swap_blocks_used,
+        prefix_cache_queries=kv.prefix_queries,
+        prefix_cache_hits=kv.prefix_hits,
+        prompt_tokens_total=engine.prompt_tokens_total,
+        generation_tokens_total=engine.generation_tokens_total,
+        requests_finished=dict(engine.requests_finished),
+        counters=sched.counters,
+        last_step=engine.history.records[-1] if engine.history.records else None,
+        block_states=kv.pool.state_string() if detail else None,
+    )
+
+
+def _live_requests(engine: Engine) -> list[LiveRequest]:
+    now = time.monotonic()
+    return [
+        LiveRequest(
+            request_id=req.request_id,
+            priority_class=req.priority_class,
+            priority=req.priority,
+            status=req.status.value,
+            prompt_tokens=req.num_prompt_tokens,
+            output_tokens=req.num_output_tokens,
+            blocks_held=len(req.blocks),
+            age_s=now - req.arrival_time,
+            num_preemptions=req.num_preemptions,
+        )
+        for req in engine.scheduler.requests.values()
+    ]
+
+
+def _queues(engine: Engine) -> list[QueueInfo]:
+    now = time.monotonic()
+    cfg = engine.config
+    waiting = engine.scheduler.waiting
+    out = []
+    for name, _ in sorted(cfg.priority_classes.items(), key=lambda kv: kv[1].priority):
+        queued = [r for r in waiting if r.priority_class == name]
+        limits = cfg.class_limits(name)
+        out.append(
+            QueueInfo(
+                priority_class=name,
+                waiting=len(queued),
+                oldest_wait_s=max((now - r.arrival_time for r in queued), default=0.0),
+                queue_timeout_s=limits.queue_timeout_s,
+                max_waiting_requests=limits.max_waiting_requests,
+            )
+        )
+    return out

@@ -15,19 +15,84 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from appliance.engine.stats import EngineStats
+from appliance.stats import EngineStats
 
 __all__ = ["CONTENT_TYPE", "Metrics"]
 
 # Buckets as vLLM v1 declares them.
-TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
-                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
-ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
-               7.5, 10.0, 20.0, 40.0, 80.0]
-LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+TTFT_BUCKETS = [
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+]
+ITL_BUCKETS = [
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+]
+LATENCY_BUCKETS = [
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+]
 TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+# vLLM builds its per-request token buckets as 1, 2, 5, 10, 20, 50, ... up to max_model_len;
+# the metrics exist before the model is known, so they go up to a 1M-token context.
+REQUEST_TOKEN_BUCKETS = [m * 10**e for e in range(7) for m in (1, 2, 5)]
 
 
 class _CounterMirror:
@@ -53,41 +118,167 @@ class Metrics:
         self.model_name = model_name
         self.registry = reg = CollectorRegistry(auto_describe=True)
         m = ["model_name"]
-        self.running = Gauge("vllm:num_requests_running", "Requests in model execution batches.", m, registry=reg)
-        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be processed.", m, registry=reg)
-        self.swapped = Gauge("appliance_num_requests_swapped", "Requests swapped out to host memory.", m, registry=reg)
-        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", m, registry=reg)
+        self.running = Gauge(
+            "vllm:num_requests_running", "Requests in model execution batches.", m, registry=reg
+        )
+        self.waiting = Gauge(
+            "vllm:num_requests_waiting", "Requests waiting to be processed.", m, registry=reg
+        )
+        self.swapped = Gauge(
+            "appliance_num_requests_swapped",
+            "Requests swapped out to host memory.",
+            m,
+            registry=reg,
+        )
+        self.kv_usage = Gauge(
+            "vllm:kv_cache_usage_perc",
+            "KV-cache usage. 1 means 100 percent usage.",
+            m,
+            registry=reg,
+        )
         # Dropped by vLLM v1 but still queried by the classic dashboards in the field.
-        self.gpu_cache_usage = Gauge("vllm:gpu_cache_usage_perc", "KV-cache usage (deprecated vLLM name).", m, registry=reg)
-        self.kv_blocks = Gauge("appliance_kv_blocks", "KV blocks by state (used, cached, free).", [*m, "state"], registry=reg)
-        self.cache_info = Gauge("vllm:cache_config_info", "Information of the cache configuration.",
-                                [*m, "block_size", "cache_dtype", "enable_prefix_caching",
-                                 "num_gpu_blocks", "num_cpu_blocks", "swap_space_gib"], registry=reg)
-        self.preemptions = Counter("vllm:num_preemptions", "Cumulative number of preemptions.", m, registry=reg)
-        self.preemptions_by = Counter("appliance_preemptions", "Preemptions by mode and priority class.",
-                                      [*m, "mode", "priority_class"], registry=reg)
-        self.rejections = Counter("appliance_requests_rejected", "Requests refused, by reason and priority class.",
-                                  [*m, "reason", "priority_class"], registry=reg)
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", m, registry=reg)
-        self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.", m, registry=reg)
-        self.request_success = Counter("vllm:request_success", "Count of finished requests.", [*m, "finished_reason"], registry=reg)
-        self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prefix cache queries, in tokens.", m, registry=reg)
-        self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.", m, registry=reg)
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token in seconds.", m,
-                              buckets=TTFT_BUCKETS, registry=reg)
-        self.itl = Histogram("vllm:inter_token_latency_seconds", "Inter-token latency in seconds.", m,
-                             buckets=ITL_BUCKETS, registry=reg)
+        self.gpu_cache_usage = Gauge(
+            "vllm:gpu_cache_usage_perc", "KV-cache usage (deprecated vLLM name).", m, registry=reg
+        )
+        self.kv_blocks = Gauge(
+            "appliance_kv_blocks",
+            "KV blocks by state (used, cached, free).",
+            [*m, "state"],
+            registry=reg,
+        )
+        self.cache_info = Gauge(
+            "vllm:cache_config_info",
+            "Information of the cache configuration.",
+            [
+                *m,
+                "block_size",
+                "cache_dtype",
+                "enable_prefix_caching",
+                "num_gpu_blocks",
+                "num_cpu_blocks",
+                "swap_space_gib",
+            ],
+            registry=reg,
+        )
+        self.preemptions = Counter(
+            "vllm:num_preemptions", "Cumulative number of preemptions.", m, registry=reg
+        )
+        self.preemptions_by = Counter(
+            "appliance_preemptions",
+            "Preemptions by mode and priority class.",
+            [*m, "mode", "priority_class"],
+            registry=reg,
+        )
+        self.rejections = Counter(
+            "appliance_requests_rejected",
+            "Requests refused, by reason and priority class.",
+            [*m, "reason", "priority_class"],
+            registry=reg,
+        )
+        self.prompt_tokens = Counter(
+            "vllm:prompt_tokens", "Number of prefill tokens processed.", m, registry=reg
+        )
+        self.generation_tokens = Counter(
+            "vllm:generation_tokens", "Number of generation tokens processed.", m, registry=reg
+        )
+        self.request_success = Counter(
+            "vllm:request_success",
+            "Count of finished requests.",
+            [*m, "finished_reason"],
+            registry=reg,
+        )
+        self.prefix_queries = Counter(
+            "vllm:prefix_cache_queries", "Prefix cache queries, in tokens.", m, registry=reg
+        )
+        self.prefix_hits = Counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in tokens.", m, registry=reg
+        )
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Time to first token in seconds.",
+            m,
+            buckets=TTFT_BUCKETS,
+            registry=reg,
+        )
+        self.itl = Histogram(
+            "vllm:inter_token_latency_seconds",
+            "Inter-token latency in seconds.",
+            m,
+            buckets=ITL_BUCKETS,
+            registry=reg,
+        )
         # vLLM v0's name for the same per-token interval; kept for the classic dashboards.
-        self.tpot = Histogram("vllm:time_per_output_token_seconds", "Time per output token in seconds (deprecated vLLM name).",
-                              m, buckets=ITL_BUCKETS, registry=reg)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End to end request latency in seconds.", m,
-                             buckets=LATENCY_BUCKETS, registry=reg)
-        self.queue_time = Histogram("vllm:request_queue_time_seconds", "Time spent in the WAITING phase.", m,
-                                    buckets=LATENCY_BUCKETS, registry=reg)
-        self.iteration_tokens = Histogram("vllm:iteration_tokens_total", "Number of tokens per engine step.", m,
-                                          buckets=TOKEN_BUCKETS, registry=reg)
-        self.batch_size = Histogram("appliance_batch_size", "Sequences per engine step.", m,
-                                    buckets=BATCH_BUCKETS, registry=reg)
+        self.tpot = Histogram(
+            "vllm:time_per_output_token_seconds",
+            "Time per output token in seconds (deprecated vLLM name).",
+            m,
+            buckets=ITL_BUCKETS,
+            registry=reg,
+        )
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "End to end request latency in seconds.",
+            m,
+            buckets=LATENCY_BUCKETS,
+            registry=reg,
+        )
+        self.queue_time = Histogram(
+            "vllm:request_queue_time_seconds",
+            "Time spent in the WAITING phase.",
+            m,
+            buckets=LATENCY_BUCKETS,
+            registry=reg,
+        )
+        # Per finished request, as vLLM's classic dashboard draws them.
+        self.request_prompt_tokens = Histogram(
+            "vllm:request_prompt_tokens",
+            "Number of prefill tokens processed.",
+            m,
+            buckets=REQUEST_TOKEN_BUCKETS,
+            registry=reg,
+        )
+        self.request_generation_tokens = Histogram(
+            "vllm:request_generation_tokens",
+            "Number of generation tokens processed.",
+            m,
+            buckets=REQUEST_TOKEN_BUCKETS,
+            registry=reg,
+        )
+        self.request_max_generation_tokens = Histogram(
+            "vllm:request_max_num_generation_tokens",
+            "Maximum number of generated tokens among a request's choices.",
+            m,
+            buckets=REQUEST_TOKEN_BUCKETS,
+            registry=reg,
+        )
+        self.prefill_time = Histogram(
+            "vllm:request_prefill_time_seconds",
+            "Time spent in the PREFILL phase (first scheduled to first token).",
+            m,
+            buckets=LATENCY_BUCKETS,
+            registry=reg,
+        )
+        self.decode_time = Histogram(
+            "vllm:request_decode_time_seconds",
+            "Time spent in the DECODE phase (first token to last token).",
+            m,
+            buckets=LATENCY_BUCKETS,
+            registry=reg,
+        )
+        self.iteration_tokens = Histogram(
+            "vllm:iteration_tokens_total",
+            "Number of tokens per engine step.",
+            m,
+            buckets=TOKEN_BUCKETS,
+            registry=reg,
+        )
+        self.batch_size = Histogram(
+            "appliance_batch_size",
+            "Sequences per engine step.",
+            m,
+            buckets=BATCH_BUCKETS,
+            registry=reg,
+        )
         self._mirrors = {
             "preemptions": _CounterMirror(self.preemptions),
             "preemptions_by": _CounterMirror(self.preemptions_by),
@@ -113,6 +304,26 @@ class Metrics:
         if queue_s is not None:
             self.queue_time.labels(self.model_name).observe(queue_s)
 
+    def observe_request(
+        self,
+        prompt_tokens: int,
+        generation_tokens: int,
+        prefill_s: float | None,
+        decode_s: float | None,
+    ) -> None:
+        """One engine request finished by the engine (not aborted here)."""
+        name = self.model_name
+        self.request_prompt_tokens.labels(name).observe(prompt_tokens)
+        self.request_generation_tokens.labels(name).observe(generation_tokens)
+        if prefill_s is not None:
+            self.prefill_time.labels(name).observe(max(0.0, prefill_s))
+        if decode_s is not None:
+            self.decode_time.labels(name).observe(decode_s)
+
+    def observe_max_generation_tokens(self, tokens: int) -> None:
+        """One API request finished: the longest of its choices (n > 1)."""
+        self.request_max_generation_tokens.labels(self.model_name).observe(tokens)
+
     def count_rejection(self, reason: str, priority_class: str) -> None:
         """Refusals the API decides itself (queue full before tokenization, draining)."""
         self.rejections.labels(self.model_name, reason, priority_class).inc()
@@ -133,7 +344,9 @@ class Metrics:
         self.cache_info.clear()
         labels = {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in cache.items()}
         names = [n for n in self.cache_info._labelnames if n != "model_name"]
-        self.cache_info.labels(model_name=model_name, **{n: labels.get(n, "") for n in names}).set(1)
+        self.cache_info.labels(model_name=model_name, **{n: labels.get(n, "") for n in names}).set(
+            1
+        )
 
     def update_engine(self, s: EngineStats) -> None:
         name = self.model_name

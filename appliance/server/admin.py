@@ -12,9 +12,9 @@ import msgspec
 from litestar import Request, Response, Router, get, post
 
 from appliance.config import ConfigError, config_to_toml_dict
+from appliance.engine.client import EngineError
 from appliance.server.admin_schema import AdminStats, ConfigRef, ServerInfo
 from appliance.server.auth import admin_guard
-from appliance.server.engine_client import EngineError
 from appliance.server.errors import APIError, bad_request
 from appliance.server.openai import decode_body
 from appliance.server.state import ServerState
@@ -34,7 +34,9 @@ def _state(request: Request[Any, Any, Any]) -> ServerState:
 
 
 def _json(obj: Any, status: int = 200) -> Response[bytes]:
-    return Response(content=msgspec.json.encode(obj), status_code=status, media_type="application/json")
+    return Response(
+        content=msgspec.json.encode(obj), status_code=status, media_type="application/json"
+    )
 
 
 def _config_ref(state: ServerState) -> ConfigRef:
@@ -47,17 +49,22 @@ def _config_ref(state: ServerState) -> ConfigRef:
 
 
 @get("/admin/stats")
-async def stats(request: Request[Any, Any, Any], history_s: float = 60.0) -> Response[bytes]:
+async def stats(
+    request: Request[Any, Any, Any], history_s: float = 60.0, count_objects: bool = False
+) -> Response[bytes]:
     state = _state(request)
     history_s = min(max(history_s, 0.0), MAX_HISTORY_S)
     reply = None
     client = state.client
     if client is not None and not client.dead:
         try:
-            reply = await client.stats(history_s=history_s, detail=True)
+            reply = await client.stats(
+                history_s=history_s, detail=True, count_objects=count_objects
+            )
         except (TimeoutError, EngineError):
             reply = None
     info = state.info
+    snap = reply.snapshot if reply else None
     body = AdminStats(
         time=time.time(),
         model_name=state.model_name,
@@ -79,14 +86,16 @@ async def stats(request: Request[Any, Any, Any], history_s: float = 60.0) -> Res
             requests_served=state.request_log.count,
             engine_generation=state.engine_generation,
             paused=state.paused,
+            requests_tracked=len(client.output) if client is not None else 0,
             last_reload=state.last_reload,
         ),
-        engine=reply.engine if reply else None,
-        history=reply.history if reply else [],
+        engine=snap.engine if snap else None,
+        history=snap.history if snap else [],
         history_s=history_s,
-        preemptions=reply.preemptions if reply else [],
-        requests=reply.requests if reply else [],
-        queues=reply.queues if reply else [],
+        preemptions=snap.preemptions if snap else [],
+        requests=snap.requests if snap else [],
+        queues=snap.queues if snap else [],
+        engine_objects=reply.live_objects if reply else {},
     )
     return _json(body)
 
@@ -94,7 +103,9 @@ async def stats(request: Request[Any, Any, Any], history_s: float = 60.0) -> Res
 @get("/admin/config")
 async def config(request: Request[Any, Any, Any]) -> Response[bytes]:
     state = _state(request)
-    return _json({**msgspec.to_builtins(_config_ref(state)), "config": config_to_toml_dict(state.config)})
+    return _json(
+        {**msgspec.to_builtins(_config_ref(state)), "config": config_to_toml_dict(state.config)}
+    )
 
 
 @post("/admin/reload", status_code=200)
@@ -147,4 +158,6 @@ async def resume(request: Request[Any, Any, Any]) -> Response[bytes]:
 
 
 def router() -> Router:
-    return Router(path="/", route_handlers=[stats, config, reload, abort, pause, resume], guards=[admin_guard])
+    return Router(
+        path="/", route_handlers=[stats, config, reload, abort, pause, resume], guards=[admin_guard]
+    )

@@ -12,8 +12,7 @@ from typing import Any
 
 import msgspec
 
-from appliance.core.scheduler_stats import PreemptionEvent
-from appliance.engine.stats import EngineStats, StepRecord
+from appliance.stats import EngineStats, LiveRequest, PreemptionEvent, QueueInfo, StepRecord
 
 __all__ = [
     "AdminStats",
@@ -25,38 +24,6 @@ __all__ = [
     "ServerInfo",
     "StepRecord",
 ]
-
-
-class LiveRequest(msgspec.Struct, kw_only=True):
-    """A request the engine holds (waiting, running, preempted or swapped)."""
-
-    # The engine's id: the API request id plus "-<choice index>" (e.g. "cmpl-1a000012-0").
-    request_id: str
-    priority_class: str
-    # Lower is more urgent.
-    priority: int
-    # waiting | running | preempted | swapped
-    status: str
-    prompt_tokens: int
-    output_tokens: int
-    # KV blocks on the device (a swapped request holds host swap blocks instead).
-    blocks_held: int
-    # Seconds since the request arrived at the API.
-    age_s: float
-    num_preemptions: int
-
-
-class QueueInfo(msgspec.Struct, kw_only=True):
-    """One priority class's waiting queue against its admission limits."""
-
-    priority_class: str
-    waiting: int
-    # Age of the oldest waiting request (0 when none waits); compare with queue_timeout_s.
-    oldest_wait_s: float
-    # 0 = no timeout for this class.
-    queue_timeout_s: float
-    # 0 = unlimited.
-    max_waiting_requests: int
 
 
 class ConfigRef(msgspec.Struct, kw_only=True):
@@ -90,6 +57,8 @@ class ServerInfo(msgspec.Struct, kw_only=True):
     engine_generation: int
     # Scheduling paused through /admin/pause (requests wait, nothing is lost).
     paused: bool = False
+    # Requests whose output state (text, tokens, logprobs) the API process holds right now.
+    requests_tracked: int = 0
     # The last /admin/reload or SIGHUP: {"ok", "time", "seconds" | "error", ...}; {} if none.
     last_reload: dict[str, Any]
 
@@ -116,3 +85,6 @@ class AdminStats(msgspec.Struct, kw_only=True):
     requests: list[LiveRequest]
     # One entry per priority class, most urgent first.
     queues: list[QueueInfo]
+    # Per-request objects alive in the engine process (Request, EngineOutput, Logprob), counted
+    # after a garbage collection; only with ?count_objects=true (a leak check).
+    engine_objects: dict[str, int] = {}

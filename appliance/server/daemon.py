@@ -21,10 +21,10 @@ import msgspec
 import uvicorn
 
 from appliance.config import ConfigError, load_config
+from appliance.engine.client import EngineError
 from appliance.server import sdnotify
 from appliance.server.app import create_app
 from appliance.server.auth import check_bind
-from appliance.server.engine_client import EngineError
 from appliance.server.reqlog import configure_json_lines
 from appliance.server.state import ServerState
 
@@ -42,7 +42,7 @@ class _Server(uvicorn.Server):
 
 
 def cmd_up(ns: argparse.Namespace) -> int:
-    from appliance.cli import parse_sets
+    from appliance.config import parse_sets
 
     t0 = time.monotonic()
     overrides = parse_sets(ns.set)

@@ -36,11 +36,9 @@ class TokenText:
 
 def usage(gen: Generation) -> s.Usage:
     prompt, completion = gen.prompt_tokens, gen.completion_tokens
-    return s.Usage(prompt, completion, prompt + completion, s.PromptTokensDetails(gen.cached_tokens))
-
-
-def finish_reason(ch: Choice) -> str | None:
-    return ch.finish_reason
+    return s.Usage(
+        prompt, completion, prompt + completion, s.PromptTokensDetails(gen.cached_tokens)
+    )
 
 
 # -- completions ---------------------------------------------------------------------------------
@@ -60,12 +58,16 @@ def completion_logprobs(
     return s.CompletionLogprobs(tokens, lps, tops, offsets), offset
 
 
-def completion_response(gen: Generation, model: str, created: int, k: int | None, text_of: TokenText) -> s.CompletionResponse:
+def completion_response(
+    gen: Generation, model: str, created: int, k: int | None, text_of: TokenText
+) -> s.CompletionResponse:
     choices = []
     for ch in gen.choices:
         lp = completion_logprobs(ch.logprobs, k, text_of, 0)[0] if k is not None else None
-        choices.append(s.CompletionChoice(ch.index, ch.text, lp, finish_reason(ch)))
-    return s.CompletionResponse(id=gen.request_id, created=created, model=model, choices=choices, usage=usage(gen))
+        choices.append(s.CompletionChoice(ch.index, ch.text, lp, ch.finish_reason))
+    return s.CompletionResponse(
+        id=gen.request_id, created=created, model=model, choices=choices, usage=usage(gen)
+    )
 
 
 # -- chat ----------------------------------------------------------------------------------------
@@ -86,11 +88,13 @@ def chat_response(
             ch.index,
             s.ResponseMessage("assistant", ch.text),
             chat_logprobs(ch.logprobs, k, text_of) if k is not None else None,
-            finish_reason(ch),
+            ch.finish_reason,
         )
         for ch in gen.choices
     ]
-    return s.ChatCompletionResponse(id=gen.request_id, created=created, model=model, choices=choices, usage=usage(gen))
+    return s.ChatCompletionResponse(
+        id=gen.request_id, created=created, model=model, choices=choices, usage=usage(gen)
+    )
 
 
 # -- streaming -----------------------------------------------------------------------------------
@@ -98,8 +102,14 @@ class StreamFormatter:
     """SSE chunks for one streamed request. `k` is the number of top logprobs (None: none)."""
 
     def __init__(
-        self, gen: Generation, chat: bool, model: str, created: int, k: int | None,
-        include_usage: bool, text_of: TokenText,
+        self,
+        gen: Generation,
+        chat: bool,
+        model: str,
+        created: int,
+        k: int | None,
+        include_usage: bool,
+        text_of: TokenText,
     ) -> None:
         self.gen, self.chat, self.model, self.created = gen, chat, model, created
         self.k, self.include_usage, self.text_of = k, include_usage, text_of
@@ -110,18 +120,24 @@ class StreamFormatter:
         if not self.chat:
             return []
         return [
-            sse(self._chat_chunk([s.ChatStreamChoice(ch.index, s.DeltaMessage(role="assistant", content=""))]))
+            sse(
+                self._chat_chunk(
+                    [s.ChatStreamChoice(ch.index, s.DeltaMessage(role="assistant", content=""))]
+                )
+            )
             for ch in self.gen.choices
         ]
 
     def _chat_chunk(self, choices: list[s.ChatStreamChoice]) -> s.ChatCompletionChunk:
-        return s.ChatCompletionChunk(id=self.gen.request_id, created=self.created, model=self.model, choices=choices)
+        return s.ChatCompletionChunk(
+            id=self.gen.request_id, created=self.created, model=self.model, choices=choices
+        )
 
     def chunk(self, ch: Choice, ro: RequestOutput) -> bytes | None:
         has_lp = self.k is not None and bool(ro.new_logprobs)
         if not ro.new_text and not has_lp and not ro.finished:
             return None  # text held back (a possible stop string or a partial character)
-        reason = finish_reason(ch) if ro.finished else None
+        reason = ch.finish_reason if ro.finished else None
         if self.chat:
             lp = chat_logprobs(ro.new_logprobs, self.k, self.text_of) if has_lp else None
             delta = s.DeltaMessage(content=ro.new_text) if ro.new_text else s.DeltaMessage()
@@ -133,7 +149,9 @@ class StreamFormatter:
                 ro.new_logprobs, self.k, self.text_of, self.offsets.get(ch.index, 0)
             )
         body = s.CompletionResponse(
-            id=self.gen.request_id, created=self.created, model=self.model,
+            id=self.gen.request_id,
+            created=self.created,
+            model=self.model,
             choices=[s.CompletionChoice(ch.index, ro.new_text, clp, reason)],
         )
         return sse(body)
@@ -143,11 +161,19 @@ class StreamFormatter:
         if self.include_usage:
             if self.chat:
                 body: Any = s.ChatCompletionChunk(
-                    id=self.gen.request_id, created=self.created, model=self.model, choices=[], usage=usage(self.gen)
+                    id=self.gen.request_id,
+                    created=self.created,
+                    model=self.model,
+                    choices=[],
+                    usage=usage(self.gen),
                 )
             else:
                 body = s.CompletionResponse(
-                    id=self.gen.request_id, created=self.created, model=self.model, choices=[], usage=usage(self.gen)
+                    id=self.gen.request_id,
+                    created=self.created,
+                    model=self.model,
+                    choices=[],
+                    usage=usage(self.gen),
                 )
             out.append(sse(body))
         out.append(DONE)

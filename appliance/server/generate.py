@@ -1,24 +1,24 @@
 """One API request in the engine: its `n` x prompts sub-requests, their outputs, its life.
 
-Outputs arrive through a sink the engine client calls from its reader task; the sink updates
-the choice's state and the request-level metrics right away (so TTFT and inter-token times are
-measured when the tokens reach this process, whatever the consumer does), and queues an event
-for a streaming consumer.
+Each sub-request's output state (text, tokens, logprobs, finish) is the engine client's output
+processor's `RequestState`, one per choice. The processor calls back here from the client's
+reader task with each delta; the callback updates the request-level metrics right away (so
+TTFT and inter-token times are measured when the tokens reach this process, whatever the
+consumer does), and queues an event for a streaming consumer.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import msgspec
 
-from appliance.engine.outputs import Logprob, RequestOutput
-from appliance.sampling_params import SamplingParams
-from appliance.server import ipc
-from appliance.server.engine_client import EngineError
+from appliance.engine.client import EngineError
+from appliance.engine.output_processor import RequestState
+from appliance.engine.outputs import RequestOutput
+from appliance.sampling_params import SamplingParams, invalid_field
 from appliance.server.errors import APIError
 
 if TYPE_CHECKING:
@@ -28,20 +28,8 @@ if TYPE_CHECKING:
 RETRYABLE = ("queue_full", "queue_timeout")
 
 
-@dataclass(eq=False)
-class Choice:
-    index: int
-    request_id: str
-    prompt_token_ids: list[int]
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[Logprob] = field(default_factory=list)
-    finish_reason: str | None = None
-    finish_detail: str = ""
-    num_cached_tokens: int = 0
-    first_token_at: float | None = None
-    last_token_at: float | None = None
-    queue_time_s: float | None = None
+# A choice of the response: one sub-request's output state.
+Choice = RequestState
 
 
 class Generation:
@@ -64,20 +52,20 @@ class Generation:
         self.priority_class = priority_class
         self.arrival = arrival
         self.stream = stream
-        self.choices = [
-            Choice(p_idx * n + i, f"{request_id}-{p_idx * n + i}", prompt)
-            for p_idx, prompt in enumerate(prompts)
-            for i in range(n)
+        # (index, prompt) per choice; the choices' states exist once submitted.
+        self._planned = [
+            (p_idx * n + i, prompt) for p_idx, prompt in enumerate(prompts) for i in range(n)
         ]
+        self.choices: list[Choice] = []
         self.n = n
-        self.pending = len(self.choices)
+        self.pending = len(self._planned)
         self.events: asyncio.Queue[tuple[Choice, RequestOutput] | None] = asyncio.Queue()
         self.done = asyncio.Event()
         self.aborted = False
 
     # -- submission ------------------------------------------------------------------------------
-    def _params_for(self, choice: Choice) -> SamplingParams:
-        offset = choice.index % self.n
+    def _params_for(self, index: int) -> SamplingParams:
+        offset = index % self.n
         if self.params.seed is None or offset == 0:
             return self.params
         # Distinct but reproducible samples for n > 1: seed, seed + 1, ...
@@ -89,19 +77,21 @@ class Generation:
         if client is None or client.dead:
             raise APIError(503, "the engine is not running", code="not_ready")
         self.state.inflight.add(self)
+        futures = []
         try:
-            futures = [
-                client.add(
-                    ch.request_id,
-                    ch.prompt_token_ids,
-                    self._params_for(ch),
+            for index, prompt in self._planned:
+                state, fut = client.add(
+                    f"{self.request_id}-{index}",
+                    prompt,
+                    self._params_for(index),
                     self.priority,
                     self.priority_class,
-                    self._sink_for(ch),
-                    self.arrival,
+                    self._on_output,
+                    index=index,
+                    arrival_time=self.arrival,
                 )
-                for ch in self.choices
-            ]
+                self.choices.append(state)
+                futures.append(fut)
         except EngineError as exc:  # the core went away between the guard and here
             self.abort("engine gone", count=False)
             self.close()
@@ -123,22 +113,16 @@ class Generation:
                 headers={"Retry-After": retry},
             )
         if reason == "invalid":
-            field_name, sep, _ = detail.partition(":")
-            param = field_name if sep and field_name.isidentifier() else None
-            return APIError(400, detail, param=param)
-        return APIError(503, f"engine unavailable: {detail}", code="engine_error",
-                        headers={"Retry-After": retry})
+            return APIError(400, detail, param=invalid_field(detail))
+        return APIError(
+            503,
+            f"engine unavailable: {detail}",
+            code="engine_error",
+            headers={"Retry-After": retry},
+        )
 
     # -- outputs ---------------------------------------------------------------------------------
-    def _sink_for(self, ch: Choice):  # noqa: ANN202 - a closure the client calls
-        def sink(ro: RequestOutput, info: ipc.FinishInfo | None) -> None:
-            self._on_output(ch, ro, info)
-
-        return sink
-
-    def _on_output(self, ch: Choice, ro: RequestOutput, info: ipc.FinishInfo | None) -> None:
-        if ch.finish_reason is not None:
-            return  # aborted here already
+    def _on_output(self, ch: Choice, ro: RequestOutput) -> None:
         now = time.monotonic()
         metrics = self.state.metrics
         if ro.new_token_ids:
@@ -150,23 +134,30 @@ class Generation:
                 interval = now - (ch.last_token_at or now)
             ch.last_token_at = now
             metrics.observe_tokens(len(ro.new_token_ids), interval)
-            ch.token_ids.extend(ro.new_token_ids)
-            ch.logprobs.extend(ro.new_logprobs)
-        ch.text += ro.new_text
-        ch.num_cached_tokens = ro.num_cached_tokens
         if ro.finished:
-            ch.finish_reason = ro.finish_reason or "stop"
-            ch.finish_detail = ro.finish_detail
-            if info is not None:
-                ch.queue_time_s = info.queue_time_s
-            metrics.observe_finish(ch.finish_reason, now - self.arrival, ch.queue_time_s)
+            metrics.observe_finish(ch.finish_reason or "stop", now - self.arrival, ch.queue_time_s)
+            self._observe_phases(ch)
         if self.stream:
             self.events.put_nowait((ch, ro))
         if ro.finished:
             self._one_finished()
 
+    def _observe_phases(self, ch: Choice) -> None:
+        prefill = decode = None
+        if ch.first_token_at is not None:
+            decode = (ch.last_token_at or ch.first_token_at) - ch.first_token_at
+            if ch.queue_time_s is not None:  # scheduled at arrival + queue time (one clock)
+                prefill = ch.first_token_at - (self.arrival + ch.queue_time_s)
+        self.state.metrics.observe_request(
+            len(ch.prompt_token_ids), len(ch.token_ids), prefill, decode
+        )
+
     def _one_finished(self) -> None:
         self.pending -= 1
+        if self.pending == 0 and not self.aborted and self.choices:
+            self.state.metrics.observe_max_generation_tokens(
+                max(len(ch.token_ids) for ch in self.choices)
+            )
         if self.pending == 0:
             self.done.set()
             self.events.put_nowait(None)
@@ -176,18 +167,20 @@ class Generation:
         if self.done.is_set():
             return
         self.aborted = True
-        open_ids = [ch.request_id for ch in self.choices if ch.finish_reason is None]
+        open_choices = [ch for ch in self.choices if ch.finish_reason is None]
         client = self.state.client
         if client is not None and not client.dead:
-            client.abort(open_ids)
+            client.abort([ch.request_id for ch in open_choices], reason)
         now = time.monotonic()
-        for ch in self.choices:
-            if ch.finish_reason is None:
-                ch.finish_reason = "abort"
-                ch.finish_detail = reason
-                if count:
-                    self.state.metrics.observe_finish("abort", now - self.arrival, None)
-                self._one_finished()
+        for ch in open_choices:
+            ch.finish_reason = "abort"
+            ch.finish_detail = reason
+            if count:
+                self.state.metrics.observe_finish("abort", now - self.arrival, None)
+            self._one_finished()
+        # Sub-requests never submitted (the engine went away while submitting) end here too.
+        for _ in range(len(self._planned) - len(self.choices)):
+            self._one_finished()
 
     def close(self) -> None:
         self.state.inflight.discard(self)

@@ -9,8 +9,8 @@ from typing import Any
 import msgspec
 from litestar import Request, Response, get
 
+from appliance.engine.client import EngineError
 from appliance.metrics import CONTENT_TYPE
-from appliance.server.engine_client import EngineError
 from appliance.server.state import ServerState
 
 log = logging.getLogger("appliance.server")
@@ -23,14 +23,18 @@ def _state(request: Request[Any, Any, Any]) -> ServerState:
 
 
 def _json(obj: Any, status: int = 200) -> Response[bytes]:
-    return Response(content=msgspec.json.encode(obj), status_code=status, media_type="application/json")
+    return Response(
+        content=msgspec.json.encode(obj), status_code=status, media_type="application/json"
+    )
 
 
 @get("/health")
 async def health(request: Request[Any, Any, Any]) -> Response[bytes]:
     state = _state(request)
     alive = state.phase != "failed"
-    return _json({"status": "ok" if alive else "failed", "phase": state.phase}, 200 if alive else 503)
+    return _json(
+        {"status": "ok" if alive else "failed", "phase": state.phase}, 200 if alive else 503
+    )
 
 
 @get("/ready")
@@ -47,7 +51,7 @@ async def metrics(request: Request[Any, Any, Any]) -> Response[bytes]:
     if client is not None and not client.dead:
         try:
             reply = await client.stats(timeout_s=STATS_TIMEOUT_S)
-            state.metrics.update_engine(reply.engine)
+            state.metrics.update_engine(reply.snapshot.engine)
         except (TimeoutError, EngineError) as exc:
             # Serve what we have: request-level series are still right.
             log.warning("metrics: no engine stats (%s)", exc)

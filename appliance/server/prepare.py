@@ -13,7 +13,6 @@ from appliance.config import ConfigError
 from appliance.sampling_params import SamplingParams
 from appliance.server.errors import APIError, bad_request
 from appliance.server.schemas import (
-    MAX_LOGPROBS,
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
@@ -38,19 +37,15 @@ def check_model(state: ServerState, model: str | None) -> None:
 def resolve_priority(state: ServerState, value: str | int | None) -> str:
     """The request's priority class name (400 for an unknown class)."""
     try:
-        prio = state.config.priority_of(value)
+        return state.config.resolve_priority(value)[1]
     except ConfigError as exc:
         raise bad_request(str(exc), param="priority") from None
-    if value is None:
-        return state.config.default_class()
-    return value if isinstance(value, str) else state.config.class_of(prio)
 
 
 def check_queue(state: ServerState, priority_class: str) -> None:
     """429 before tokenizing when the class's waiting queue is already full."""
     cfg = state.config
-    cls = cfg.priority_classes.get(priority_class)
-    limit = (cls.max_waiting_requests if cls else 0) or cfg.scheduler.max_waiting_requests
+    limit = cfg.class_limits(priority_class).max_waiting_requests
     client = state.client
     if not limit or client is None:
         return
@@ -130,13 +125,17 @@ def _message_dict(i: int, msg: ChatMessage) -> dict[str, Any]:
     return out
 
 
-def chat_prompt(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+def chat_prompt(
+    state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool
+) -> list[int]:
     if not messages:
         raise bad_request("messages: must contain at least one message", param="messages")
     tok = state.tokenizer
     convo = [_message_dict(i, m) for i, m in enumerate(messages)]
     try:
-        text = tok.apply_chat_template(convo, add_generation_prompt=add_generation_prompt, tokenize=False)
+        text = tok.apply_chat_template(
+            convo, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
     except Exception as exc:  # jinja errors: the template refused these messages
         raise bad_request(f"messages: the chat template failed: {exc}", param="messages") from None
     # The template writes the special tokens itself (bos included), as transformers does.
@@ -185,10 +184,5 @@ def sampling_params(body: Body, max_tokens: int, logprobs: int | None) -> Sampli
         logprobs=logprobs,
         include_stop_str_in_output=body.include_stop_str_in_output,
     )
-    try:
-        params.validate(max_logprobs=MAX_LOGPROBS)
-    except ValueError as exc:
-        message = str(exc)
-        first = message.split(" ", 1)[0]
-        raise bad_request(message, param=first if first.isidentifier() else None) from None
+    # Validated once, by Engine.add_request; a refusal comes back as a 400 naming the field.
     return params

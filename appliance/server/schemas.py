@@ -13,8 +13,9 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from appliance.sampling_params import MAX_LOGPROBS
+
 MAX_N = 16
-MAX_LOGPROBS = 20
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):

@@ -17,22 +17,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from appliance.config import ApplianceConfig, ConfigError, load_config, resolve_template
+from appliance.config import (
+    ApplianceConfig,
+    ConfigError,
+    load_config,
+    resolve_template,
+    served_model_name,
+)
+from appliance.engine import ipc
+from appliance.engine.client import EngineClient, EngineError
 from appliance.metrics import Metrics
-from appliance.server import ipc, sdnotify
+from appliance.server import sdnotify
 from appliance.server.auth import AuthKeys
-from appliance.server.engine_client import EngineClient, EngineError
 from appliance.server.reqlog import RequestLog
 
 if TYPE_CHECKING:
     from appliance.server.generate import Generation
 
 log = logging.getLogger("appliance.server")
-
-
-def model_name_of(config: ApplianceConfig) -> str:
-    """The served name before the engine is up (the loader uses the same rule)."""
-    return config.model.name or Path(os.path.expanduser(config.model.path)).name or "model"
 
 
 @dataclass
@@ -72,10 +74,20 @@ class ServerState:
 
     @classmethod
     def create(
-        cls, config: ApplianceConfig, template: str | None, overrides: dict[str, Any], log_level: str = "INFO"
+        cls,
+        config: ApplianceConfig,
+        template: str | None,
+        overrides: dict[str, Any],
+        log_level: str = "INFO",
     ) -> ServerState:
-        state = cls(config, template, dict(overrides), AuthKeys.from_config(config.server),
-                    Metrics(model_name_of(config)), log_level)
+        state = cls(
+            config,
+            template,
+            dict(overrides),
+            AuthKeys.from_config(config.server),
+            Metrics(served_model_name(config)),
+            log_level,
+        )
         state.pinned_overrides = {k: v for k, v in overrides.items() if k.startswith("server.")}
         return state
 
@@ -86,7 +98,7 @@ class ServerState:
 
     @property
     def model_name(self) -> str:
-        return self.info.model_name if self.info else model_name_of(self.config)
+        return self.info.model_name if self.info else served_model_name(self.config)
 
     @property
     def template_path(self) -> str:
@@ -142,11 +154,14 @@ class ServerState:
         except Exception:
             await client.shutdown()
             raise
-        self.startup_phases.update({
-            **{f"core.{k}": v for k, v in info.phase_times.items()},
-            "core_total": t_core,
-            "api_tokenizer_wait": time.monotonic() - t,
-        })
+        self.startup_phases.update(
+            {
+                **{f"core.{k}": v for k, v in info.phase_times.items()},
+                "core_total": t_core,
+                "api_tokenizer_wait": time.monotonic() - t,
+            }
+        )
+        client.output.tokenizer = tokenizer
         old = self.client if replace else None
         self.client, self.info, self.tokenizer, self.config = client, info, tokenizer, config
         self.engine_generation += 1
@@ -223,7 +238,11 @@ class ServerState:
             return await self._swap(new, new_auth, template, overrides)
 
     async def _swap(
-        self, new: ApplianceConfig, new_auth: AuthKeys, template: str | None, overrides: dict[str, Any]
+        self,
+        new: ApplianceConfig,
+        new_auth: AuthKeys,
+        template: str | None,
+        overrides: dict[str, Any],
     ) -> dict[str, Any]:
         old_config, old_template, old_overrides = self.config, self.template, self.overrides
         sdnotify.notify("RELOADING=1")
@@ -263,7 +282,9 @@ class ServerState:
         }
         return self.last_reload
 
-    def _finish_reload(self, config: ApplianceConfig, template: str | None, overrides: dict[str, Any]) -> None:
+    def _finish_reload(
+        self, config: ApplianceConfig, template: str | None, overrides: dict[str, Any]
+    ) -> None:
         self.config, self.template, self.overrides = config, template, dict(overrides)
         self.set_phase("ready")
         sdnotify.notify("READY=1")

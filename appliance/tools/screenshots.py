@@ -1,6 +1,6 @@
 """Reproduce the console screenshots in docs/ (and read text back out of Textual SVGs).
 
-    python -m appliance.console.screenshots [--out docs] [--model DIR]
+    python -m appliance.tools.screenshots [--out docs] [--model DIR]
 
 Starts `appliance up` on a free loopback port with the tiny demo model and a 16-block KV pool
 (built in a temporary directory unless --model is given), drives it with concurrent long
@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import httpx
+
 from appliance.console.app import ConsoleApp
 
 TEXT_RE = re.compile(r'<text class="([^"]*)" x="([\d.]+)" y="([\d.]+)" textLength="([\d.]+)"[^>]*>([^<]*)</text>')
@@ -149,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model = ns.model
         if model is None:
-            from appliance.models.demo import build_demo_model
+            from appliance.tools.demo_model import build_demo_model
 
             model = str(build_demo_model("tiny", Path(tmp) / "tiny"))
         token = "screenshot-token"

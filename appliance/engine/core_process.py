@@ -19,12 +19,11 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from appliance.server import ipc
-from appliance.server.admin_schema import LiveRequest, QueueInfo
+from appliance.core.request import FinishReason
+from appliance.engine import ipc
 
 if TYPE_CHECKING:
     from appliance.config import ApplianceConfig
-    from appliance.core.request import Request
     from appliance.engine.llm_engine import Engine
 
 log = logging.getLogger("appliance.core")
@@ -54,18 +53,38 @@ def core_main(conn: Connection, config_json: bytes, log_level: str = "INFO") -> 
         core.loaded.close()  # tensor-parallel worker ranks, if any
 
 
-def core_threads() -> int | None:
-    """Torch threads for the core: all cores but one, which the API process needs for HTTP,
-    tokenization and SSE. With every core busy in torch's OpenMP regions, each wake-up of the
-    API process deschedules one OpenMP thread and the whole region waits for it: on 2 cores a
-    decode step measured 10x slower with 2 threads than with 1 under a co-running process.
-    APPLIANCE_CORE_THREADS (or OMP_NUM_THREADS) overrides; None keeps torch's choice."""
-    for var in ("APPLIANCE_CORE_THREADS", "OMP_NUM_THREADS"):
-        value = os.environ.get(var, "")
-        if value.isdigit() and int(value) > 0:
-            return int(value) if var == "APPLIANCE_CORE_THREADS" else None
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+def core_threads(configured: int = 0) -> int | None:
+    """Torch threads for the core (hardware.engine_threads; 0: all cores but one, which the
+    API process needs for HTTP, tokenization and SSE). With every core busy in torch's OpenMP
+    regions, each wake-up of the API process deschedules one OpenMP thread and the whole region
+    waits for it: on 2 cores a decode step measured 10x slower with 2 threads than with 1 under
+    a co-running process. None keeps torch's choice (OMP_NUM_THREADS set, no configured value)."""
+    if configured > 0:
+        return configured
+    value = os.environ.get("OMP_NUM_THREADS", "")
+    if value.isdigit() and int(value) > 0:
+        return None
+    cores = (
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    )
     return max(1, cores - 1)
+
+
+def live_request_objects() -> dict[str, int]:
+    """Objects that exist per request in this process, counted after a garbage collection:
+    wherever a finished request's state were kept, it would show here."""
+    import gc
+
+    from appliance.core.request import Request
+    from appliance.engine.outputs import EngineOutput, Logprob
+
+    gc.collect()
+    kinds = (Request, EngineOutput, Logprob)
+    counts = {kind.__name__: 0 for kind in kinds}
+    for obj in gc.get_objects():
+        if isinstance(obj, kinds):
+            counts[type(obj).__name__] += 1
+    return counts
 
 
 def _send(conn: Connection, msg: msgspec.Struct) -> None:
@@ -73,13 +92,13 @@ def _send(conn: Connection, msg: msgspec.Struct) -> None:
 
 
 class _Core:
-    def __init__(self, conn: Connection, config: ApplianceConfig, engine: Engine, loaded: Any) -> None:
+    def __init__(
+        self, conn: Connection, config: ApplianceConfig, engine: Engine, loaded: Any
+    ) -> None:
         self.conn = conn
         self.config = config
         self.engine = engine
         self.loaded = loaded
-        # Live requests, kept here to report queue time and preemptions when they finish.
-        self.live: dict[str, Request] = {}
         self.running = True
         # Set by the operator (/admin/pause): no steps run until /admin/resume.
         self.paused = False
@@ -93,7 +112,7 @@ class _Core:
 
         imports = time.perf_counter() - t0
         config = config_from_dict(msgspec.json.decode(config_json), "reloaded config")
-        threads = core_threads()
+        threads = core_threads(config.hardware.engine_threads)
         if threads:
             import torch
 
@@ -154,18 +173,14 @@ class _Core:
         if rec is not None and rec.num_seqs:
             out.steps.append((rec.num_scheduled_tokens, rec.num_seqs))
         out.outputs.extend(outputs)
-        for ro in outputs:
-            if ro.finished:
-                req = self.live.pop(ro.request_id, None)
-                if req is not None:
-                    out.finished.append(_finish_info(req))
 
     def _handle(self, msg: ipc.ToCore, out: ipc.Frame) -> None:
         if isinstance(msg, ipc.AddRequest):
             out.added.append(self._add(msg))
         elif isinstance(msg, ipc.AbortRequests):
+            reason = FinishReason(msg.reason)
             for rid in msg.request_ids:
-                self.engine.abort(rid)
+                self.engine.abort(rid, reason)
         elif isinstance(msg, ipc.GetStats):
             _send(self.conn, self._stats(msg))
         elif isinstance(msg, ipc.Ping):
@@ -182,7 +197,6 @@ class _Core:
                 msg.params,
                 request_id=msg.request_id,
                 priority=msg.priority,
-                stream_text=True,
                 arrival_time=msg.arrival_time,
             )
         except ValueError as exc:
@@ -190,7 +204,6 @@ class _Core:
         if req.is_finished:
             reason = req.finish_reason.value if req.finish_reason else "queue_full"
             return ipc.AddResult(msg.request_id, reason, req.finish_detail)
-        self.live[msg.request_id] = req
         return ipc.AddResult(msg.request_id)
 
     def _waiting_by_class(self) -> dict[str, int]:
@@ -201,59 +214,11 @@ class _Core:
 
     # -- figures ---------------------------------------------------------------------------------
     def _stats(self, msg: ipc.GetStats) -> ipc.StatsReply:
-        engine = self.engine
-        reply = ipc.StatsReply(token=msg.token, engine=engine.stats(detail=msg.detail))
-        if msg.history_s > 0:
-            reply.history = engine.history.since(time.time() - msg.history_s)
-        if msg.detail:
-            reply.preemptions = engine.preemption_log()
-            reply.requests = self._live_requests()
-            reply.queues = self._queues()
+        from appliance.engine.stats import snapshot
+
+        reply = ipc.StatsReply(
+            token=msg.token, snapshot=snapshot(self.engine, msg.history_s, msg.detail)
+        )
+        if msg.count_objects:
+            reply.live_objects = live_request_objects()
         return reply
-
-    def _live_requests(self) -> list[LiveRequest]:
-        now = time.monotonic()
-        kv = self.engine.kv
-        return [
-            LiveRequest(
-                request_id=req.request_id,
-                priority_class=req.priority_class,
-                priority=req.priority,
-                status=req.status.value,
-                prompt_tokens=req.num_prompt_tokens,
-                output_tokens=req.num_output_tokens,
-                blocks_held=kv.num_blocks_held(req.request_id),
-                age_s=now - req.arrival_time,
-                num_preemptions=req.num_preemptions,
-            )
-            for req in self.engine.scheduler.requests.values()
-        ]
-
-    def _queues(self) -> list[QueueInfo]:
-        now = time.monotonic()
-        sched = self.engine.scheduler
-        cfg = self.config
-        out = []
-        for name, cls in sorted(cfg.priority_classes.items(), key=lambda kv: kv[1].priority):
-            waiting = [r for r in sched.waiting if r.priority_class == name]
-            oldest = max((now - r.arrival_time for r in waiting), default=0.0)
-            out.append(
-                QueueInfo(
-                    priority_class=name,
-                    waiting=len(waiting),
-                    oldest_wait_s=oldest,
-                    queue_timeout_s=cls.queue_timeout_s or cfg.scheduler.queue_timeout_s,
-                    max_waiting_requests=cls.max_waiting_requests
-                    or cfg.scheduler.max_waiting_requests,
-                )
-            )
-        return out
-
-
-def _finish_info(req: Any) -> ipc.FinishInfo:
-    queued = (
-        req.first_scheduled_time - req.arrival_time
-        if req.first_scheduled_time is not None
-        else None
-    )
-    return ipc.FinishInfo(req.request_id, queued, req.num_preemptions, req.time_preempted)

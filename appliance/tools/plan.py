@@ -193,9 +193,9 @@ def reference_architectures() -> dict[str, Path]:
 
 def _demo_config(shape: str) -> dict[str, Any]:
     # The demo models are built on first start; their shape table is the one source of truth.
-    from appliance.models.demo import _SHAPES
+    from appliance.tools.demo_spec import DEMO_SHAPES
 
-    s = _SHAPES[shape]
+    s = DEMO_SHAPES[shape]
     return {
         "model_type": "llama",
         "vocab_size": s.model_vocab,
@@ -252,27 +252,27 @@ def cpu_weight_bytes(spec: ArchSpec, config: ApplianceConfig, tp: int) -> tuple[
     """(stored weight bytes, matmul copy bytes, the path) of a CPU rank, as the CPU backend
     would lay them out on this machine (appliance.cpu.backend): the matmuls read a prepacked
     or float32 copy; the 16-bit linears stay beside it while the native decode reads them."""
+    import shutil
 
-    from appliance.cpu.backend import plan_cpu
-    from appliance.kernels import cpu_native
+    from appliance.cpu.choice import BYTES, choose
+    from appliance.cpu.features import detect
 
-    cpu = plan_cpu(
-        config,
-        spec.num_heads,
-        spec.num_kv_heads,
-        native_available=cpu_native.compiler() is not None,
-        native_error="no C compiler",
-    )
-    elem = cpu.weight_dtype.itemsize
+    def compiler() -> tuple[bool, str | None]:
+        # What the engine would find: a C compiler to build the native kernels with.
+        found = bool(os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc"))
+        return found, None if found else "no C compiler"
+
+    cpu = choose(config, spec.num_heads, spec.num_kv_heads, detect(), True, compiler)
+    elem = BYTES[cpu.weight]
     stored = spec.params_per_rank(tp) * elem
     copy = 0
-    if cpu.prepack or cpu.fp32_weight_copy:
+    if cpu.prepack or cpu.compute != cpu.weight:
         linears = spec.linear_params_per_rank(tp)
-        copy = (linears + spec.lm_head_params_per_rank(tp)) * cpu.compute_dtype.itemsize
+        copy = (linears + spec.lm_head_params_per_rank(tp)) * BYTES[cpu.compute]
         if not cpu.native_decode:
             stored -= linears * elem  # released: nothing else reads them
-    path = f"weights {cpu.weight_dtype}, compute {cpu.compute_dtype}, matmuls {cpu.matmul}"
-    return stored, copy, path.replace("torch.", "")
+    layout = "oneDNN prepacked" if cpu.prepack else "ATen"
+    return stored, copy, f"weights {cpu.weight}, compute {cpu.compute}, matmuls {layout} {cpu.compute}"
 
 
 def plan_tp(spec: ArchSpec, config: ApplianceConfig, tp: int, on_gpu: bool) -> TPPlan:
@@ -478,7 +478,7 @@ def add_parser(sub: Any) -> None:
 
 
 def main(ns: argparse.Namespace) -> int:
-    from appliance.cli import parse_sets
+    from appliance.config import parse_sets
 
     plan = make_plan(load_config(ns.template, parse_sets(ns.set)), ns.template)
     if ns.json:

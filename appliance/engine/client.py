@@ -1,9 +1,10 @@
 """The API process's handle on the engine core process.
 
-Spawns `engine_core.core_main`, then speaks length-prefixed msgpack over a socket pair through
+Spawns `core_process.core_main`, then speaks length-prefixed msgpack over a socket pair through
 asyncio streams: writes are buffered (never block the event loop) and one reader task
-dispatches every frame: admission results to futures, outputs to per-request sinks, step
-figures to a frame hook (metrics).
+dispatches every frame: admission results to futures, outputs through the output processor
+(text, stop strings, per-request state) to each request's callback, step figures to a frame
+hook (metrics). A stop string the processor matches is aborted in the core at once.
 """
 
 from __future__ import annotations
@@ -21,15 +22,15 @@ from typing import Any
 import msgspec
 
 from appliance.config import ApplianceConfig
-from appliance.engine.outputs import RequestOutput
+from appliance.engine import ipc
+from appliance.engine.core_process import core_main
+from appliance.engine.output_processor import OutputProcessor, RequestState
+from appliance.engine.outputs import EngineOutput, RequestOutput
 from appliance.sampling_params import SamplingParams
-from appliance.server import ipc
-from appliance.server.engine_core import core_main
 
 log = logging.getLogger("appliance.client")
 
-# An output, and (on the finishing output only) what the core knows about the request's life.
-Sink = Callable[[RequestOutput, ipc.FinishInfo | None], None]
+OnOutput = Callable[[RequestState, RequestOutput], None]
 
 
 class EngineError(RuntimeError):
@@ -55,7 +56,8 @@ class EngineClient:
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._task: asyncio.Task[None] | None = None
-        self._sinks: dict[str, Sink] = {}
+        # Every live request's output state; the tokenizer is set once the API has loaded it.
+        self.output = OutputProcessor(tokenizer=None)
         self._acks: dict[str, asyncio.Future[ipc.AddResult]] = {}
         self._replies: dict[int, asyncio.Future[Any]] = {}
         self._tokens = itertools.count(1)
@@ -183,18 +185,13 @@ class EngineClient:
             self.in_transit[cls] = max(0, self.in_transit.get(cls, 0) - 1)
             fut = self._acks.pop(res.request_id, None)
             if res.rejected:
-                self._sinks.pop(res.request_id, None)
+                self.output.end(res.request_id, res.rejected, res.detail)
             if fut is not None and not fut.done():
                 fut.set_result(res)
         self.waiting_by_class = frame.waiting_by_class
-        infos = {f.request_id: f for f in frame.finished}
-        for ro in frame.outputs:
-            if ro.finished:
-                sink = self._sinks.pop(ro.request_id, None)
-            else:
-                sink = self._sinks.get(ro.request_id)
-            if sink is not None:
-                sink(ro, infos.get(ro.request_id))
+        stopped = self.output.process(frame.outputs)
+        if stopped and not self.dead:
+            self._send(ipc.AbortRequests(stopped, reason="stop"))
         if self.on_frame is not None:
             self.on_frame(frame)
 
@@ -203,18 +200,18 @@ class EngineClient:
             if not fut.done():
                 fut.set_result(ipc.AddResult(rid, "error", reason))
         self._acks.clear()
-        for rid, sink in list(self._sinks.items()):
-            sink(
-                RequestOutput(
+        self.output.process(
+            [
+                EngineOutput(
                     request_id=rid,
                     new_token_ids=[],
                     finished=True,
                     finish_reason="error",
                     finish_detail=reason,
-                ),
-                None,
-            )
-        self._sinks.clear()
+                )
+                for rid in list(self.output.states)
+            ]
+        )
         for fut in self._replies.values():
             if not fut.done():
                 fut.set_exception(EngineError(reason))
@@ -232,16 +229,20 @@ class EngineClient:
         params: SamplingParams,
         priority: str | int | None,
         priority_class: str,
-        sink: Sink,
+        on_output: OnOutput,
+        index: int = 0,
         arrival_time: float | None = None,
-    ) -> asyncio.Future[ipc.AddResult]:
+    ) -> tuple[RequestState, asyncio.Future[ipc.AddResult]]:
         """Send a request; the future resolves when the core has admitted or refused it."""
         fut: asyncio.Future[ipc.AddResult] = asyncio.get_running_loop().create_future()
+        state = self.output.add(
+            request_id, prompt_token_ids, params, index=index, on_output=on_output
+        )
         if self.dead:
+            self.output.end(request_id, "error", "the engine core is not running")
             fut.set_result(ipc.AddResult(request_id, "error", "the engine core is not running"))
-            return fut
+            return state, fut
         self._acks[request_id] = fut
-        self._sinks[request_id] = sink
         self._class_of[request_id] = priority_class
         self.in_transit[priority_class] = self.in_transit.get(priority_class, 0) + 1
         self._send(
@@ -253,12 +254,12 @@ class EngineClient:
                 arrival_time=time.monotonic() if arrival_time is None else arrival_time,
             )
         )
-        return fut
+        return state, fut
 
-    def abort(self, request_ids: list[str]) -> None:
+    def abort(self, request_ids: list[str], detail: str = "") -> None:
         """Abort requests (no-op for ids the core no longer knows); frees their blocks."""
         for rid in request_ids:
-            self._sinks.pop(rid, None)
+            self.output.end(rid, "abort", detail)
         if request_ids and not self.dead:
             self._send(ipc.AbortRequests(list(request_ids)))
 
@@ -267,7 +268,7 @@ class EngineClient:
 
     @property
     def num_live(self) -> int:
-        return len(self._sinks)
+        return len(self.output)
 
     async def _ask(self, msg_factory: Callable[[int], msgspec.Struct], timeout_s: float) -> Any:
         token = next(self._tokens)
@@ -280,9 +281,15 @@ class EngineClient:
             self._replies.pop(token, None)
 
     async def stats(
-        self, history_s: float = 0.0, detail: bool = False, timeout_s: float = 10.0
+        self,
+        history_s: float = 0.0,
+        detail: bool = False,
+        timeout_s: float = 10.0,
+        count_objects: bool = False,
     ) -> ipc.StatsReply:
-        return await self._ask(lambda t: ipc.GetStats(t, history_s, detail), timeout_s)
+        return await self._ask(
+            lambda t: ipc.GetStats(t, history_s, detail, count_objects), timeout_s
+        )
 
     async def ping(self, timeout_s: float = 10.0) -> float:
         """Round trip through the core loop (answered between steps); returns seconds."""

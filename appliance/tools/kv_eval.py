@@ -33,8 +33,8 @@ from appliance.engine.kv_quant import (
 )
 from appliance.engine.loader import LoadedModel, load_model
 from appliance.engine.model_runner import KVCachePool, ModelRunner
-from appliance.kv_template import write_keep_list
 from appliance.sampling_params import SamplingParams
+from appliance.tools.kv_template import write_keep_list
 
 QUANTIZED = ("fp8_e4m3", "fp8_e5m2", "int8")
 
@@ -289,7 +289,7 @@ def add_parser(sub: Any) -> None:
 
 
 def main(ns: argparse.Namespace) -> int:
-    from appliance.cli import parse_sets
+    from appliance.config import parse_sets
 
     report = run_kv_eval(
         ns.template, ns.data, parse_sets(ns.set), ns.kv_cache_dtype, ns.budget,

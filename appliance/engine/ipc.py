@@ -13,11 +13,9 @@ from typing import Any
 
 import msgspec
 
-from appliance.core.scheduler_stats import PreemptionEvent
-from appliance.engine.outputs import RequestOutput
-from appliance.engine.stats import EngineStats, StepRecord
+from appliance.engine.outputs import EngineOutput
 from appliance.sampling_params import SamplingParams
-from appliance.server.admin_schema import LiveRequest, QueueInfo
+from appliance.stats import StatsSnapshot
 
 HEADER = struct.Struct("!i")
 # Connection.send_bytes switches to an 8-byte length after this marker for > 2 GiB payloads.
@@ -39,6 +37,8 @@ class AddRequest(msgspec.Struct, tag="add", kw_only=True):
 
 class AbortRequests(msgspec.Struct, tag="abort"):
     request_ids: list[str]
+    # "stop" when the API side's output processor matched a stop string.
+    reason: str = "abort"
 
 
 class GetStats(msgspec.Struct, tag="stats"):
@@ -46,6 +46,8 @@ class GetStats(msgspec.Struct, tag="stats"):
     # Seconds of step history to include (0: none, for a metrics scrape).
     history_s: float = 0.0
     detail: bool = False
+    # Count the engine process's live per-request objects (a leak check; costs a gc pass).
+    count_objects: bool = False
 
 
 class Ping(msgspec.Struct, tag="ping"):
@@ -100,20 +102,11 @@ class AddResult(msgspec.Struct, array_like=True):
     detail: str = ""
 
 
-class FinishInfo(msgspec.Struct, array_like=True):
-    request_id: str
-    # From arrival to first scheduled (None: never scheduled).
-    queue_time_s: float | None
-    num_preemptions: int
-    time_preempted_s: float
-
-
 class Frame(msgspec.Struct, tag="frame", kw_only=True):
     """What one turn of the core loop produced."""
 
     added: list[AddResult] = []
-    outputs: list[RequestOutput] = []
-    finished: list[FinishInfo] = []
+    outputs: list[EngineOutput] = []
     # (scheduled tokens, sequences) per step, for the per-step histograms.
     steps: list[tuple[int, int]] = []
     # Waiting requests per priority class after this turn (the API's cheap queue-full check).
@@ -122,11 +115,8 @@ class Frame(msgspec.Struct, tag="frame", kw_only=True):
 
 class StatsReply(msgspec.Struct, tag="stats_reply", kw_only=True):
     token: int
-    engine: EngineStats
-    history: list[StepRecord] = []
-    preemptions: list[PreemptionEvent] = []
-    requests: list[LiveRequest] = []
-    queues: list[QueueInfo] = []
+    snapshot: StatsSnapshot
+    live_objects: dict[str, int] = {}
 
 
 class Pong(msgspec.Struct, tag="pong"):

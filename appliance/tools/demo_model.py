@@ -12,13 +12,13 @@ import json
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+from appliance.tools.demo_spec import ARCHS, DEMO_SHAPES, SHAPES, DemoShape, corpus_text
 
 BOS, EOS, IM_START, IM_END, PAD = (
     "<|begin_of_text|>",
@@ -40,8 +40,6 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )
 
-SHAPES = ("tiny", "small")
-ARCHS = ("llama", "qwen2", "llama3")
 
 # Weight init, chosen by measurement (see tests/test_demo_models.py::test_logit_gap). HF's
 # default N(0, 0.02) gives a tiny model logits with std ~0.3 that fall into 1-2 token loops
@@ -62,31 +60,7 @@ BIAS_STD = 0.5
 PADDED_FINAL_NORM_MEAN = 2.5
 
 
-@dataclass(frozen=True)
-class _Shape:
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    intermediate_size: int
-    tie_word_embeddings: bool
-    max_position_embeddings: int
-    tokenizer_vocab: int
-    model_vocab: int  # >= tokenizer_vocab; the extra rows are padding, as in real checkpoints
-    dtype: torch.dtype
-
-
-_SHAPES: dict[str, _Shape] = {
-    "tiny": _Shape(256, 4, 8, 2, 688, False, 4096, 4096, 4096, torch.float32),
-    # SmolLM-135M's shape; bf16 because its purpose is speed runs, not exactness.
-    "small": _Shape(576, 30, 9, 3, 1536, True, 2048, 8192, 49152, torch.bfloat16),
-}
 ROPE_THETA = 10000.0
-
-
-def corpus_text() -> str:
-    """The training text shipped with the package (also used by tests for round trips)."""
-    return resources.files("appliance.models").joinpath("data/corpus.txt").read_text("utf-8")
 
 
 def train_tokenizer(vocab_size: int) -> Tokenizer:
@@ -152,7 +126,7 @@ def _rope_parameters(arch: str, max_pos: int) -> dict[str, Any]:
     }
 
 
-def _make_config(shape: _Shape, arch: str, vocab: int, max_pos: int) -> Any:
+def _make_config(shape: DemoShape, arch: str, vocab: int, max_pos: int) -> Any:
     from transformers import LlamaConfig, Qwen2Config
 
     common: dict[str, Any] = dict(
@@ -220,12 +194,12 @@ def build_demo_model(
 
     shard_size (e.g. "2MB") saves sharded weights with model.safetensors.index.json.
     """
-    if shape not in _SHAPES:
+    if shape not in DEMO_SHAPES:
         raise ValueError(f"unknown shape {shape!r}; expected one of {', '.join(SHAPES)}")
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; expected one of {', '.join(ARCHS)}")
     say = progress or (lambda _msg: None)
-    spec = _SHAPES[shape]
+    spec = DEMO_SHAPES[shape]
     max_pos = max_position_embeddings or spec.max_position_embeddings
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -245,7 +219,7 @@ def build_demo_model(
     model_cls = Qwen2ForCausalLM if arch == "qwen2" else LlamaForCausalLM
     # HF's own init would be overwritten anyway; skipping it saves seconds on `small`.
     with _no_init_weights():
-        model = model_cls._from_config(config, dtype=spec.dtype)
+        model = model_cls._from_config(config, dtype=getattr(torch, spec.dtype))
     model.tie_weights()  # not done under no_init_weights; untied, lm_head would be saved
     _init_weights(model, seed, tok.get_vocab_size())
     model.eval()
@@ -300,8 +274,10 @@ def add_demo_model_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--max-position-embeddings", type=int, default=None)
     p.add_argument("--shard-size", default=None, help='e.g. "2MB": save sharded weights')
     p.add_argument(
-        "--train-steps", type=int, default=0,
-        help="then train briefly on the shipped corpus (appliance.models.train_demo)",
+        "--train-steps",
+        type=int,
+        default=0,
+        help="then train briefly on the shipped corpus (appliance.tools.train_demo)",
     )
     p.set_defaults(func=demo_model_command)
     return p
@@ -323,7 +299,7 @@ def demo_model_command(args: argparse.Namespace) -> int:
         progress=progress,
     )
     if getattr(args, "train_steps", 0):
-        from appliance.models.train_demo import train_demo_model
+        from appliance.tools.train_demo import train_demo_model
 
         train_demo_model(args.out, args.train_steps, seed=args.seed, progress=progress)
     return 0

@@ -1,0 +1,115 @@
+"""What the CPU backend runs, decided from the CPU's features and the config alone: torch-free,
+so `appliance plan` (and the console through it) can state the same decision the engine takes
+without importing torch. `appliance.cpu.backend.plan_cpu` turns it into torch dtypes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from appliance.config import ApplianceConfig
+from appliance.cpu.features import CpuFeatures
+
+# What the native kernels (kernels/cpu_decode.c) take: weight/KV dtypes and query heads per
+# KV head one attention work item holds scores for.
+NATIVE_DTYPES = ("bfloat16", "float32")
+NATIVE_MAX_QUERY_HEADS = 64
+BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+@dataclass
+class CpuChoice:
+    """Dtype names ("bfloat16", "float32", "float16") and the paths, each reason in `notes`."""
+
+    weight: str
+    compute: str
+    kv: str
+    prepack: bool
+    native_ops: bool
+    native_decode: bool
+    notes: list[str] = field(default_factory=list)
+    # Set when the configuration asks for something slow on this CPU (logged as a warning).
+    warning: str = ""
+
+
+def choose(
+    config: ApplianceConfig,
+    num_heads: int,
+    num_kv_heads: int,
+    features: CpuFeatures,
+    onednn: bool,
+    native_built: Callable[[], tuple[bool, str | None]],
+) -> CpuChoice:
+    """`onednn`: whether torch has oneDNN; `native_built()`: whether the native kernels are
+    available here, and why not (asked only when the config and shapes allow them)."""
+    notes: list[str] = []
+    warning = ""
+    wanted = config.model.dtype
+    bf16_native = features.native_bf16_compute
+    if wanted == "auto":
+        weight = "bfloat16"
+        if bf16_native:
+            compute = "bfloat16"
+            notes.append("dtype auto: bf16 (the CPU has bf16 arithmetic)")
+        else:
+            compute = "float32"
+            notes.append(
+                "dtype auto: bf16 weights and KV, float32 compute (no AVX-512-BF16 or AMX: "
+                "bf16 GEMMs would be emulated, ~5x slower than float32)"
+            )
+    else:
+        weight = compute = wanted
+        if compute == "bfloat16" and not bf16_native:
+            warning = (
+                "model.dtype bfloat16 on a CPU without bf16 arithmetic (no AVX-512-BF16, no AMX): "
+                "oneDNN emulates bf16 GEMMs, so prefills and decode batches run several times "
+                'slower than float32; model.dtype = "auto" keeps bf16 weights and computes in '
+                "float32"
+            )
+        if compute == "float16":
+            notes.append("float16: torch path only (oneDNN's fp16 kernels need AVX-512-FP16)")
+
+    prepack = False
+    if config.model.cpu_prepack_weights and onednn:
+        if compute == "float32" or (compute == "bfloat16" and features.onednn_bf16_prepack):
+            prepack = True
+        elif compute == "bfloat16":
+            notes.append(
+                "no bf16 prepacking: oneDNN's bf16 reorder needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT"
+            )
+    elif not config.model.cpu_prepack_weights:
+        notes.append("prepacking off (model.cpu_prepack_weights = false)")
+
+    native_ops = native_decode = False
+    if not config.model.cpu_native_kernels:
+        notes.append("native kernels off (model.cpu_native_kernels = false)")
+    elif config.parallel.tensor_parallel_size > 1:
+        notes.append("native kernels off (tensor_parallel_size > 1 runs the torch path)")
+    elif compute not in NATIVE_DTYPES or num_heads // num_kv_heads > NATIVE_MAX_QUERY_HEADS:
+        notes.append(
+            f"native kernels off (they take bf16/float32 and up to {NATIVE_MAX_QUERY_HEADS} "
+            "query heads per KV head)"
+        )
+    else:
+        built, why = native_built()
+        if not built:
+            notes.append(f"native kernels off ({why})")
+        else:
+            native_ops = True
+            native_decode = config.cache.kv_cache_dtype == "auto"
+            if not native_decode:
+                notes.append(
+                    f"native decode off for kv_cache_dtype {config.cache.kv_cache_dtype} "
+                    "(the element-wise kernels still run)"
+                )
+    return CpuChoice(
+        weight=weight,
+        compute=compute,
+        kv=weight,
+        prepack=prepack,
+        native_ops=native_ops,
+        native_decode=native_decode,
+        notes=notes,
+        warning=warning,
+    )

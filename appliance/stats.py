@@ -1,0 +1,149 @@
+"""The stats snapshot's types: what the engine reports and the console, `/admin/stats`,
+`/metrics` and the benchmarks read. Plain msgspec Structs, so that every reader (the console
+included) imports them without the engine, torch or Litestar."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import msgspec
+
+
+class PreemptionEvent(msgspec.Struct, kw_only=True):
+    time: float
+    request_id: str
+    priority_class: str
+    priority: int
+    mode: str  # swap | recompute
+    # Swap was asked for but the swap pool was full: recomputed instead.
+    swap_fallback: bool
+    cause: str  # out_of_blocks | kv_pressure | max_num_seqs
+    tokens_to_recompute: int
+    blocks_swapped: int
+    blocks_held: int
+    kv_usage_before: float
+    kv_usage_after: float
+    times_preempted: int
+
+
+class SchedulerCounters(msgspec.Struct, kw_only=True):
+    preemptions: int = 0
+    # "mode/class" -> count, e.g. "recompute/batch".
+    preemptions_by: dict[str, int] = msgspec.field(default_factory=dict)
+    swap_fallbacks: int = 0
+    blocks_swapped_out: int = 0
+    blocks_swapped_in: int = 0
+    tokens_recomputed: int = 0
+    # "reason/class" -> count, e.g. "queue_full/realtime".
+    rejected_by: dict[str, int] = msgspec.field(default_factory=dict)
+    time_preempted_s: float = 0.0
+
+    def count_preemption(self, mode: str, priority_class: str) -> None:
+        self.preemptions += 1
+        key = f"{mode}/{priority_class}"
+        self.preemptions_by[key] = self.preemptions_by.get(key, 0) + 1
+
+    def count_rejected(self, priority_class: str, reason: str) -> None:
+        key = f"{reason}/{priority_class}"
+        self.rejected_by[key] = self.rejected_by.get(key, 0) + 1
+
+    def by_mode(self) -> dict[str, int]:
+        out: Counter[str] = Counter()
+        for key, n in self.preemptions_by.items():
+            out[key.split("/", 1)[0]] += n
+        return dict(out)
+
+
+class StepRecord(msgspec.Struct, kw_only=True, array_like=False):
+    step: int
+    time: float
+    duration_s: float
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    num_seqs: int
+    num_scheduled_tokens: int
+    num_context_tokens: int
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    blocks_used: int
+    blocks_cached: int
+    blocks_free: int
+    kv_usage: float
+    # none | token_budget | max_num_seqs | kv_blocks
+    bound_by: str
+
+
+class EngineStats(msgspec.Struct, kw_only=True):
+    model_name: str
+    step: int
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    num_blocks: int
+    block_size: int
+    blocks_used: int
+    blocks_cached: int
+    blocks_free: int
+    kv_usage: float
+    slots_holding_tokens: int
+    slots_allocated: int
+    slot_utilisation: float
+    # Slot utilisation when the most blocks were in use (PagedAttention's waste figure).
+    slot_utilisation_at_peak: float
+    swap_blocks_total: int
+    swap_blocks_used: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    requests_finished: dict[str, int]
+    counters: SchedulerCounters
+    last_step: StepRecord | None
+    # Per block id: U used, C cached (free, hit-able), F free; only when asked for (detail).
+    block_states: str | None = None
+
+
+class LiveRequest(msgspec.Struct, kw_only=True):
+    """A request the engine holds (waiting, running, preempted or swapped)."""
+
+    # The engine's id: the API request id plus "-<choice index>" (e.g. "cmpl-1a000012-0").
+    request_id: str
+    priority_class: str
+    # Lower is more urgent.
+    priority: int
+    # waiting | running | preempted | swapped
+    status: str
+    prompt_tokens: int
+    output_tokens: int
+    # KV blocks on the device (a swapped request holds host swap blocks instead).
+    blocks_held: int
+    # Seconds since the request arrived at the API.
+    age_s: float
+    num_preemptions: int
+
+
+class QueueInfo(msgspec.Struct, kw_only=True):
+    """One priority class's waiting queue against its admission limits."""
+
+    priority_class: str
+    waiting: int
+    # Age of the oldest waiting request (0 when none waits); compare with queue_timeout_s.
+    oldest_wait_s: float
+    # 0 = no timeout for this class.
+    queue_timeout_s: float
+    # 0 = unlimited.
+    max_waiting_requests: int
+
+
+class StatsSnapshot(msgspec.Struct, kw_only=True):
+    """What the engine reports at one moment (engine/stats.py `snapshot` builds it)."""
+
+    engine: EngineStats
+    # Step records of the asked-for window, oldest first.
+    history: list[StepRecord] = []
+    # The rest only in a detailed snapshot (the console's and /admin/stats').
+    preemptions: list[PreemptionEvent] = []
+    requests: list[LiveRequest] = []
+    # One entry per priority class, most urgent first.
+    queues: list[QueueInfo] = []

@@ -1,0 +1,236 @@
+"""The package's layering, read from the source's own import statements (no module is run).
+
+Every `import` counts, those inside functions included (a lazy import still ties two modules
+together); only imports under `if TYPE_CHECKING:` are left out, as they never run. The rules:
+the core is pure Python (no torch, no server, no models); the console reaches nothing of the
+engine, however deep it follows its imports; the server talks to the engine core only through
+the client and the IPC messages; and no two modules of the package import each other, directly
+or around a circle.
+"""
+
+from __future__ import annotations
+
+import ast
+from functools import cache
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# Folders and the import names they are installed as (pyproject's package-dir).
+SOURCES = {
+    "appliance": ROOT / "appliance",
+    "appliance.console": ROOT / "console",
+    "appliance.kernels": ROOT / "kernels",
+    "appliance.templates": ROOT / "templates",
+}
+
+
+def _module_files() -> dict[str, Path]:
+    files: dict[str, Path] = {}
+    for prefix, folder in SOURCES.items():
+        for path in folder.rglob("*.py"):
+            parts = list(path.relative_to(folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            files[".".join([prefix, *parts])] = path
+    return files
+
+
+MODULES = _module_files()
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imported_names(tree: ast.AST, module: str) -> set[str]:
+    """Dotted names imported anywhere in `tree` except under `if TYPE_CHECKING:`."""
+    names: set[str] = set()
+    is_package = MODULES[module].name == "__init__.py"
+    stack: list[ast.AST] = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            stack.extend(node.orelse)
+            continue
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolve against this module's package
+                package = module.split(".") if is_package else module.split(".")[:-1]
+                package = package[: len(package) - node.level + 1]
+                base = ".".join(package + ([base] if base else []))
+            names.add(base)
+            # `from pkg import sub` imports the submodule pkg.sub when there is one.
+            names.update(f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in MODULES)
+        stack.extend(ast.iter_child_nodes(node))
+    return names
+
+
+@cache
+def imports_of(module: str) -> frozenset[str]:
+    """What `module` imports: the package's own modules by name, anything else by its top
+    level name (torch, litestar, ...)."""
+    tree = ast.parse(MODULES[module].read_text("utf-8"))
+    out: set[str] = set()
+    for name in _imported_names(tree, module):
+        if name in MODULES:
+            out.add(name)
+        elif name.split(".")[0] == "appliance":
+            # `appliance.x.y` where y is a name inside module appliance.x
+            parent = name.rsplit(".", 1)[0]
+            if parent in MODULES:
+                out.add(parent)
+        else:
+            out.add(name.split(".")[0])
+    out.discard(module)
+    return frozenset(out)
+
+
+def reachable(module: str) -> set[str]:
+    seen: set[str] = set()
+    todo = [module]
+    while todo:
+        for dep in imports_of(todo.pop()):
+            if dep not in seen:
+                seen.add(dep)
+                if dep in MODULES:
+                    todo.append(dep)
+    return seen
+
+
+def _in(name: str, *packages: str) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in packages)
+
+
+def _modules_in(package: str) -> list[str]:
+    return sorted(m for m in MODULES if _in(m, package))
+
+
+def test_the_reader_sees_imports_inside_functions_and_skips_type_checking_blocks() -> None:
+    # The engine client imports the core process's entry point at module level, the daemon
+    # imports uvicorn inside a function; the server's state names Generation for typing only.
+    assert "appliance.engine.core_process" in imports_of("appliance.engine.client")
+    assert "uvicorn" in imports_of("appliance.server.daemon")
+    assert "appliance.server.generate" not in imports_of("appliance.server.state")
+
+
+def test_core_imports_no_torch_no_server_no_models() -> None:
+    bad = {
+        m: sorted(
+            d
+            for d in reachable(m)
+            if d == "torch"
+            or _in(
+                d,
+                "appliance.server",
+                "appliance.models",
+                "appliance.engine",
+                "appliance.layers",
+                "appliance.kernels",
+            )
+        )
+        for m in _modules_in("appliance.core")
+    }
+    assert {m: d for m, d in bad.items() if d} == {}
+
+
+def test_console_reaches_nothing_of_the_engine() -> None:
+    engine_side = (
+        "appliance.engine",
+        "appliance.core",
+        "appliance.models",
+        "appliance.layers",
+        "appliance.kernels",
+        "appliance.server.state",
+        "appliance.server.app",
+    )
+    bad = {
+        m: sorted(d for d in reachable(m) if d == "torch" or _in(d, *engine_side))
+        for m in _modules_in("appliance.console")
+    }
+    assert {m: d for m, d in bad.items() if d} == {}
+
+
+def test_server_reaches_the_core_process_only_through_the_client() -> None:
+    # The client names core_main as the child process's target; nothing else of the core
+    # process (its loop, its request table) is the server's business.
+    bad = {
+        m: sorted(d for d in imports_of(m) if d == "appliance.engine.core_process")
+        for m in _modules_in("appliance.server")
+    }
+    assert {m: d for m, d in bad.items() if d} == {}
+    assert "appliance.engine.core_process" not in reachable("appliance.server.openai") - reachable(
+        "appliance.engine.client"
+    )
+
+
+def package_graph() -> dict[str, list[str]]:
+    return {m: sorted(d for d in imports_of(m) if d in MODULES) for m in MODULES}
+
+
+def circles(graph: dict[str, list[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    on_stack: set[str] = set()
+    stack: list[str] = []
+    circles: list[list[str]] = []
+    counter = 0
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(graph[root]))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, deps = work[-1]
+            advanced = False
+            for dep in deps:
+                if dep not in index:
+                    index[dep] = low[dep] = counter
+                    counter += 1
+                    stack.append(dep)
+                    on_stack.add(dep)
+                    work.append((dep, iter(graph[dep])))
+                    advanced = True
+                    break
+                if dep in on_stack:
+                    low[node] = min(low[node], index[dep])
+            if advanced:
+                continue
+            work.pop()
+            if work:
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    circles.append(sorted(component))
+    return circles
+
+
+def test_the_circle_finder_finds_a_circle_and_leaves_a_chain_alone() -> None:
+    graph = {"a": ["b"], "b": ["c"], "c": ["a", "d"], "d": [], "e": ["d"]}
+    assert circles(graph) == [["a", "b", "c"]]
+    assert circles({"a": ["b"], "b": ["c"], "c": []}) == []
+
+
+# load_model at TP > 1 starts the TP executor, whose worker ranks load through load_model: the
+# loader's rework (weights / KV sizing / backend, the CPU-backend issue) is where it goes away.
+KNOWN_CIRCLES = [["appliance.engine.loader", "appliance.engine.tp", "appliance.engine.tp_worker"]]
+
+
+def test_no_import_circles() -> None:
+    assert circles(package_graph()) == KNOWN_CIRCLES
