@@ -1,0 +1,92 @@
+"""Greedy answers to a fixed set of chat questions, 16-bit KV against a quantized KV cache.
+
+What a user sees of a quantized KV cache is whether the answer changes, so this is the figure
+the README and the real-model tests quote: the same chat prompts through `appliance.Engine`
+(continuous batching, paged cache, the serving path), greedy to EOS, once with the 16-bit cache
+and once per configuration; per question, whether the answers are identical and how much of the
+16-bit answer the quantized one reproduces before it first differs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from appliance.config import ApplianceConfig
+from appliance.engine.llm_engine import Engine
+from appliance.sampling_params import SamplingParams
+
+# Sixteen questions of different kinds (facts, arithmetic, how-to, definitions, lists, a bit of
+# code): short to medium answers, so a run stays at a minute or two on a 2-core CPU.
+QUESTIONS = (
+    "What is the capital of France?",
+    "How many legs does a spider have?",
+    "What is 12 times 7?",
+    "Name three primary colors.",
+    "Who wrote Romeo and Juliet?",
+    "What is the boiling point of water in Celsius?",
+    "Give me a synonym for happy.",
+    "What does a thermometer measure?",
+    "Explain in one sentence what photosynthesis is.",
+    "What is the largest planet in our solar system?",
+    "How do I make a cup of tea?",
+    "Write a Python function that adds two numbers.",
+    "What is the opposite of cold?",
+    "Why is the sky blue?",
+    "List the days of the week.",
+    "What is a noun?",
+)
+SYSTEM = "You are a helpful assistant."
+
+
+@dataclass
+class AnswerScore:
+    """One configuration's answers against the 16-bit ones."""
+
+    name: str
+    identical: float  # share of answers token-for-token identical
+    matched_prefix: float  # mean share of each 16-bit answer reproduced before the first change
+    answers: int
+
+
+def chat_prompts(tokenizer: Any, questions: Sequence[str] = QUESTIONS) -> list[list[int]]:
+    """Token ids of each question under the model's chat template (with a generation prompt)."""
+    prompts = []
+    for q in questions:
+        convo = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
+        text = tokenizer.apply_chat_template(convo, add_generation_prompt=True, tokenize=False)
+        prompts.append(list(tokenizer.encode(text, add_special_tokens=False)))
+    return prompts
+
+
+def greedy_answers(
+    config: ApplianceConfig, questions: Sequence[str] = QUESTIONS, max_tokens: int = 128
+) -> list[list[int]]:
+    """Greedy answers (token ids, up to EOS or max_tokens) through one Engine."""
+    with Engine(config) as engine:
+        prompts = chat_prompts(engine.tokenizer, questions)
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+        return [r.token_ids for r in engine.generate(prompts, params)]
+
+
+def matched_prefix(reference: Sequence[int], other: Sequence[int]) -> float:
+    """Share of `reference` reproduced by `other` before their first difference (1.0 when
+    identical; a quantized answer that stops early or runs on counts only the common part)."""
+    n = 0
+    for a, b in zip(reference, other, strict=False):
+        if a != b:
+            break
+        n += 1
+    if n == len(reference) == len(other):
+        return 1.0
+    return n / max(len(reference), len(other), 1)
+
+
+def score_answers(
+    name: str, reference: Sequence[Sequence[int]], answers: Sequence[Sequence[int]]
+) -> AnswerScore:
+    same = sum(list(r) == list(a) for r, a in zip(reference, answers, strict=True))
+    prefix = sum(matched_prefix(r, a) for r, a in zip(reference, answers, strict=True))
+    n = max(1, len(reference))
+    return AnswerScore(name, same / n, prefix / n, len(reference))
