@@ -90,3 +90,63 @@ def score_answers(
     prefix = sum(matched_prefix(r, a) for r, a in zip(reference, answers, strict=True))
     n = max(1, len(reference))
     return AnswerScore(name, same / n, prefix / n, len(reference))
+
+
+def heldout_windows(tokenizer: Any, tokens: int = 512, window: int = 256) -> list[list[int]]:
+    """Windows of the shipped corpus's last part: calibration reads windows at 0 and 1/2 of it
+    (kv_quant.calibration_windows), so the perplexity is measured on text it never saw."""
+    from appliance.models.demo import corpus_text
+
+    text = corpus_text()
+    ids = list(tokenizer.encode(text[len(text) * 3 // 4 :], add_special_tokens=False))[:tokens]
+    return [ids[i : i + window] for i in range(0, len(ids), window) if len(ids[i : i + window]) > 1]
+
+
+def kv_perplexities(
+    config: ApplianceConfig,
+    formats: Sequence[tuple[str, Sequence[int]]],
+    tokens: int = 512,
+    window: int = 256,
+    chunk: int = 64,
+) -> dict[str, float]:
+    """Perplexity of the held-out text (teacher forced in prefill chunks through the serving
+    path, as `appliance kv-eval` reads text) with the 16-bit cache ("auto") and with each
+    (format, 16-bit layers) of `formats`, keyed "auto" / "FORMAT keep [..]"."""
+    import math
+
+    import msgspec
+    import torch
+
+    from appliance.engine.kv_quant import calibrate_absmax, calibration_windows
+    from appliance.engine.loader import load_model
+    from appliance.kv_eval import TeacherForcer
+
+    # A 16-bit engine; each run below builds its own pool in the format it measures.
+    cache = msgspec.structs.replace(
+        config.cache, kv_cache_dtype="auto", kv_cache_keep_16bit=[], swap_space=0.0
+    )
+    loaded = load_model(msgspec.structs.replace(config, cache=cache))
+    try:
+        windows = heldout_windows(loaded.tokenizer, tokens, window)
+        absmax = calibrate_absmax(
+            loaded.model, calibration_windows(loaded.tokenizer, loaded.max_model_len),
+            loaded.block_size, loaded.device, loaded.dtype,
+        )  # fmt: skip
+        layers = loaded.args.num_layers
+
+        def ppl(kind: str, quantized: set[int]) -> float:
+            forcer = TeacherForcer(loaded, kind, absmax, chunk)
+            nll, n = 0.0, 0
+            for w in windows:
+                logp = forcer.log_probs(w, quantized)
+                targets = torch.tensor(w[1:])
+                nll -= float(logp[torch.arange(len(targets)), targets].sum())
+                n += len(targets)
+            return math.exp(nll / n)
+
+        out = {"auto": ppl("fp8_e4m3", set())}  # no layer quantized: the format is unused
+        for kind, keep in formats:
+            out[f"{kind} keep {sorted(keep)}"] = ppl(kind, set(range(layers)) - set(keep))
+        return out
+    finally:
+        loaded.close()
