@@ -150,3 +150,64 @@ def kv_perplexities(
         return out
     finally:
         loaded.close()
+
+
+def table(model: str, keep: list[int], max_tokens: int = 64) -> str:
+    """The README's table: format x keep-list -> identical answers, matched prefix, held-out
+    perplexity (fp32 compute), KV bytes per token and sequences of max_model_len that fit in
+    the cpu-demo template's pool (bf16, 1 GiB; as `appliance plan` counts them)."""
+    from appliance.config import load_config
+    from appliance.plan import make_plan
+
+    def config(fmt: str, kept: list[int]) -> ApplianceConfig:
+        return load_config(None, {
+            "model.path": model, "model.dtype": "float32", "model.max_model_len": 1024,
+            "model.cpu_prepack_weights": False, "cache.kv_cache_dtype": fmt,
+            "cache.kv_cache_keep_16bit": kept, "cache.kv_cache_memory": 0.25,
+            "cache.swap_space": 0.0, "hardware.device": "cpu",
+        })  # fmt: skip
+
+    runs = [("auto", [])] + [(f, k) for f in ("fp8_e4m3", "fp8_e5m2", "int8") for k in ([], keep)]
+    reference = greedy_answers(config("auto", []), max_tokens=max_tokens)
+    ppl = kv_perplexities(config("auto", []), [r for r in runs if r[0] != "auto"])
+    rows = [
+        "| KV format | 16-bit layers | identical answers | matched prefix | perplexity "
+        "| KV bytes/token | sequences of 2048 in cpu-demo's 1 GiB |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for fmt, kept in runs:
+        answers = (
+            reference if fmt == "auto" else greedy_answers(config(fmt, kept), max_tokens=max_tokens)
+        )
+        score = score_answers(fmt, reference, answers)
+        plan = make_plan(load_config("cpu-demo", {
+            "model.path": model, "cache.kv_cache_dtype": fmt, "cache.kv_cache_keep_16bit": kept,
+        })).chosen  # fmt: skip
+        name = "auto" if fmt == "auto" else f"{fmt} keep {sorted(kept)}"
+        rows.append(
+            f"| {fmt} | {kept or '-'} | {round(score.identical * score.answers)}/{score.answers} "
+            f"| {100 * score.matched_prefix:.1f}% | {ppl[name]:.3f} | {plan.kv_bytes_per_token} "
+            f"| {plan.seqs_at_max_model_len} |"
+        )
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        description="KV formats on SmolLM2-135M-Instruct: the README table"
+    )
+    parser.add_argument("--model", help="HF directory (default: build SmolLM2 from its wheel)")
+    parser.add_argument("--keep", default="17,20,23", help="the keep-list (kv-eval's)")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    ns = parser.parse_args()
+    if ns.model is None:
+        from appliance.models.smollm2 import build_smollm2
+
+        ns.model = str(build_smollm2())
+    import torch
+
+    torch.set_num_threads(1)
+    keep_list = [int(x) for x in ns.keep.split(",") if x]
+    print(table(ns.model, keep_list, ns.max_tokens))
