@@ -9,6 +9,9 @@ layers whose quantization alone moved the next-token distribution most, kept in 
 
 Per configuration: mean KL(p_16bit || p_quantized) of the next-token distributions, top-1
 agreement of their argmax, and the change of the text's mean negative log-likelihood.
+
+`--per-head` also quantizes each KV head of each layer alone, to show whether a layer's cost
+sits in one head. The keep-list itself names layers: the cache holds one format per layer.
 """
 
 from __future__ import annotations

@@ -22,6 +22,8 @@ orthonormal, q.k and p.V are unchanged, but the few outlier channels of a traine
 spends the format's range on them. Measured on SmolLM2-135M-Instruct (16 chat answers, teacher
 forced, flipped greedy tokens): int8 33 -> 16, fp8_e4m3 49 -> 46. It needs no storage: the
 wrapper (`RotatedKV`) sits around whichever backend the device has (torch, Triton).
+On CUDA the Triton prefill kernel still reads the chunk's own K/V back from the cache (the
+fresh-K/V prefill is the CPU's, through the torch reference).
 """
 
 from __future__ import annotations
