@@ -11,7 +11,10 @@ Per configuration: mean KL(p_16bit || p_quantized) of the next-token distributio
 agreement of their argmax, and the change of the text's mean negative log-likelihood.
 
 `--per-head` also quantizes each KV head of each layer alone, to show whether a layer's cost
-sits in one head. The keep-list itself names layers: the cache holds one format per layer.
+sits in one head. The keep-list itself names layers: the cache holds one format per layer, so
+a head is measured in a 16-bit layer that stores it quantized, and its prefill chunks read it
+back quantized (a quantized layer attends to the fresh K/V): the per-head figures compare heads
+with each other, not with the per-layer rows (on SmolLM2 they overstate the early layers).
 """
 
 from __future__ import annotations
@@ -348,7 +351,8 @@ def format_report(r: Report) -> str:
     if r.per_head:
         total = sum(s.kl for s in r.per_head) or 1.0
         lines.append(
-            f"per KV head (one head quantized alone), the 10 most sensitive of {len(r.per_head)}:"
+            f"per KV head (one head quantized alone, its prefill reading it back quantized), "
+            f"the 10 most sensitive of {len(r.per_head)}:"
         )
         lines += [
             f"{row(s)}  ({100 * s.kl / total:.1f}% of the heads' KL)" for s in r.per_head[:10]
