@@ -135,11 +135,15 @@ def paged_attention(
     kv_cache_dtype: str = "auto",
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its whole (paged) context.
 
     query: [num_tokens, num_heads, head_dim]; returns the same shape. One padded
-    scaled-dot-product call for the whole batch; GQA through `enable_gqa`.
+    scaled-dot-product call for the whole batch; GQA through `enable_gqa`. key/value (optional,
+    [num_tokens, num_kv_heads, head_dim]): this step's K/V of the same rows, which a prefill over
+    a quantized cache then reads for the chunk's own positions instead of the stored bytes.
     """
     num_tokens, num_heads, head_dim = query.shape
     batch = seq_lens.shape[0]
@@ -174,6 +178,13 @@ def paged_attention(
     pos_in_query = row - query_start_loc[:-1][seq_of_row]
     padded = query.new_zeros(batch, max_query_len, num_heads, head_dim)
     padded[seq_of_row, pos_in_query] = query
+    if key is not None and value is not None and kv_cache_dtype != "auto":
+        # The chunk's own K/V as computed, not as read back from a quantized cache (as vLLM's
+        # prefill attends to its fresh K/V): the quantization error then enters only through
+        # earlier steps' tokens instead of compounding through every layer of the prompt.
+        abs_pos = (seq_lens - query_lens)[seq_of_row] + pos_in_query
+        keys[seq_of_row, :, abs_pos] = key.to(keys.dtype)
+        values[seq_of_row, :, abs_pos] = value.to(values.dtype)
 
     # Query i of sequence s sits at absolute position seq_len - q_len + i.
     q_abs = (seq_lens - query_lens)[:, None] + torch.arange(max_query_len, device=device)[None]

@@ -85,6 +85,12 @@ class Attention(nn.Module):
             if batch is None:
                 continue
             rows = slice(start, start + batch.num_tokens)
+            # A prefill over a quantized cache also gets its fresh K/V (kv_quant.RotatedKV).
+            fresh = (
+                {"key": k[rows], "value": v[rows]}
+                if batch is meta.prefill and spec.k_scale is not None
+                else {}
+            )
             outputs.append(
                 self.paged_attention(
                     q[rows],
@@ -99,6 +105,7 @@ class Attention(nn.Module):
                     spec.kv_cache_dtype,
                     spec.k_scale,
                     spec.v_scale,
+                    **fresh,
                 )
             )
             start += batch.num_tokens

@@ -9,6 +9,12 @@ layers whose quantization alone moved the next-token distribution most, kept in 
 
 Per configuration: mean KL(p_16bit || p_quantized) of the next-token distributions, top-1
 agreement of their argmax, and the change of the text's mean negative log-likelihood.
+
+`--per-head` also quantizes each KV head of each layer alone, to show whether a layer's cost
+sits in one head. The keep-list itself names layers: the cache holds one format per layer, so
+a head is measured in a 16-bit layer that stores it quantized, and its prefill chunks read it
+back quantized (a quantized layer attends to the fresh K/V): the per-head figures compare heads
+with each other, not with the per-layer rows (on SmolLM2 they overstate the early layers).
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import argparse
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +35,13 @@ from appliance.engine.kv_quant import (
     apply_kv_specs,
     calibrate_absmax,
     calibration_windows,
+    rotation_matrix,
+    scales_from_absmax,
     storage_dtypes,
 )
 from appliance.engine.loader import LoadedModel, load_model
 from appliance.engine.model_runner import KVCachePool, ModelRunner
+from appliance.kernels.paged_attention import dequantize, quantize
 from appliance.sampling_params import SamplingParams
 from appliance.tools.kv_template import write_keep_list
 
@@ -49,6 +58,7 @@ class Score:
     top1_agreement: float
     nll_delta: float  # mean NLL of the text, quantized minus 16-bit (nats per token)
     positions: int
+    head: int | None = None  # per-head runs: the one KV head quantized (of quantized_layers[0])
 
 
 @dataclass
@@ -65,11 +75,12 @@ class Report:
     all_quantized: Score
     keep_16bit: list[int]
     with_keep_list: Score
+    per_head: list[Score] = field(default_factory=list)  # with --per-head, most sensitive first
 
 
 class _Accumulator:
-    def __init__(self, name: str, layers: Sequence[int]) -> None:
-        self.name, self.layers = name, sorted(layers)
+    def __init__(self, name: str, layers: Sequence[int], head: int | None = None) -> None:
+        self.name, self.layers, self.head = name, sorted(layers), head
         self.kl = self.agree = self.nll = 0.0
         self.positions = self.nll_positions = 0
 
@@ -87,8 +98,13 @@ class _Accumulator:
     def score(self) -> Score:
         n = max(1, self.positions)
         return Score(
-            self.name, self.layers, self.kl / n, self.agree / n,
-            self.nll / max(1, self.nll_positions), self.positions,
+            self.name,
+            self.layers,
+            self.kl / n,
+            self.agree / n,
+            self.nll / max(1, self.nll_positions),
+            self.positions,
+            self.head,
         )
 
 
@@ -108,50 +124,93 @@ class TeacherForcer:
         attn = self.model.attention_layers()[0]
         self.heads, self.head_dim = attn.num_kv_heads, attn.head_dim
 
+    def _one_head(self, layer: int, head: int) -> None:
+        """Layer `layer` (16-bit storage) stores KV head `head` as the format would: rotated,
+        quantized with its calibrated scale and read back (the other heads exact). The cache
+        layout holds one format per layer, so this measures a head without storing it mixed;
+        unlike a quantized layer, the prefill chunk reads that head back quantized too."""
+        attn = self.model.attention_layers()[layer]
+        write = self._saved_write = attn.write_kv
+        rot = rotation_matrix(self.head_dim, self.loaded.device)
+        scales = [scales_from_absmax(m, self.kind) for m in self.absmax[layer]]
+
+        def fake(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+            y = x.float() @ rot
+            stored = quantize(y[:, head : head + 1], self.kind, scale[head : head + 1])
+            y[:, head : head + 1] = dequantize(stored, self.kind, scale[head : head + 1], y.dtype)
+            return (y @ rot.T).to(x.dtype)
+
+        def write_kv(key: torch.Tensor, value: torch.Tensor, *rest: object) -> None:
+            write(fake(key, scales[0]), fake(value, scales[1]), *rest)
+
+        attn.set_backend(write_kv, attn.paged_attention)
+
     @torch.inference_mode()
-    def log_probs(self, window: list[int], quantized: set[int]) -> torch.Tensor:
-        """Next-token log-probs [len(window), vocab] (float32, on the CPU)."""
+    def log_probs(
+        self, window: list[int], quantized: set[int], head: tuple[int, int] | None = None
+    ) -> torch.Tensor:
+        """Next-token log-probs [len(window), vocab] (float32, on the CPU); `head` = (layer,
+        KV head) quantizes that one head alone (`_one_head`)."""
         kinds = [self.kind if i in quantized else "auto" for i in range(self.num_layers)]
         apply_kv_specs(self.model, kinds, self.absmax)
+        if head is not None:
+            self._one_head(*head)
         bs, device = self.loaded.block_size, self.loaded.device
         num_blocks = math.ceil(len(window) / bs)
         # A fresh, zeroed pool per run: nothing of an earlier configuration can leak in.
         pool = KVCachePool(
-            self.num_layers, num_blocks, 0, bs, self.heads, self.head_dim,
-            storage_dtypes(kinds, self.loaded.dtype), device,
+            self.num_layers,
+            num_blocks,
+            0,
+            bs,
+            self.heads,
+            self.head_dim,
+            storage_dtypes(kinds, self.loaded.dtype),
+            device,
         )
         runner = ModelRunner(self.model, pool, bs, device, frozenset())
         greedy = SamplingParams(max_tokens=1, temperature=0.0)
         # Scattered block ids: the block table must be honoured, not assumed contiguous.
         block_ids = list(reversed(range(num_blocks)))
         out = []
-        for start in range(0, len(window), self.chunk):
-            ids = window[start : start + self.chunk]
-            req = ScheduledRequest("kv-eval", ids, start, block_ids, False, greedy, 0)
-            # The runner's own step preparation (positions, slot mapping, block tables) and
-            # forward; logits of every row instead of only the last one.
-            input_ids, positions, meta, _ = runner._prepare([req])
-            hidden = self.model(input_ids, positions, meta, pool.device_caches)
-            logits = self.model.compute_logits(hidden)
-            out.append(torch.log_softmax(logits.float(), dim=-1).cpu())
+        try:
+            for start in range(0, len(window), self.chunk):
+                ids = window[start : start + self.chunk]
+                req = ScheduledRequest("kv-eval", ids, start, block_ids, False, greedy, 0)
+                # The runner's own step preparation (positions, slot mapping, block tables) and
+                # forward; logits of every row instead of only the last one.
+                input_ids, positions, meta, _ = runner._prepare([req])
+                hidden = self.model(input_ids, positions, meta, pool.device_caches)
+                logits = self.model.compute_logits(hidden)
+                out.append(torch.log_softmax(logits.float(), dim=-1).cpu())
+        finally:
+            if head is not None:
+                # The device's writer back (apply_kv_specs would keep the one-head one).
+                attn = self.model.attention_layers()[head[0]]
+                attn.set_backend(self._saved_write, attn.paged_attention)
         return torch.cat(out)
 
 
 def evaluate(
     forcer: TeacherForcer,
     windows: list[list[int]],
-    configs: list[tuple[str, set[int]]],
+    configs: Sequence[tuple[str, set[int]] | tuple[str, set[int], int]],
 ) -> tuple[list[Score], float]:
-    """Scores of each (name, quantized layers) against the 16-bit run, and the 16-bit NLL."""
-    accs = [_Accumulator(name, layers) for name, layers in configs]
+    """Scores of each (name, quantized layers[, the one KV head of that single layer]) against
+    the 16-bit run, and the 16-bit NLL."""
+    accs = [_Accumulator(c[0], c[1], c[2] if len(c) > 2 else None) for c in configs]
     ref_nll, ref_n = 0.0, 0
     for window in windows:
         ref = forcer.log_probs(window, set())
         targets = torch.tensor(window[1:])
         ref_nll -= float(ref[torch.arange(len(targets)), targets].sum())
         ref_n += len(targets)
-        for acc, (_, layers) in zip(accs, configs, strict=True):
-            acc.add(ref, forcer.log_probs(window, layers), targets)
+        for acc in accs:
+            if acc.head is None:
+                quant = forcer.log_probs(window, set(acc.layers))
+            else:
+                quant = forcer.log_probs(window, set(), (acc.layers[0], acc.head))
+            acc.add(ref, quant, targets)
     return [a.score() for a in accs], ref_nll / max(1, ref_n)
 
 
@@ -161,9 +220,7 @@ def propose_keep_list(per_layer: list[Score], budget: int) -> list[int]:
     return sorted(s.quantized_layers[0] for s in ranked[:budget])
 
 
-def read_windows(
-    tokenizer: Any, files: list[str], max_tokens: int, window: int
-) -> list[list[int]]:
+def read_windows(tokenizer: Any, files: list[str], max_tokens: int, window: int) -> list[list[int]]:
     text = "\n\n".join(Path(f).read_text("utf-8") for f in files)
     ids = list(tokenizer.encode(text, add_special_tokens=False))
     bos = getattr(tokenizer, "bos_token_id", None)
@@ -190,26 +247,31 @@ def run_kv_eval(
     max_tokens: int = 2048,
     window: int = 256,
     chunk: int = 64,
+    per_head: bool = False,
 ) -> Report:
     config = load_config(template, overrides)
     kind = kv_cache_dtype or (
         config.cache.kv_cache_dtype if config.cache.kv_cache_dtype != "auto" else "fp8_e4m3"
     )
     if kind not in QUANTIZED:
-        raise ConfigError(f"--kv-cache-dtype: {kind!r} is not a quantized format ({', '.join(QUANTIZED)})")
+        raise ConfigError(
+            f"--kv-cache-dtype: {kind!r} is not a quantized format ({', '.join(QUANTIZED)})"
+        )
     serving_max_len = config.model.max_model_len
     # The engine is loaded with 16-bit KV and a pool of one window; the runs below build their
     # own pools. Scales are calibrated as serving calibrates them (same text, same lengths).
     eval_overrides = dict(overrides or {})
-    eval_overrides.update({
-        "cache.kv_cache_dtype": "auto",
-        "cache.kv_cache_keep_16bit": [],
-        "cache.swap_space": 0,
-        "model.max_model_len": window,
-        "cache.num_blocks": math.ceil(window / config.cache.block_size),
-        # One process: the forward below runs outside the TP executor.
-        "parallel.tensor_parallel_size": 1,
-    })
+    eval_overrides.update(
+        {
+            "cache.kv_cache_dtype": "auto",
+            "cache.kv_cache_keep_16bit": [],
+            "cache.swap_space": 0,
+            "model.max_model_len": window,
+            "cache.num_blocks": math.ceil(window / config.cache.block_size),
+            # One process: the forward below runs outside the TP executor.
+            "parallel.tensor_parallel_size": 1,
+        }
+    )
     loaded = load_model(load_config(template, eval_overrides))
     try:
         args = loaded.args
@@ -218,8 +280,11 @@ def run_kv_eval(
             raise ConfigError(f"--budget: {budget} must lie in 0..{args.num_layers} (the layers)")
         calib_len = serving_max_len or args.max_position_embeddings
         absmax = calibrate_absmax(
-            loaded.model, calibration_windows(loaded.tokenizer, calib_len),
-            loaded.block_size, loaded.device, loaded.dtype,
+            loaded.model,
+            calibration_windows(loaded.tokenizer, calib_len),
+            loaded.block_size,
+            loaded.device,
+            loaded.dtype,
         )
         windows = read_windows(loaded.tokenizer, data, max_tokens, window)
         forcer = TeacherForcer(loaded, kind, absmax, chunk)
@@ -233,11 +298,30 @@ def run_kv_eval(
             [with_keep], _ = evaluate(forcer, windows, [(f"keep {keep}", rest)])
         else:
             with_keep = all_q
+        head_scores: list[Score] = []
+        if per_head:
+            heads = loaded.model.attention_layers()[0].num_kv_heads
+            head_configs = [
+                (f"layer {i} head {h}", {i}, h)
+                for i in range(args.num_layers)
+                for h in range(heads)
+            ]
+            head_scores, _ = evaluate(forcer, windows, head_configs)
+            head_scores.sort(key=lambda s: (-s.kl, s.quantized_layers[0], s.head))
         return Report(
-            model=str(loaded.model_dir), kv_cache_dtype=kind, num_layers=args.num_layers,
-            tokens=sum(len(w) for w in windows), windows=len(windows), chunk=chunk,
-            budget=budget, reference_nll=ref_nll, per_layer=per_layer, all_quantized=all_q,
-            keep_16bit=keep, with_keep_list=with_keep,
+            model=str(loaded.model_dir),
+            kv_cache_dtype=kind,
+            num_layers=args.num_layers,
+            tokens=sum(len(w) for w in windows),
+            windows=len(windows),
+            chunk=chunk,
+            budget=budget,
+            reference_nll=ref_nll,
+            per_layer=per_layer,
+            all_quantized=all_q,
+            keep_16bit=keep,
+            with_keep_list=with_keep,
+            per_head=head_scores,
         )
     finally:
         loaded.close()
@@ -264,6 +348,15 @@ def format_report(r: Report) -> str:
         f"proposed kv_cache_keep_16bit = {r.keep_16bit} (budget {r.budget} of {r.num_layers} "
         f"layers): KL {gain:.1f}x lower than all {r.kv_cache_dtype}"
     )
+    if r.per_head:
+        total = sum(s.kl for s in r.per_head) or 1.0
+        lines.append(
+            f"per KV head (one head quantized alone, its prefill reading it back quantized), "
+            f"the 10 most sensitive of {len(r.per_head)}:"
+        )
+        lines += [
+            f"{row(s)}  ({100 * s.kl / total:.1f}% of the heads' KL)" for s in r.per_head[:10]
+        ]
     return "\n".join(lines)
 
 
@@ -275,15 +368,31 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--template", required=True)
     p.add_argument("--data", nargs="+", required=True, metavar="FILE", help="evaluation text")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--kv-cache-dtype", choices=QUANTIZED, default=None,
-                   help="format to evaluate (default: the template's, or fp8_e4m3 if auto)")
-    p.add_argument("--budget", type=int, default=None,
-                   help="layers the keep-list may hold in 16-bit (default: num_layers // 8, >= 1)")
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=QUANTIZED,
+        default=None,
+        help="format to evaluate (default: the template's, or fp8_e4m3 if auto)",
+    )
+    p.add_argument(
+        "--budget",
+        type=int,
+        default=None,
+        help="layers the keep-list may hold in 16-bit (default: num_layers // 8, >= 1)",
+    )
     p.add_argument("--max-tokens", type=int, default=2048)
     p.add_argument("--window", type=int, default=256, help="tokens per teacher-forced sequence")
     p.add_argument("--chunk", type=int, default=64, help="prefill chunk (tokens per step)")
-    p.add_argument("--write-template", metavar="OUT",
-                   help="write a copy of the template with the format and the keep-list")
+    p.add_argument(
+        "--write-template",
+        metavar="OUT",
+        help="write a copy of the template with the format and the keep-list",
+    )
+    p.add_argument(
+        "--per-head",
+        action="store_true",
+        help="also quantize each KV head alone (layers x KV heads more runs)",
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=main)
 
@@ -292,12 +401,21 @@ def main(ns: argparse.Namespace) -> int:
     from appliance.config import parse_sets
 
     report = run_kv_eval(
-        ns.template, ns.data, parse_sets(ns.set), ns.kv_cache_dtype, ns.budget,
-        ns.max_tokens, ns.window, ns.chunk,
+        ns.template,
+        ns.data,
+        parse_sets(ns.set),
+        ns.kv_cache_dtype,
+        ns.budget,
+        ns.max_tokens,
+        ns.window,
+        ns.chunk,
+        ns.per_head,
     )
     if ns.write_template:
         write_keep_list(
-            resolve_template(ns.template), Path(ns.write_template), report.kv_cache_dtype,
+            resolve_template(ns.template),
+            Path(ns.write_template),
+            report.kv_cache_dtype,
             report.keep_16bit,
         )
     if ns.json:
