@@ -48,9 +48,11 @@ BF16_GEMV_MAX_ROWS = 2
 # is. ms a step of the small demo model, native vs torch:
 # - bf16 compute (Zen 4, oneDNN bf16): 9.9 vs 27 (1), 19.6 vs 28.6 (4), 28.1 vs 32.6 (6),
 #   35.6 vs 33.2 (8);
-# - float32 compute over bf16 weights (Zen 3, AVX2, oneDNN fp32 prepacked): see FP32_FUSED_MAX.
+# - float32 compute over bf16 weights (Zen 3, AVX2, oneDNN fp32 prepacked, 2 threads, quiet):
+#   29.9 vs 66.1 (1), 46.4 vs 96.4 (8), 84.8 vs 118.3 (16), 142.4 vs 180.1 (32),
+#   242.7 vs 228.1 (48), 278.8 vs 248.3 (64).
 BF16_FUSED_MAX = 6
-FP32_FUSED_MAX = 24
+FP32_FUSED_MAX = 32
 
 
 @dataclass
