@@ -178,7 +178,9 @@ class TeacherForcer:
                 ids = window[start : start + self.chunk]
                 req = ScheduledRequest("kv-eval", ids, start, block_ids, False, greedy, 0)
                 # The runner's own step preparation (positions, slot mapping, block tables) and
-                # forward; logits of every row instead of only the last one.
+                # forward; logits of every row instead of only the last one. The runner keeps
+                # block tables from what each step changed; this request's table is all of it.
+                runner.block_tables[req.request_id] = block_ids
                 input_ids, positions, meta, _ = runner._prepare([req])
                 hidden = self.model(input_ids, positions, meta, pool.device_caches)
                 logits = self.model.compute_logits(hidden)
