@@ -14,14 +14,13 @@ import ctypes
 import hashlib
 import logging
 import os
-import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 
 import torch
 
-from appliance.cpu.choice import NATIVE_MAX_QUERY_HEADS
+from appliance.cpu.choice import NATIVE_MAX_QUERY_HEADS, c_compiler
 from appliance.cpu.features import CpuFeatures, detect
 
 log = logging.getLogger(__name__)
@@ -60,7 +59,7 @@ def cache_dir() -> Path:
 
 
 def compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    return c_compiler()
 
 
 def build_flags(features: CpuFeatures | None = None) -> list[str]:

@@ -183,7 +183,6 @@ class CpuBackend:
     def __init__(self, plan: CpuPlan) -> None:
         self.plan = plan
         self.fused_decode: FusedCpuDecode | None = None
-        self.native_decode_steps = 0
 
     @classmethod
     def create(cls, config: ApplianceConfig, num_heads: int, num_kv_heads: int) -> CpuBackend:

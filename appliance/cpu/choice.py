@@ -5,6 +5,8 @@ without importing torch. `appliance.cpu.backend.plan_cpu` turns it into torch dt
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -16,6 +18,11 @@ from appliance.cpu.features import CpuFeatures
 NATIVE_DTYPES = ("bfloat16", "float32")
 NATIVE_MAX_QUERY_HEADS = 64
 BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def c_compiler() -> str | None:
+    """The compiler the native kernels are built with: $CC, else cc or gcc on PATH."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
 @dataclass

@@ -252,14 +252,12 @@ def cpu_weight_bytes(spec: ArchSpec, config: ApplianceConfig, tp: int) -> tuple[
     """(stored weight bytes, matmul copy bytes, the path) of a CPU rank, as the CPU backend
     would lay them out on this machine (appliance.cpu.backend): the matmuls read a prepacked
     or float32 copy; the 16-bit linears stay beside it while the native decode reads them."""
-    import shutil
-
-    from appliance.cpu.choice import BYTES, choose
+    from appliance.cpu.choice import BYTES, c_compiler, choose
     from appliance.cpu.features import detect
 
     def compiler() -> tuple[bool, str | None]:
         # What the engine would find: a C compiler to build the native kernels with.
-        found = bool(os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc"))
+        found = c_compiler() is not None
         return found, None if found else "no C compiler"
 
     cpu = choose(config, spec.num_heads, spec.num_kv_heads, detect(), True, compiler)
