@@ -18,7 +18,8 @@ from appliance import Engine, SamplingParams
 from appliance.config import ConfigError, load_config
 from appliance.core.scheduler import ScheduledRequest, SchedulerOutput
 from appliance.cpu import backend as cpu_backend_mod
-from appliance.engine.loader import LoadedModel, load_model
+from appliance.engine.executor import load_model
+from appliance.engine.loader import LoadedModel
 from appliance.engine.model_runner import KVCachePool
 from appliance.tools.demo_spec import corpus_text
 from appliance.tools.kv_eval import Report, format_report, run_kv_eval

@@ -79,7 +79,7 @@ def test_profile_steps_cover_budget_and_max_num_seqs() -> None:
 
 def test_profile_steps_run_through_the_runner(tiny_model_dir: Path) -> None:
     """The profiling forward (GPU start-up) runs on a real model over a one-block pool."""
-    from appliance.engine.loader import load_model
+    from appliance.engine.executor import load_model
 
     config = load_config(
         None,

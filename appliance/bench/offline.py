@@ -18,8 +18,9 @@ import torch
 from appliance.bench import mixed
 from appliance.bench.hardware import copy_bandwidth, matmul_flops
 from appliance.config import load_config, parse_override_value
+from appliance.engine.executor import load_model
 from appliance.engine.llm_engine import Engine
-from appliance.engine.loader import LoadedModel, load_model
+from appliance.engine.loader import LoadedModel
 from appliance.engine.stats import StepHistory, StepRecord
 from appliance.sampling_params import SamplingParams
 

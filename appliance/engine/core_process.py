@@ -104,8 +104,8 @@ class _Core:
     def start(cls, conn: Connection, config_json: bytes) -> _Core:
         t0 = time.perf_counter()
         from appliance.config import config_from_dict
+        from appliance.engine.executor import load_model
         from appliance.engine.llm_engine import Engine
-        from appliance.engine.loader import load_model
 
         imports = time.perf_counter() - t0
         config = config_from_dict(msgspec.json.decode(config_json), "reloaded config")

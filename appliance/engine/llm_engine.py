@@ -19,7 +19,8 @@ from appliance.config import ApplianceConfig, ConfigError, load_config
 from appliance.core.kv_cache_manager import KVCacheManager
 from appliance.core.request import FinishReason, Request
 from appliance.core.scheduler import Scheduler
-from appliance.engine.loader import LoadedModel, load_model
+from appliance.engine.executor import load_model
+from appliance.engine.loader import LoadedModel
 from appliance.engine.output_processor import OutputProcessor
 from appliance.engine.outputs import CompletionResult, EngineOutput, Logprob
 from appliance.engine.stats import StepHistory, snapshot

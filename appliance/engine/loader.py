@@ -145,17 +145,15 @@ class _KVLayout:
     num_swap: int
 
 
-def load_model(
+def load_this_rank(
     config: ApplianceConfig, progress: Callable[[str], None] | None = None
 ) -> LoadedModel:
-    """Load the weights, size the KV cache, wire the backend."""
-    say = progress or (lambda msg: log.info(msg))
-    if config.parallel.tensor_parallel_size > 1 and tp_size() == 1:
-        # This process becomes rank 0 of a tensor-parallel group: the executor spawns the other
-        # ranks and calls back in here under each rank's TP state (appliance.engine.tp).
-        from appliance.engine.tp import TPExecutor
+    """Load this process's share of the model: the weights, the KV cache, the backend.
 
-        return TPExecutor.start(config, progress).loaded
+    At TP 1 that is the whole model; a rank of a tensor-parallel group (appliance.engine.tp)
+    calls it under its TP state. `appliance.engine.executor.load_model` picks between the two.
+    """
+    say = progress or (lambda msg: log.info(msg))
     if tp_size() > 1 and config.parallel.tensor_parallel_size != tp_size():
         raise ConfigError(
             f"parallel.tensor_parallel_size {config.parallel.tensor_parallel_size}: this process "

@@ -3,7 +3,7 @@
 The scheduler and the block manager run once, in the driver. Each step the driver sends the
 SchedulerOutput (swap mappings included) to every worker (msgpack over a pipe), then all ranks
 run the same forward: the all-reduces inside the layers need every rank. Only the driver
-samples. Rank r uses GPU r with NCCL, or the CPU with gloo. `load_model` starts this when
+samples. Rank r uses GPU r with NCCL, or the CPU with gloo. `executor.load_model` starts this when
 `parallel.tensor_parallel_size` > 1; `LoadedModel.close()` (`Engine.close()`) or exit stops it.
 
 A worker that dies ends the engine within a second or so: a monitor thread waits on the worker
@@ -41,7 +41,7 @@ import torch.multiprocessing as mp
 
 from appliance.config import ApplianceConfig, ConfigError
 from appliance.core.scheduler import SchedulerOutput
-from appliance.engine.loader import LoadedModel, load_model, resolve_device, resolve_model_dir
+from appliance.engine.loader import LoadedModel, load_this_rank, resolve_device, resolve_model_dir
 from appliance.engine.model_runner import RunnerOutput
 from appliance.engine.tp_worker import (
     STOP,
@@ -191,7 +191,7 @@ class TPExecutor:
         # For the engine's lifetime, not just around each step: anything that runs this
         # process's model (calibration, evaluation tools) must take part in the collectives.
         set_tensor_parallel(0, self.size)
-        loaded = load_model(config, say)
+        loaded = load_this_rank(config, say)
         for w in self.workers:
             ready = self._await_report(w, Ready, LOAD_TIMEOUT_S)
             if ready.num_blocks != loaded.num_blocks:

@@ -82,7 +82,7 @@ def worker_main(args: WorkerArgs, commands: Connection, reports: Connection) -> 
     import torch
     import torch.distributed as dist
 
-    from appliance.engine.loader import load_model
+    from appliance.engine.loader import load_this_rank
     from appliance.layers.parallel import set_tensor_parallel
 
     encoder = msgspec.msgpack.Encoder()
@@ -101,7 +101,7 @@ def worker_main(args: WorkerArgs, commands: Connection, reports: Connection) -> 
             world_size=args.size,
             timeout=datetime.timedelta(seconds=args.timeout_s),
         )
-        loaded = load_model(args.config, progress=lambda _msg: None)
+        loaded = load_this_rank(args.config, progress=lambda _msg: None)
         runner = loaded.runner
         runner.samples = False
         reports.send_bytes(

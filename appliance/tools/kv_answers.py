@@ -117,8 +117,8 @@ def kv_perplexities(
     import msgspec
     import torch
 
+    from appliance.engine.executor import load_model
     from appliance.engine.kv_quant import calibrate_absmax, calibration_windows
-    from appliance.engine.loader import load_model
     from appliance.tools.kv_eval import TeacherForcer
 
     # A 16-bit engine; each run below builds its own pool in the format it measures.

@@ -31,6 +31,7 @@ import torch
 
 from appliance.config import ConfigError, load_config, resolve_template
 from appliance.core.scheduler import ScheduledRequest
+from appliance.engine.executor import load_model
 from appliance.engine.kv_quant import (
     apply_kv_specs,
     calibrate_absmax,
@@ -39,7 +40,7 @@ from appliance.engine.kv_quant import (
     scales_from_absmax,
     storage_dtypes,
 )
-from appliance.engine.loader import LoadedModel, load_model
+from appliance.engine.loader import LoadedModel
 from appliance.engine.model_runner import KVCachePool, ModelRunner
 from appliance.kernels.paged_attention import dequantize, quantize
 from appliance.sampling_params import SamplingParams
