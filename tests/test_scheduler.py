@@ -266,3 +266,21 @@ def test_each_step_sends_only_the_blocks_that_changed() -> None:
         if "a" in s.requests:
             assert tables["a"] == s.kv.block_ids(s.requests["a"])
     assert step(s).finished_request_ids == ["a"]
+
+
+def test_one_stop_set_per_request_reaches_the_sampler() -> None:
+    """EOS (unless ignore_eos) and stop_token_ids are one set, computed once on the request:
+    the scheduler stops on it and the scheduled request hands it to the sampler's min_tokens ban."""
+    s = make()
+    eos = frozenset({1})
+    plain = Request("plain", [5, 6], SamplingParams(max_tokens=4, stop_token_ids=[7]), eos_token_ids=eos)
+    ignoring = Request(
+        "ignoring", [5, 6], SamplingParams(max_tokens=4, ignore_eos=True, stop_token_ids=[7]), eos_token_ids=eos
+    )
+    assert plain.stop_token_ids == {1, 7} and ignoring.stop_token_ids == {7}
+    s.add_request(plain)
+    s.add_request(ignoring)
+    out = s.schedule()
+    by_id = {r.request_id: r for r in out.scheduled}
+    assert by_id["plain"].stop_token_ids == {1, 7}
+    assert by_id["ignoring"].stop_token_ids == {7}

@@ -41,6 +41,8 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
+    # The model's end-of-sequence ids; with the request's own stop ids they make up
+    # stop_token_ids, the one set the scheduler stops on and the sampler bans under min_tokens.
     eos_token_ids: frozenset[int] = frozenset()
     priority: int = 0
     priority_class: str = ""
@@ -74,6 +76,9 @@ class Request:
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+        params = self.sampling_params
+        eos = frozenset() if params.ignore_eos else self.eos_token_ids
+        self.stop_token_ids: frozenset[int] = eos | frozenset(params.stop_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -34,6 +34,8 @@ class ScheduledRequest:
     # Index of the token to be sampled among the outputs (seeds randomness per position).
     output_index: int
     new_table: bool = True
+    # The request's stop tokens (Request.stop_token_ids): banned until min_tokens are out.
+    stop_token_ids: frozenset[int] = frozenset()
 
 
 @dataclass
@@ -272,11 +274,8 @@ class Scheduler:
     def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
         params = req.sampling_params
         n_out = req.num_output_tokens
-        if n_out >= params.min_tokens:
-            if not params.ignore_eos and token in req.eos_token_ids:
-                return FinishReason.STOP
-            if token in params.stop_token_ids:
-                return FinishReason.STOP
+        if n_out >= params.min_tokens and token in req.stop_token_ids:
+            return FinishReason.STOP
         if n_out >= params.max_tokens or req.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
@@ -496,6 +495,7 @@ class _StepBuilder:
                     sampling_params=req.sampling_params,
                     output_index=req.num_output_tokens,
                     new_table=new_table,
+                    stop_token_ids=req.stop_token_ids,
                 )
             )
             total += tokens

@@ -171,7 +171,7 @@ def calibrate_absmax(
     pool = KVCachePool(
         len(layers), sum(blocks_per_window), 0, block_size, heads, layers[0].head_dim, dtype, device
     )
-    runner = ModelRunner(model, pool, block_size, device, frozenset())
+    runner = ModelRunner(model, pool, block_size, device)
     greedy = SamplingParams(max_tokens=1, temperature=0.0)
     scheduled, first = [], 0
     for n, (window, nb) in enumerate(zip(windows, blocks_per_window, strict=True)):

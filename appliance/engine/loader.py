@@ -287,7 +287,7 @@ def wire_backend(
     eos = _eos_ids(w.hf_config, w.tokenizer)
     if w.cpu is not None:
         w.cpu.wire(w.model, pool.device_caches, config.cache.block_size)
-    runner = ModelRunner(w.model, pool, config.cache.block_size, device, eos, cpu=w.cpu)
+    runner = ModelRunner(w.model, pool, config.cache.block_size, device, cpu=w.cpu)
     weight_dtype = w.cpu.plan.weight_dtype if w.cpu is not None else resolve_dtype(config)
     return LoadedModel(
         model_name=served_model_name(config, w.model_dir),

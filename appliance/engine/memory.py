@@ -158,7 +158,7 @@ def run_profile(
         args.num_layers, 1, 0, bs, args.kv_heads_per_rank(tp_size()), args.head_dim, storage,
         device,
     )
-    runner = ModelRunner(model, pool, bs, device, frozenset())
+    runner = ModelRunner(model, pool, bs, device)
     for step in profile_batches(config, max_model_len):
         runner.execute(step)
 

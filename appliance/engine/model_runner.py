@@ -94,7 +94,6 @@ class ModelRunner:
         kv: KVCachePool,
         block_size: int,
         device: torch.device,
-        eos_token_ids: frozenset[int],
         sampler_seed: int = 0,
         cpu: CpuBackend | None = None,
     ) -> None:
@@ -102,7 +101,6 @@ class ModelRunner:
         self.kv = kv
         self.block_size = block_size
         self.device = device
-        self.eos_token_ids = sorted(eos_token_ids)
         self.sampler = Sampler(sampler_seed)
         # False on tensor-parallel workers: they run the forward (its collectives need every
         # rank) but only the driver samples.
@@ -170,9 +168,7 @@ class ModelRunner:
         params = req.sampling_params
         banned: list[int] = []
         if req.output_index < params.min_tokens:
-            banned = list(params.stop_token_ids)
-            if not params.ignore_eos:
-                banned += self.eos_token_ids
+            banned = sorted(req.stop_token_ids)
         return SampleRequest(params, req.output_index, banned)
 
     def _prepare(

@@ -169,7 +169,7 @@ class TeacherForcer:
             storage_dtypes(kinds, self.loaded.dtype),
             device,
         )
-        runner = ModelRunner(self.model, pool, bs, device, frozenset())
+        runner = ModelRunner(self.model, pool, bs, device)
         greedy = SamplingParams(max_tokens=1, temperature=0.0)
         # Scattered block ids: the block table must be honoured, not assumed contiguous.
         block_ids = list(reversed(range(num_blocks)))
