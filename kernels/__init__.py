@@ -46,11 +46,13 @@ def cpu_paged_attention(
     kv_cache_dtype: str = "auto",
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The CPU backend: decode batches over a 16/32-bit cache go to the native kernel
     (cpu_decode.c), which reads each K/V row in place (the torch path first gathers the
     context into padded copies: ~40% of a 64-sequence decode step of the small demo model);
-    everything else to the torch reference."""
+    everything else (prefills with their fresh key/value included) to the torch reference."""
     if (
         max_query_len == 1
         and kv_cache_dtype == "auto"
@@ -63,6 +65,6 @@ def cpu_paged_attention(
         )
     return _torch_paged_attention(
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-        max_query_len, max_seq_len, kv_cache_dtype, k_scale, v_scale,
+        max_query_len, max_seq_len, kv_cache_dtype, k_scale, v_scale, key, value,
     )  # fmt: skip
 

@@ -182,10 +182,10 @@ def _decode_reduce_kernel(
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    k_scale_ptr, v_scale_ptr, out_ptr,
-    qk_scale, v_mult,
+    k_scale_ptr, v_scale_ptr, out_ptr, fresh_k_ptr, fresh_v_ptr,
+    qk_scale, v_mult, fresh_qk_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_cb, stride_cs, stride_ch, stride_bt,
+    stride_cb, stride_cs, stride_ch, stride_bt, stride_ft, stride_fh,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -196,9 +196,12 @@ def _prefill_kernel(
     KV_FMT: tl.constexpr,
     FP32_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FRESH: tl.constexpr,
 ):
     """Grid (query tiles, batch, num_kv_heads). A tile is BLOCK_Q query tokens x the head group,
-    flattened to BLOCK_Q * GROUP_PAD rows; it attends causally to the cached prefix and itself."""
+    flattened to BLOCK_Q * GROUP_PAD rows; it attends causally to the cached prefix and itself.
+    With FRESH, the chunk's own positions are read from this step's K/V ([tokens, kv heads,
+    head_dim], rows as the queries') instead of the stored bytes of a quantized cache."""
     q_tile = tl.program_id(0)
     seq = tl.program_id(1)
     kvh = tl.program_id(2)
@@ -231,22 +234,45 @@ def _prefill_kernel(
     m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
     acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM_PAD], tl.float32)
-    for tok0 in range(0, kv_end, BLOCK_N):
+    cache_end = prefix if FRESH else kv_end
+    for tok0 in range(0, cache_end, BLOCK_N):
         pos = tok0 + offs_n
-        valid = pos < kv_end
+        valid = pos < cache_end
         kv_rows = _tile_offsets(bt_row, pos, valid, kvh, stride_cb, stride_cs, stride_ch,
                                 BLOCK_SIZE)
         kv_mask = valid[:, None] & (offs_d < HEAD_DIM)[None, :]
         k = _load_kv_tile(k_cache_ptr, kv_rows, kv_mask, offs_d, KV_FMT, q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * k_scale
         s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every row sees key 0
+        m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = _load_kv_tile(v_cache_ptr, kv_rows, kv_mask, offs_d, KV_FMT, q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
+    if FRESH:
+        # Fresh values carry no cache scale: scores take the plain softmax scale, and V is
+        # divided by the cache's V scale here because the epilogue multiplies every row by it.
+        inv_v = 1.0 / v_scale
+        for tok0 in range(prefix, kv_end, BLOCK_N):
+            pos = tok0 + offs_n
+            valid = pos < kv_end
+            f_rows = (q_start + pos - prefix).to(tl.int64) * stride_ft + kvh * stride_fh
+            kv_mask = valid[:, None] & (offs_d < HEAD_DIM)[None, :]
+            f_offs = f_rows[:, None] + offs_d[None, :]
+            k = tl.load(fresh_k_ptr + f_offs, mask=kv_mask, other=0.0).to(q.dtype)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * fresh_qk_scale
+            s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = (tl.load(fresh_v_ptr + f_offs, mask=kv_mask, other=0.0).to(tl.float32)
+                 * inv_v).to(q.dtype)
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+    # m_i is finite here: every query row sees at least its own position.
     out = acc * (v_scale / l_i)[:, None]
     o = out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
     tl.store(o, out.to(out_ptr.dtype.element_ty), mask=row_mask)
@@ -396,9 +422,24 @@ def paged_attention_prefill(
     v_scale: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     config: KernelConfig | None = None,
+    key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """(Chunked) prefill: ragged query chunks attending causally to prefix + themselves."""
+    """(Chunked) prefill: ragged query chunks attending causally to prefix + themselves.
+
+    key/value (optional, [num_tokens, num_kv_heads, head_dim]): this step's K/V of the query
+    rows; over a quantized cache the chunk's own positions then come from them (as the torch
+    reference's `paged_attention(key=, value=)` does)."""
     a = _Launch(query, k_cache, v_cache, block_tables, kv_cache_dtype, scale, k_scale, v_scale)
+    fresh = key is not None and value is not None and a.fmt != FMT_AUTO
+    if fresh:
+        assert key is not None and value is not None
+        if key.shape != (query.shape[0], a.num_kv_heads, a.head_dim) or value.shape != key.shape:
+            raise ValueError(f"key/value must be [tokens, {a.num_kv_heads}, {a.head_dim}]")
+        if key.stride(2) != 1 or value.stride() != key.stride():  # one set of strides for both
+            key, value = key.contiguous(), value.contiguous()
+    else:
+        key = value = a.query  # never read
     batch = seq_lens.shape[0]
     out = query.new_empty(query.shape) if out is None else out
     if batch == 0 or max_query_len == 0:
@@ -409,10 +450,10 @@ def paged_attention_prefill(
     grid = (triton.cdiv(max_query_len, block_q), batch, a.num_kv_heads)
     _prefill_kernel[grid](
         a.query, k_cache, v_cache, a.block_tables, seq_lens.to(torch.int32).contiguous(),
-        query_start_loc.to(torch.int32).contiguous(), a.k_scale, a.v_scale, out,
-        a.qk_scale, a.v_mult,
+        query_start_loc.to(torch.int32).contiguous(), a.k_scale, a.v_scale, out, key, value,
+        a.qk_scale, a.v_mult, scale * LOG2E,
         a.query.stride(0), a.query.stride(1), out.stride(0), out.stride(1),
-        *a.cache_strides,
+        *a.cache_strides, key.stride(0), key.stride(1),
         GROUP=a.group,
         GROUP_PAD=group_pad,
         HEAD_DIM=a.head_dim,
@@ -423,6 +464,7 @@ def paged_attention_prefill(
         KV_FMT=a.fmt,
         FP32_DOT=a.fp32_dot,
         DOT_PRECISION="ieee" if a.fp32_dot else "tf32",
+        FRESH=fresh,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -442,13 +484,16 @@ def paged_attention_triton(
     kv_cache_dtype: str = "auto",
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Drop-in for `paged_attention.paged_attention`: the decode kernel when every sequence
-    brings one query token (``max_query_len == 1``), the prefill kernel otherwise."""
+    brings one query token (``max_query_len == 1``), the prefill kernel otherwise (which reads
+    the chunk's fresh key/value over a quantized cache, as the reference does)."""
     if max_query_len == 1:
         return paged_attention_decode(query, k_cache, v_cache, block_tables, seq_lens, scale,
                                       max_seq_len, kv_cache_dtype, k_scale, v_scale)
     return paged_attention_prefill(query, k_cache, v_cache, block_tables, seq_lens,
                                    query_start_loc, scale, max_query_len, kv_cache_dtype,
-                                   k_scale, v_scale)
+                                   k_scale, v_scale, key=key, value=value)
 

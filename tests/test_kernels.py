@@ -281,6 +281,30 @@ def test_prefill_quantized_cache(fmt: str, dtype: torch.dtype) -> None:
     assert_close(prefill(b), b.reference(), dtype)
 
 
+@pytest.mark.parametrize(("fmt", "dtype"), [
+    ("fp8_e4m3", torch.bfloat16), ("int8", torch.float32), ("fp8_e5m2", torch.bfloat16)])
+def test_prefill_reads_the_chunks_fresh_kv(fmt: str, dtype: torch.dtype) -> None:
+    """Over a quantized cache, a prefill given this step's K/V attends to them for the chunk's
+    own positions and to the stored bytes for the prefix: the torch reference's rule."""
+    b = make_batch(PREFILL_SEQ_LENS, PREFILL_QUERY_LENS, 4, 64, 16, dtype, fmt, seed=9)
+    gen = torch.Generator().manual_seed(10)
+    fresh_shape = (b.query.shape[0], NUM_KV_HEADS, 64)
+    key = torch.randn(fresh_shape, generator=gen).to(dtype)
+    # A view with other strides (V sliced out of a wider tensor), as a fused qkv gives it.
+    value = torch.randn(fresh_shape[0], NUM_KV_HEADS, 96, generator=gen).to(dtype)[..., :64]
+    out = b.poisoned_out()
+    paged_attention_prefill(b.query, b.k_cache, b.v_cache, b.block_tables, b.seq_lens,
+                            b.query_start_loc, b.scale, b.max_query_len, b.kv_cache_dtype,
+                            b.k_scale, b.v_scale, out=out, key=key, value=value)
+    ref = paged_attention(
+        b.query.float(), b.k_cache, b.v_cache, b.block_tables, b.seq_lens.long(),
+        b.query_start_loc.long(), b.scale, b.max_query_len, b.max_seq_len, b.kv_cache_dtype,
+        b.k_scale, b.v_scale, key=key.float(), value=value.float())
+    assert_close(out, ref, dtype)
+    # The fresh values are what was read: the stored-bytes answer is a different one.
+    assert rel_err(ref, b.reference()) > 10 * TOLERANCE[dtype]
+
+
 # --------------------------------------------------------------------------- dispatch
 
 
@@ -328,7 +352,8 @@ AOT_SCRIPT = textwrap.dedent("""
     from appliance.kernels import triton_attention as ta, triton_kv as tk
 
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
-    NO_ALIGN = {"stride_bt", "qk_scale", "v_mult"}  # arguments the JIT would not mark % 16
+    # Arguments the JIT would not mark % 16.
+    NO_ALIGN = {"stride_bt", "qk_scale", "v_mult", "fresh_qk_scale", "stride_fh"}
 
     def compile_(cc, fn, types, consts, cfg):
         sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
@@ -353,7 +378,8 @@ AOT_SCRIPT = textwrap.dedent("""
         types = dict(q_ptr="*" + dtype, k_cache_ptr=kv, v_cache_ptr=kv, block_tables_ptr="*i32",
                      seq_lens_ptr="*i32", query_start_loc_ptr="*i32", k_scale_ptr="*fp32",
                      v_scale_ptr="*fp32", out_ptr="*" + dtype, part_out_ptr="*fp32",
-                     part_lse_ptr="*fp32", qk_scale="fp32", v_mult="fp32")
+                     part_lse_ptr="*fp32", qk_scale="fp32", v_mult="fp32",
+                     fresh_k_ptr="*" + dtype, fresh_v_ptr="*" + dtype, fresh_qk_scale="fp32")
         fp32 = dtype == "fp32"
         common = dict(GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim, BLOCK_SIZE=16,
                       BLOCK_N=cfg.block_n, KV_FMT=fmt, FP32_DOT=fp32,
@@ -362,7 +388,8 @@ AOT_SCRIPT = textwrap.dedent("""
         yield compile_(cc, ta._decode_kernel, types, dict(
             common, SPLIT_SIZE=2048, USE_SPLITS=use_splits, GROUP_PAD=max(gpad, 16)), cfg)
         yield compile_(cc, ta._prefill_kernel, types, dict(
-            common, GROUP_PAD=gpad, BLOCK_Q=max(ta.PREFILL_BLOCK_M // gpad, 1)), cfg)
+            common, GROUP_PAD=gpad, BLOCK_Q=max(ta.PREFILL_BLOCK_M // gpad, 1), FRESH=fmt != 0),
+            cfg)
         kv_types = dict(key_ptr="*" + dtype, value_ptr="*" + dtype, k_cache_ptr=kv,
                         v_cache_ptr=kv, slot_ptr="*i64", k_scale_ptr="*fp32",
                         v_scale_ptr="*fp32")

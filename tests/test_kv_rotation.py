@@ -43,16 +43,18 @@ def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
 
 
 def backends() -> list[tuple[str, object, object]]:
+    from appliance.kernels import cpu_paged_attention
     from appliance.kernels.triton_attention import paged_attention_triton, write_kv_triton
 
     return [
         ("torch", write_kv, paged_attention),
+        ("cpu", write_kv, cpu_paged_attention),
         ("triton", write_kv_triton, paged_attention_triton),
     ]
 
 
 @pytest.mark.parametrize("fmt", ["fp8_e4m3", "int8"])
-@pytest.mark.parametrize("name", ["torch", "triton"])
+@pytest.mark.parametrize("name", ["torch", "cpu", "triton"])
 def test_rotated_cache_attends_like_exact_kv(fmt: str, name: str) -> None:
     """Against attention over K/V put through the stored form by hand (rotate, quantize with
     the head's scale, dequantize, rotate back): equal to float32 rounding, which checks the

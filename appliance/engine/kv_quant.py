@@ -22,8 +22,8 @@ orthonormal, q.k and p.V are unchanged, but the few outlier channels of a traine
 spends the format's range on them. Measured on SmolLM2-135M-Instruct (16 chat answers, teacher
 forced, flipped greedy tokens): int8 33 -> 16, fp8_e4m3 49 -> 46. It needs no storage: the
 wrapper (`RotatedKV`) sits around whichever backend the device has (torch, Triton).
-On CUDA the Triton prefill kernel still reads the chunk's own K/V back from the cache (the
-fresh-K/V prefill is the CPU's, through the torch reference).
+A prefill attends to the chunk's fresh K/V on every backend (`key=`/`value=` of the shared
+attention signature): in the Triton prefill kernel on CUDA, the torch reference on the CPU.
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ from appliance.config import CacheConfig, ConfigError
 from appliance.core.scheduler import ScheduledRequest, SchedulerOutput
 from appliance.engine.model_runner import KVCachePool, ModelRunner
 from appliance.kernels.paged_attention import cache_storage_dtype
-from appliance.kernels.paged_attention import paged_attention as torch_paged_attention
 from appliance.layers.attention import Attention, KVCacheSpec
 from appliance.models.llama import LlamaForCausalLM
 from appliance.sampling_params import SamplingParams
@@ -77,12 +76,11 @@ class RotatedKV:
     """(write_kv, paged_attention) of a quantized layer around the device's own pair: K/V are
     written rotated, queries rotated in and outputs rotated back (module docstring). Prefill
     batches with this step's K/V attend to them (rotated the same way) for the chunk's own
-    positions; on the CPU through the torch reference, which quantized caches use anyway."""
+    positions (every backend's attention takes them as key=/value=)."""
 
     def __init__(self, write: object, attend: object, head_dim: int, device: torch.device) -> None:
         self.inner_write, self.inner_attend = write, attend
         self.rot = rotation_matrix(head_dim, device)
-        self.fresh_prefill = device.type == "cpu"
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, *rest: object) -> None:
         self.inner_write(key.float() @ self.rot, value.float() @ self.rot, *rest)  # type: ignore[operator]
@@ -92,9 +90,9 @@ class RotatedKV:
         key: torch.Tensor | None = None, value: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
         q = (query.float() @ self.rot).to(query.dtype)
-        if key is not None and value is not None and self.fresh_prefill:
+        if key is not None and value is not None:
             fresh = (key.float() @ self.rot, value.float() @ self.rot)
-            out = torch_paged_attention(q, *rest, key=fresh[0], value=fresh[1])  # type: ignore[arg-type]
+            out = self.inner_attend(q, *rest, key=fresh[0], value=fresh[1])  # type: ignore[operator]
         else:
             out = self.inner_attend(q, *rest)  # type: ignore[operator]
         return (out.float() @ self.rot.T).to(query.dtype)
