@@ -21,13 +21,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from appliance.config import ApplianceConfig
-from appliance.cpu.choice import choose
+from appliance.cpu.choice import CpuChoice, choose
 from appliance.cpu.features import CpuFeatures, detect
 from appliance.cpu.fused_decode import FusedCpuDecode
 from appliance.kernels import cpu_native, get_attention_backend
@@ -57,20 +57,47 @@ FP32_FUSED_MAX = 32
 
 @dataclass
 class CpuPlan:
-    """What the engine runs on this CPU, and why (each choice's reason is in `notes`)."""
+    """The decision (appliance.cpu.choice.CpuChoice, by dtype name) in torch dtypes, with the
+    features it was made for and the fused decode's batch limit."""
 
     features: CpuFeatures
-    weight_dtype: torch.dtype
-    compute_dtype: torch.dtype
-    kv_dtype: torch.dtype
-    # oneDNN-prepacked weights for the batched matmuls (in compute_dtype).
-    prepack: bool
-    native_ops: bool
-    native_decode: bool
+    choice: CpuChoice
     fused_max_batch: int
-    notes: list[str] = field(default_factory=list)
-    # Set when the configuration asks for something slow on this CPU (logged as a warning).
-    warning: str = ""
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        return DTYPES[self.choice.weight]
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return DTYPES[self.choice.compute]
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        return DTYPES[self.choice.kv]
+
+    @property
+    def prepack(self) -> bool:
+        """oneDNN-prepacked weights for the batched matmuls (in compute_dtype)."""
+        return self.choice.prepack
+
+    @property
+    def native_ops(self) -> bool:
+        return self.choice.native_ops
+
+    @property
+    def native_decode(self) -> bool:
+        return self.choice.native_decode
+
+    @property
+    def notes(self) -> list[str]:
+        """Each choice's reason."""
+        return self.choice.notes
+
+    @property
+    def warning(self) -> str:
+        """Set when the configuration asks for something slow on this CPU (logged)."""
+        return self.choice.warning
 
     @property
     def matmul(self) -> str:
@@ -131,20 +158,8 @@ def plan_cpu(
     c = choose(
         config, num_heads, num_kv_heads, features, torch.backends.mkldnn.is_available(), native_built
     )
-    compute = DTYPES[c.compute]
-    fused_max = BF16_FUSED_MAX if compute == torch.bfloat16 else FP32_FUSED_MAX
-    return CpuPlan(
-        features=features,
-        weight_dtype=DTYPES[c.weight],
-        compute_dtype=compute,
-        kv_dtype=DTYPES[c.kv],
-        prepack=c.prepack,
-        native_ops=c.native_ops,
-        native_decode=c.native_decode,
-        fused_max_batch=fused_max,
-        notes=c.notes,
-        warning=c.warning,
-    )
+    fused_max = BF16_FUSED_MAX if c.compute == "bfloat16" else FP32_FUSED_MAX
+    return CpuPlan(features=features, choice=c, fused_max_batch=fused_max)
 
 
 class NativeCpuOps(LayerOps):
