@@ -30,6 +30,20 @@ from appliance.sampling_params import StructuredOutputs
 log = logging.getLogger("appliance.engine.guided")
 # Rollback depth kept per matcher: more than any preemption can discard (at most one token).
 _MAX_ROLLBACK = 8
+# xgrammar 0.2.9 writes length-bounded JSON strings (minLength/maxLength) as characters
+# `[^"\\\r\n]`, which lets raw control characters through (invalid JSON: a strict parser
+# such as pydantic's refuses "\x0b" inside a string). Its unbounded strings exclude them; the
+# bounded ones are tightened to the same class before compiling.
+_LOOSE_CHARS = r'[^\"\\\r\n]'
+_JSON_CHARS = r'[^\0-\x1f\"\\]'
+# Compiled grammars kept, by constraint text (a schema compiles in ~10 ms, a hit in ~0).
+_CACHE_SIZE = 256
+
+
+def json_schema_ebnf(schema: str, strict: bool = True) -> str:
+    """The grammar of a JSON schema (compact separators), control characters excluded."""
+    grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict)
+    return str(grammar).replace(_LOOSE_CHARS, _JSON_CHARS)
 
 
 @dataclass
@@ -53,6 +67,7 @@ class GuidedDecoder:
         self._compiler: xgr.GrammarCompiler | None = None
         self._batch: xgr.BatchGrammarMatcher | None = None
         self._bitmask: torch.Tensor | None = None
+        self._compiled: dict[tuple[str, str], xgr.CompiledGrammar] = {}
         # Seconds spent compiling, per constraint text (the bench reads first vs cached).
         self.last_compile_s = 0.0
 
@@ -72,23 +87,30 @@ class GuidedDecoder:
 
     def compile(self, so: StructuredOutputs) -> xgr.CompiledGrammar:
         started = time.perf_counter()
+        grammar = self._compiled.get(so.key)
+        if grammar is None:
+            grammar = self._compile(so)
+            if len(self._compiled) >= _CACHE_SIZE:
+                self._compiled.pop(next(iter(self._compiled)))  # oldest first
+            self._compiled[so.key] = grammar
+        self.last_compile_s = time.perf_counter() - started
+        return grammar
+
+    def _compile(self, so: StructuredOutputs) -> xgr.CompiledGrammar:
         c = self.compiler
         if so.kind == "json":
             # Compact JSON: a flexible-whitespace grammar lets a weak model emit whitespace
             # forever; strict mode (xgrammar's default, vLLM's too) forbids properties the
             # schema does not name, as OpenAI's strict schemas do.
-            grammar = c.compile_json_schema(so.spec, any_whitespace=False)
+            grammar = c.compile_grammar(json_schema_ebnf(so.spec))
         elif so.kind == "json_object":
-            grammar = c.compile_json_schema(
-                '{"type": "object"}', any_whitespace=False, strict_mode=False
-            )
+            grammar = c.compile_grammar(json_schema_ebnf('{"type": "object"}', strict=False))
         elif so.kind == "regex":
             grammar = c.compile_regex(so.spec)
         elif so.kind == "choice":
             grammar = c.compile_grammar(choice_ebnf(so.spec))
         else:
             grammar = c.compile_grammar(so.spec)
-        self.last_compile_s = time.perf_counter() - started
         return grammar
 
     # -- per step --------------------------------------------------------------------------------
