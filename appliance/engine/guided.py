@@ -28,8 +28,6 @@ from appliance.engine.guided_check import choice_ebnf
 from appliance.sampling_params import StructuredOutputs
 
 log = logging.getLogger("appliance.engine.guided")
-# Rollback depth kept per matcher: more than any preemption can discard (at most one token).
-_MAX_ROLLBACK = 8
 # xgrammar 0.2.9 writes length-bounded JSON strings (minLength/maxLength) as characters
 # `[^"\\\r\n]`, which lets raw control characters through (invalid JSON: a strict parser
 # such as pydantic's refuses "\x0b" inside a string). Its unbounded strings exclude them; the
@@ -117,7 +115,7 @@ class GuidedDecoder:
     def _row(self, request_id: str, so: StructuredOutputs, output_index: int) -> _Row:
         row = self.rows.get(request_id)
         if row is None:
-            matcher = xgr.GrammarMatcher(self.compile(so), max_rollback_tokens=_MAX_ROLLBACK)
+            matcher = xgr.GrammarMatcher(self.compile(so))
             row = self.rows[request_id] = _Row(matcher)
         if output_index < row.accepted:
             row.matcher.rollback(row.accepted - output_index)
