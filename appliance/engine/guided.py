@@ -66,8 +66,10 @@ class GuidedDecoder:
         self._batch: xgr.BatchGrammarMatcher | None = None
         self._bitmask: torch.Tensor | None = None
         self._compiled: dict[tuple[str, str], xgr.CompiledGrammar] = {}
-        # Seconds spent compiling, per constraint text (the bench reads first vs cached).
+        # Seconds the last compile() took, and all mask fills and token accepts (the bench).
         self.last_compile_s = 0.0
+        self.fill_s = 0.0
+        self.accept_s = 0.0
 
     # -- grammars --------------------------------------------------------------------------------
     @property
@@ -150,10 +152,19 @@ class GuidedDecoder:
             self._bitmask = xgr.allocate_token_bitmask(max(n, 64), self.vocab_size)
         bitmask = self._bitmask[:n]
         assert bitmask.shape[1] == words and self._batch is not None
+        t0 = time.perf_counter()
         self._batch.batch_fill_next_token_bitmask(matchers, bitmask, indices)
+        self.fill_s += time.perf_counter() - t0
         return bitmask, indices
 
     def accept(self, request_id: str, token: int) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._accept(request_id, token)
+        finally:
+            self.accept_s += time.perf_counter() - t0
+
+    def _accept(self, request_id: str, token: int) -> None:
         row = self.rows.get(request_id)
         if row is None or row.broken:
             return

@@ -4,6 +4,7 @@ batched tensor operations."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +43,8 @@ def _row_generator(seed: int, output_index: int) -> torch.Generator:
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self.generator = torch.Generator().manual_seed(seed)
+        # Seconds spent applying grammar bitmasks (the structured-output bench reads it).
+        self.grammar_apply_s = 0.0
 
     @torch.inference_mode()
     def __call__(
@@ -63,7 +66,9 @@ class Sampler:
         rows, vocab = logits.shape
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         if grammar is not None:
+            t0 = time.perf_counter()
             apply_bitmask(logits, *grammar)
+            self.grammar_apply_s += time.perf_counter() - t0
 
         for i, req in enumerate(requests):
             if req.banned_token_ids:
