@@ -254,3 +254,14 @@ def test_unenforceable_constraints_are_400_naming_the_field(
     assert err["param"] == param and words in err["message"], err
     after = httpx.get(server.url + "/admin/stats").json()
     assert after["engine"]["requests_finished"] == before["engine"]["requests_finished"]
+
+
+def test_json_schema_without_a_schema_is_any_object(client: openai.OpenAI) -> None:
+    # OpenAI's json_schema.schema is optional: then any JSON object, not only {}.
+    resp = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "x"}], n=8, temperature=1.0, seed=7,
+        max_tokens=60, response_format={"type": "json_schema", "json_schema": {"name": "any"}},
+    )
+    done = [c.message.content for c in resp.choices if c.finish_reason == "stop"]
+    assert done and all(isinstance(json.loads(t), dict) for t in done)
+    assert all(_completes_to_an_object(c.message.content) for c in resp.choices)

@@ -39,12 +39,12 @@ def _from_response_format(fmt: dict[str, Any]) -> tuple[StructuredOutputs | None
         param = "response_format.json_schema"
         if not isinstance(spec, dict):
             raise bad_request(f"{param}: required with type json_schema", param=param)
-        if "schema" not in spec:
-            # OpenAI's schema is optional (any JSON object); vLLM's older clients send it as
-            # json_schema.json_schema.
-            schema = spec.get("json_schema", {"type": "object"})
-        else:
-            schema = spec["schema"]
+        # vLLM's older clients send the schema as json_schema.json_schema.
+        schema = spec.get("schema", spec.get("json_schema"))
+        if schema is None:
+            # OpenAI's schema is optional: then any JSON object (a strict {"type": "object"}
+            # grammar would allow only {}).
+            return StructuredOutputs(kind="json_object"), param
         param += ".schema"
         return StructuredOutputs(kind="json", spec=_schema_text(schema, param)), param
     raise bad_request(
