@@ -122,4 +122,7 @@ def test_invalid_constraints_are_refused_by_the_engine(tiny_model_dir: Path) -> 
     with pytest.raises(ValueError, match="structured: .*uniqueItems"):
         engine.add_request([1, 2], SamplingParams(structured=StructuredOutputs(
             kind="json", spec='{"type": "array", "uniqueItems": true}')))
+    so = StructuredOutputs(kind="regex", spec="ab")
+    with pytest.raises(ValueError, match="min_tokens"):
+        engine.add_request([1, 2], SamplingParams(min_tokens=3, structured=so))
     assert not engine.has_unfinished()

@@ -239,6 +239,7 @@ BAD = [
      "tools[0].function.parameters", "patternProperties"),
     ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
      "structured_outputs.regex", "at most one"),
+    ({"response_format": {"type": "json_object"}, "min_tokens": 2}, "min_tokens", "structured"),
 ]
 
 

@@ -120,6 +120,9 @@ class Engine:
         params = params or SamplingParams()
         params.validate()
         if params.structured is not None:
+            if params.min_tokens:
+                # The grammar decides where the output ends; a ban on EOS could contradict it.
+                raise ValueError("min_tokens cannot be combined with structured outputs")
             try:
                 params.structured = guided_check.check(params.structured)
             except guided_check.StructuredError as exc:
