@@ -12,9 +12,12 @@ from pathlib import Path
 
 import jsonschema
 import pytest
+import torch
+from transformers import AutoTokenizer
 
 from appliance import Engine, SamplingParams
 from appliance.config import load_config
+from appliance.engine.guided import GuidedDecoder, apply_bitmask
 from appliance.sampling_params import StructuredOutputs
 
 DIGITS = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
@@ -126,3 +129,29 @@ def test_invalid_constraints_are_refused_by_the_engine(tiny_model_dir: Path) -> 
     with pytest.raises(ValueError, match="min_tokens"):
         engine.add_request([1, 2], SamplingParams(min_tokens=3, structured=so))
     assert not engine.has_unfinished()
+
+
+def test_the_vocabulary_reaches_xgrammar_whole(tiny_model_dir: Path) -> None:
+    """Padding rows past the tokenizer and special tokens are never allowed; EOS is allowed
+    exactly where the grammar can end (here: after a full choice)."""
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    real, eos = len(tok), tok.eos_token_id
+    guided = GuidedDecoder(tok, real + 64, frozenset({eos}))  # a model padding its vocabulary
+    so = StructuredOutputs(kind="choice", spec='["yes", "no"]')
+
+    def allowed(output_index: int) -> set[int]:
+        mask = guided.bitmask([("r", so, output_index)])
+        assert mask is not None
+        logits = torch.zeros(1, real + 64)
+        apply_bitmask(logits, mask[0][:1], [0])
+        return set(torch.isfinite(logits[0]).nonzero().view(-1).tolist())
+
+    first = allowed(0)
+    assert first and max(first) < real and eos not in first
+    for t in first:
+        text = tok.decode([t])
+        assert text and ("yes".startswith(text) or "no".startswith(text)), text
+    ids = tok.encode("yes", add_special_tokens=False)
+    for t in ids:
+        guided.accept("r", t)
+    assert allowed(len(ids)) == {eos}
