@@ -59,6 +59,11 @@ class ModelConfig(_Section):
     # one call, and decode attention and the element-wise steps of every other forward. The
     # linears then keep their 16-bit weights beside the matmul copy. The one switch for them.
     cpu_native_kernels: bool = True
+    # How this model writes tool calls, for `tool_choice: auto` (vLLM's --tool-call-parser):
+    # "hermes" (Hermes, Qwen2/2.5: <tool_call>{json}</tool_call>), "llama3_json" (Llama 3.1+:
+    # {"name", "parameters"}), "mistral" ([TOOL_CALLS][{...}]). Empty: auto tool choice is
+    # refused; `required` and named tool choices work without a parser (they are constrained).
+    tool_call_parser: Literal["", "hermes", "llama3_json", "mistral"] = ""
 
 
 class CacheConfig(_Section):

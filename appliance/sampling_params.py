@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 
 # Top logprobs a request may ask for (the API's schema caps its fields at the same number).
@@ -16,6 +18,20 @@ def invalid_field(message: str) -> str | None:
         return head
     first = message.split(" ", 1)[0]
     return first if first in SamplingParams.__struct_fields__ else None
+
+
+class StructuredOutputs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A constraint on the output, compiled (and cached by its text) in the engine core by
+    engine/guided.py. The server validates it before the request reaches the engine."""
+
+    # json: a JSON schema (text); json_object: any JSON object (spec unused); regex; choice: a
+    # JSON list of the allowed strings; grammar: EBNF (GBNF dialect, xgrammar's).
+    kind: Literal["json", "json_object", "regex", "choice", "grammar"]
+    spec: str = ""
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.kind, self.spec)
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -35,6 +51,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     logprobs: int | None = None
     # Keep the stop string in the returned text (OpenAI drops it).
     include_stop_str_in_output: bool = False
+    # Grammar-constrained decoding (None: unconstrained, and the request pays nothing for it).
+    structured: StructuredOutputs | None = None
+    # Top logprobs per prompt token, computed in the prefill forward (None: none). The first
+    # prompt token has none (nothing predicts it).
+    prompt_logprobs: int | None = None
 
     def validate(self, max_logprobs: int = MAX_LOGPROBS) -> None:
         if self.max_tokens < 1:
@@ -53,6 +74,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             )
         if self.logprobs is not None and not 0 <= self.logprobs <= max_logprobs:
             raise ValueError(f"logprobs must be in [0, {max_logprobs}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= max_logprobs:
+            raise ValueError(
+                f"prompt_logprobs must be in [0, {max_logprobs}], got {self.prompt_logprobs}"
+            )
         if any(s == "" for s in self.stop):
             raise ValueError("stop strings must not be empty")
 

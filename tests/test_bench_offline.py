@@ -29,3 +29,18 @@ def test_offline_bench_json(tiny_model_dir: Path, capsys: pytest.CaptureFixture[
         assert r["output_tokens_per_s"] <= r["bound_tokens_per_s"]
     assert modes["one-at-a-time"]["mean_batch"] == 1.0
     assert modes["static"]["peak_running"] == 2
+
+
+def test_structured_bench_json(tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main([
+        "bench", "offline", "--model", str(tiny_model_dir), "--num-requests", "4",
+        "--prompt-len", "20", "--output-len", "6", "--structured", "json-schema", "--json",
+        "--structured-rounds", "1", "--set", "cache.kv_cache_memory=0.1",
+    ])  # fmt: skip
+    assert rc == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [r["batch"] for r in report["throughput"]] == [1, 4]
+    assert all(r["plain_tok_s"] > 0 and r["schema_tok_s"] > 0 for r in report["throughput"])
+    first, cached = report["first_token"][1:]
+    # A cached schema skips the compile: its lookup is far below a fresh compile.
+    assert cached["compile_ms"] < first["compile_ms"]

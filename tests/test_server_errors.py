@@ -82,6 +82,16 @@ def test_401_without_or_with_a_wrong_api_key(server: ServerProcess) -> None:
     assert server.get("/v1/models", headers={"Authorization": "Bearer other-key"}).status_code == 200
 
 
+def test_tokenize_and_detokenize_take_the_same_api_keys(server: ServerProcess) -> None:
+    for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [5, 6]})):
+        assert_error(server.post(path, json=body), 401, code="invalid_api_key")
+        assert_error(server.post(path, json=body, headers=ADMIN_AUTH), 401)
+        assert server.post(path, json=body, headers=AUTH).status_code == 200
+    r = server.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]},
+                    headers=AUTH).json()
+    assert r["count"] == len(r["tokens"]) > 0 and r["max_model_len"] > 0
+
+
 def test_admin_token_is_separate_from_api_keys(server: ServerProcess) -> None:
     assert_error(server.get("/admin/stats", headers=AUTH), 401, code="invalid_admin_token")
     assert_error(server.get("/admin/stats"), 401)

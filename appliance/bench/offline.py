@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from appliance.bench import mixed
+from appliance.bench import mixed, structured
 from appliance.bench.hardware import copy_bandwidth, matmul_flops
 from appliance.config import load_config, parse_override_value
 from appliance.engine.executor import load_model
@@ -185,6 +185,13 @@ def add_parser(sub: Any) -> None:
         default="uniform",
         help="uniform: equal requests per scheduling mode; mixed: real-time + batch, fcfs vs priority",
     )
+    p.add_argument(
+        "--structured",
+        choices=["none", "json-schema"],
+        default="none",
+        help="json-schema: throughput with and without a JSON schema, and its first-token cost",
+    )
+    p.add_argument("--structured-rounds", type=int, default=2, help="alternating runs, best kept")
     mixed.add_arguments(p)
     p.set_defaults(func=main)
 
@@ -205,6 +212,9 @@ def main(ns: argparse.Namespace) -> int:
     loaded = load_model(config)
     if ns.profile == "mixed":
         return mixed.run_mixed(ns, loaded, overrides)
+    if ns.structured == "json-schema":
+        prompts = make_prompts(loaded.args.vocab_size, ns.num_requests, ns.prompt_len, ns.seed)
+        return structured.run_structured(ns, loaded, overrides, prompts)
     fp32_rate = matmul_flops(loaded.device, torch.float32)
     # The 16-bit rate only where a step's matmuls run in 16 bits.
     half = loaded.compute_dtype if loaded.compute_dtype != torch.float32 else None

@@ -61,6 +61,9 @@ class Request:
     preempted_at: float | None = None
     time_preempted: float = 0.0
     first_scheduled_time: float | None = None
+    # Prompt logprobs handed out so far: entries for prompt positions 1 .. this (the engine
+    # advances it; the scheduler asks the runner for the rest).
+    num_prompt_logprobs: int = 0
 
     # The KV cache manager's bookkeeping (block ids, never tensors): the device blocks in table
     # order, the hash chain of the full blocks, how many leading blocks are registered in the
@@ -95,6 +98,13 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return (
+            self.sampling_params.prompt_logprobs is not None
+            and self.num_prompt_logprobs < self.num_prompt_tokens - 1
+        )
 
     @property
     def is_finished(self) -> bool:

@@ -13,6 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from appliance.config import ApplianceConfig
+from appliance.core.block_pool import KVBlock
 from appliance.core.kv_cache_manager import KVCacheManager
 from appliance.core.request import FinishReason, Request, RequestStatus
 from appliance.sampling_params import SamplingParams
@@ -36,6 +37,10 @@ class ScheduledRequest:
     new_table: bool = True
     # The request's stop tokens (Request.stop_token_ids): banned until min_tokens are out.
     stop_token_ids: frozenset[int] = frozenset()
+    # Prompt logprobs wanted this step: the hidden state at position p predicts token p + 1,
+    # for p = prompt_logprobs_start .. + len(targets) - 1; targets are those next tokens.
+    prompt_logprobs_start: int = 0
+    prompt_logprob_targets: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -49,6 +54,9 @@ class SchedulerOutput:
     # Requests whose block table the runner drops before this step: finished, preempted or
     # swapped out since the last step (a resumed one comes back with a new table).
     finished_request_ids: list[str] = field(default_factory=list)
+    # Constrained requests finished since the last step: the runner drops their matchers
+    # (a preempted request keeps its matcher; it is not listed here).
+    done_request_ids: list[str] = field(default_factory=list)
     # Which limit stopped the step from doing more: none | token_budget | max_num_seqs | kv_blocks
     bound_by: str = "none"
 
@@ -81,6 +89,7 @@ class Scheduler:
         self.finished: list[FinishedRequest] = []
         self._pressure_steps = 0
         self._dropped_tables: list[str] = []
+        self._done_structured: list[str] = []
 
     # -- queues ----------------------------------------------------------------------------------
     def _key(self, req: Request) -> tuple[int, float]:
@@ -130,6 +139,8 @@ class Scheduler:
                 break
         self.kv.forget(req)
         self._drop_table(req)
+        if req.sampling_params.structured is not None:
+            self._done_structured.append(req.request_id)
         if req.preempted_at is not None:
             req.time_preempted += time.monotonic() - req.preempted_at
             self.counters.time_preempted_s += time.monotonic() - req.preempted_at
@@ -152,6 +163,10 @@ class Scheduler:
 
     def take_dropped_tables(self) -> list[str]:
         out, self._dropped_tables = self._dropped_tables, []
+        return out
+
+    def take_done_structured(self) -> list[str]:
+        out, self._done_structured = self._done_structured, []
         return out
 
     def take_finished(self) -> list[FinishedRequest]:
@@ -423,15 +438,23 @@ class _StepBuilder:
         self._start(req, tokens)
         return True
 
+    def _lookup(self, req: Request) -> list[KVBlock]:
+        # A request still owed prompt logprobs computes its whole prompt (as vLLM does): a
+        # cached block holds KV, not the hidden states its logprobs come from. Its blocks
+        # still enter the cache for others.
+        if req.wants_prompt_logprobs:
+            return []
+        return self.kv.get_computed_blocks(req)[0]
+
     def _admit_waiting(self, req: Request) -> bool:
-        hits, _ = self.kv.get_computed_blocks(req)
+        hits = self._lookup(req)
         while True:
             tokens = self._initial_tokens(req, len(hits))
             if tokens and self.kv.can_allocate(req, tokens, hits):
                 break
             if not self._make_room(req, "kv_pressure"):
                 return False
-            hits, _ = self.kv.get_computed_blocks(req)
+            hits = self._lookup(req)
         # One allocation for the hits and the first chunk (or a protected request's whole
         # remaining length); _start only grants the chunk.
         self.kv.allocate_slots(req, tokens, hits)
@@ -485,6 +508,11 @@ class _StepBuilder:
             block_ids = self.kv.block_ids(req, start=0 if new_table else req.num_block_ids_sent)
             req.table_sent = True
             req.num_block_ids_sent = len(req.blocks)
+            lp_start, targets = start, []
+            if req.wants_prompt_logprobs:
+                lp_start = max(start, req.num_prompt_logprobs)
+                lp_end = min(start + tokens, req.num_prompt_tokens - 1)
+                targets = req.token_ids[lp_start + 1 : lp_end + 1]
             scheduled.append(
                 ScheduledRequest(
                     request_id=req.request_id,
@@ -496,6 +524,8 @@ class _StepBuilder:
                     output_index=req.num_output_tokens,
                     new_table=new_table,
                     stop_token_ids=req.stop_token_ids,
+                    prompt_logprobs_start=lp_start,
+                    prompt_logprob_targets=targets,
                 )
             )
             total += tokens
@@ -507,5 +537,6 @@ class _StepBuilder:
             blocks_to_swap_out=self.swap_out,
             blocks_to_swap_in=self.swap_in,
             finished_request_ids=self.s.take_dropped_tables(),
+            done_request_ids=self.s.take_done_structured(),
             bound_by=self.bound_by,
         )

@@ -19,6 +19,7 @@ from appliance.config import ApplianceConfig, ConfigError, load_config
 from appliance.core.kv_cache_manager import KVCacheManager
 from appliance.core.request import FinishReason, Request
 from appliance.core.scheduler import Scheduler
+from appliance.engine import guided_check
 from appliance.engine.executor import load_model
 from appliance.engine.loader import LoadedModel
 from appliance.engine.output_processor import OutputProcessor
@@ -119,6 +120,14 @@ class Engine:
         the limit); a request refused by admission control comes back already finished."""
         params = params or SamplingParams()
         params.validate()
+        if params.structured is not None:
+            if params.min_tokens:
+                # The grammar decides where the output ends; a ban on EOS could contradict it.
+                raise ValueError("min_tokens cannot be combined with structured outputs")
+            try:
+                params.structured = guided_check.check(params.structured)
+            except guided_check.StructuredError as exc:
+                raise ValueError(f"structured: {exc}") from None
         token_ids = self.tokenize(prompt)
         if not token_ids:
             raise ValueError("prompt: must contain at least one token")
@@ -185,6 +194,19 @@ class Engine:
                 top = list(zip(lp.top_ids, lp.top_logprobs, strict=True))
                 eo.new_logprobs = [Logprob(lp.token_id, lp.logprob, top)]
             outputs[rid] = eo
+        for rid, (start, entries) in result.prompt_logprobs.items():
+            # A request whose last chunk sampled its last token has left the scheduler already.
+            preq = touched.get(rid) or sched.requests.get(rid)
+            # Entries already handed out (a recomputed prefill) are not sent twice.
+            if preq is None or start != preq.num_prompt_logprobs:
+                continue
+            preq.num_prompt_logprobs += len(entries)
+            touched[rid] = preq
+            eo = outputs.setdefault(rid, EngineOutput(request_id=rid, new_token_ids=[]))
+            eo.prompt_logprobs = [
+                Logprob(e.token_id, e.logprob, list(zip(e.top_ids, e.top_logprobs, strict=True)))
+                for e in entries
+            ]
 
         for fin in sched.take_finished():
             req = fin.request

@@ -16,6 +16,7 @@ import torch
 from appliance.config import ApplianceConfig, ConfigError, served_model_name
 from appliance.cpu.backend import CpuBackend
 from appliance.engine import memory
+from appliance.engine.guided import GuidedDecoder
 from appliance.engine.kv_quant import configure_kv_cache
 from appliance.engine.model_runner import KVCachePool, ModelRunner
 from appliance.kernels import get_attention_backend
@@ -288,6 +289,9 @@ def wire_backend(
     if w.cpu is not None:
         w.cpu.wire(w.model, pool.device_caches, config.cache.block_size)
     runner = ModelRunner(w.model, pool, config.cache.block_size, device, cpu=w.cpu)
+    # The driver samples, so it holds the grammar matchers (lazy: nothing is built until a
+    # constrained request arrives).
+    runner.guided = GuidedDecoder(w.tokenizer, args.vocab_size, eos)
     weight_dtype = w.cpu.plan.weight_dtype if w.cpu is not None else resolve_dtype(config)
     return LoadedModel(
         model_name=served_model_name(config, w.model_dir),

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 from appliance.core.scheduler import ScheduledRequest, SchedulerOutput
+from appliance.engine.guided import GuidedDecoder
 from appliance.engine.sampler import Sampler, SampleRequest, TokenLogprobs
 from appliance.layers.attention import AttentionMetadata, PagedBatch
 from appliance.models.llama import LlamaForCausalLM
@@ -26,6 +27,8 @@ if TYPE_CHECKING:
 class RunnerOutput:
     sampled: dict[str, int]
     logprobs: dict[str, TokenLogprobs]
+    # Per request: (first prompt position, logprobs of the tokens after it, in order).
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
 
 
 class KVCachePool:
@@ -112,12 +115,16 @@ class ModelRunner:
         self.native_decode_steps = 0
         # Block table per live request, kept up to date from what each step changed.
         self.block_tables: dict[str, list[int]] = {}
+        # Grammar matchers of constrained requests (the driver's runner only; loader.py).
+        self.guided: GuidedDecoder | None = None
 
     def _matmuls(self, rows: int) -> AbstractContextManager[None]:
         return self.cpu.matmuls(rows) if self.cpu is not None else nullcontext()
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         self._update_block_tables(out)
+        if self.guided is not None and out.done_request_ids:
+            self.guided.release(out.done_request_ids)
         self.kv.swap_out(out.blocks_to_swap_out)
         self.kv.swap_in(out.blocks_to_swap_in)
         if not out.scheduled:
@@ -125,12 +132,22 @@ class ModelRunner:
         batch = sorted(out.scheduled, key=lambda r: len(r.token_ids) > 1)
         input_ids, positions, meta, last_rows = self._prepare(batch)
         sampling = [(i, r) for i, r in enumerate(batch) if r.sample]
-        rows = torch.tensor([last_rows[i] for i, _ in sampling], device=self.device)
+        # Prompt positions whose logprobs are wanted: their rows follow the sampled ones in
+        # one compute_logits call (TP ranks compute the same rows: its all-gather needs all).
+        scoring = [(i, r) for i, r in enumerate(batch) if r.prompt_logprob_targets]
+        first_rows = [last_rows[i] - len(r.token_ids) + 1 for i, r in enumerate(batch)]
+        score_rows = [
+            first_rows[i] + r.prompt_logprobs_start - r.start_pos + j
+            for i, r in scoring
+            for j in range(len(r.prompt_logprob_targets))
+        ]
+        rows = torch.tensor([last_rows[i] for i, _ in sampling] + score_rows, device=self.device)
         decode = meta.decode
         if (
             meta.prefill is None
             and decode is not None
             and decode.num_tokens <= self.fused_max_batch
+            and not scoring
         ):
             assert self.cpu is not None and self.cpu.fused_decode is not None
             logits = self.cpu.fused_decode(
@@ -140,20 +157,41 @@ class ModelRunner:
         else:
             with self._matmuls(input_ids.shape[0]):
                 hidden = self.model(input_ids, positions, meta, self.kv.device_caches)
-            if not sampling:
+            if not sampling and not scoring:
                 return RunnerOutput({}, {})
-            with self._matmuls(len(sampling)):
+            with self._matmuls(rows.shape[0]):
                 logits = self.model.compute_logits(hidden.index_select(0, rows))
         # TP workers ran the forward and the logits' all-gather with the driver; it samples.
-        if not sampling or not self.samples:
+        if not self.samples or (not sampling and not scoring):
             return RunnerOutput({}, {})
         logits = logits.cpu()
-        tokens, logprobs = self.sampler(logits, [self._sample_request(r) for _, r in sampling])
-        sampled = {r.request_id: t for (_, r), t in zip(sampling, tokens, strict=True)}
-        lps = {
+        result = RunnerOutput({}, {})
+        if scoring:
+            result.prompt_logprobs = _prompt_logprobs(logits[len(sampling) :], scoring)
+        if not sampling:
+            return result
+        logits = logits[: len(sampling)]
+        requests = [self._sample_request(r) for _, r in sampling]
+        constrained = [
+            (r.request_id, r.sampling_params.structured, r.output_index)
+            if r.sampling_params.structured is not None
+            else None
+            for _, r in sampling
+        ]
+        grammar = None
+        if any(c is not None for c in constrained):
+            if self.guided is None:
+                raise RuntimeError("a constrained request reached a runner without a GuidedDecoder")
+            grammar = self.guided.bitmask(constrained)
+        tokens, logprobs = self.sampler(logits, requests, grammar)
+        for spec, token in zip(constrained, tokens, strict=True):
+            if spec is not None and self.guided is not None:
+                self.guided.accept(spec[0], token)
+        result.sampled = {r.request_id: t for (_, r), t in zip(sampling, tokens, strict=True)}
+        result.logprobs = {
             r.request_id: lp for (_, r), lp in zip(sampling, logprobs, strict=True) if lp is not None
         }
-        return RunnerOutput(sampled, lps)
+        return result
 
     def _update_block_tables(self, out: SchedulerOutput) -> None:
         for request_id in out.finished_request_ids:
@@ -220,3 +258,25 @@ class ModelRunner:
             meta,
             last_rows,
         )
+
+
+def _prompt_logprobs(
+    logits: torch.Tensor, scoring: list[tuple[int, ScheduledRequest]]
+) -> dict[str, tuple[int, list[TokenLogprobs]]]:
+    """Log-softmax (float32) of the scored prompt rows: each target's logprob and the top k."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    targets = torch.tensor([t for _, r in scoring for t in r.prompt_logprob_targets])
+    chosen = logprobs.gather(1, targets.view(-1, 1)).view(-1).tolist()
+    k_max = max(r.sampling_params.prompt_logprobs or 0 for _, r in scoring)
+    top_vals, top_ids = logprobs.topk(max(k_max, 1), dim=-1)
+    top_vals_l, top_ids_l = top_vals.tolist(), top_ids.tolist()
+    out: dict[str, tuple[int, list[TokenLogprobs]]] = {}
+    row = 0
+    for _, r in scoring:
+        k = r.sampling_params.prompt_logprobs or 0
+        entries = []
+        for t in r.prompt_logprob_targets:
+            entries.append(TokenLogprobs(t, chosen[row], top_ids_l[row][:k], top_vals_l[row][:k]))
+            row += 1
+        out[r.request_id] = (r.prompt_logprobs_start, entries)
+    return out

@@ -37,6 +37,7 @@ class RequestState:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[Logprob] = field(default_factory=list)
+    prompt_logprobs: list[Logprob] = field(default_factory=list)
     finish_reason: str | None = None
     finish_detail: str = ""
     num_cached_tokens: int = 0
@@ -61,6 +62,9 @@ class RequestState:
             finish_reason=self.finish_reason or "abort",
             finish_detail=self.finish_detail,
             logprobs=self.logprobs if self.params.logprobs is not None else None,
+            prompt_logprobs=(
+                self.prompt_logprobs if self.params.prompt_logprobs is not None else None
+            ),
             num_cached_tokens=self.num_cached_tokens,
         )
 
@@ -108,11 +112,13 @@ class OutputProcessor:
                 request_id=out.request_id,
                 new_token_ids=out.new_token_ids,
                 new_logprobs=out.new_logprobs if state.params.logprobs is not None else [],
+                prompt_logprobs=out.prompt_logprobs,
                 num_prompt_tokens=out.num_prompt_tokens,
                 num_cached_tokens=out.num_cached_tokens,
             )
             state.token_ids.extend(out.new_token_ids)
             state.logprobs.extend(delta.new_logprobs)
+            state.prompt_logprobs.extend(out.prompt_logprobs)
             state.num_cached_tokens = out.num_cached_tokens
             detok = state.detokenizer
             if detok is not None:

@@ -21,6 +21,9 @@ class EngineOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     new_token_ids: list[int]
     # Only for requests that asked for logprobs.
     new_logprobs: list[Logprob] = []
+    # Only for requests that asked for prompt logprobs: the next prompt positions' entries
+    # (the first covers prompt token 1; token 0 has none), as prefill chunks compute them.
+    prompt_logprobs: list[Logprob] = []
     finished: bool = False
     # stop | length | abort | queue_full | queue_timeout | error
     finish_reason: str | None = None
@@ -40,6 +43,7 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     # Text that became final this step (stop strings held back until resolved).
     new_text: str = ""
     new_logprobs: list[Logprob] = []
+    prompt_logprobs: list[Logprob] = []
     finished: bool = False
     finish_reason: str | None = None
     finish_detail: str = ""
@@ -55,4 +59,6 @@ class CompletionResult(msgspec.Struct, kw_only=True):
     finish_reason: str
     finish_detail: str = ""
     logprobs: list[Logprob] | None = None
+    # Prompt positions 1.. (None unless asked for): position 0 has no logprob.
+    prompt_logprobs: list[Logprob] | None = None
     num_cached_tokens: int = 0

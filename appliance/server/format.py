@@ -9,6 +9,13 @@ import msgspec
 from appliance.engine.outputs import Logprob, RequestOutput
 from appliance.server import schemas as s
 from appliance.server.generate import Choice, Generation
+from appliance.server.scoring import (
+    ResponsePlan,
+    prepend_prompt,
+    prompt_text,
+    vllm_prompt_logprobs,
+)
+from appliance.server.tool_calls import ToolStream, tool_calls
 
 DONE = b"data: [DONE]\n\n"
 _encode = msgspec.json.Encoder().encode
@@ -34,8 +41,10 @@ class TokenText:
         return text
 
 
-def usage(gen: Generation) -> s.Usage:
+def usage(gen: Generation, plan: ResponsePlan | None = None) -> s.Usage:
     prompt, completion = gen.prompt_tokens, gen.completion_tokens
+    if plan is not None and plan.drop_output:
+        completion = 0
     return s.Usage(
         prompt, completion, prompt + completion, s.PromptTokensDetails(gen.cached_tokens)
     )
@@ -58,15 +67,36 @@ def completion_logprobs(
     return s.CompletionLogprobs(tokens, lps, tops, offsets), offset
 
 
+def _prompt_lps(plan: ResponsePlan, ch: Choice, text_of: TokenText) -> s.PromptLogprobs | None:
+    if plan.prompt_logprobs is None:
+        return None
+    return vllm_prompt_logprobs(ch, plan.prompt_logprobs, text_of)
+
+
 def completion_response(
-    gen: Generation, model: str, created: int, k: int | None, text_of: TokenText
+    gen: Generation,
+    model: str,
+    created: int,
+    k: int | None,
+    text_of: TokenText,
+    plan: ResponsePlan | None = None,
 ) -> s.CompletionResponse:
+    plan = plan or ResponsePlan()
     choices = []
     for ch in gen.choices:
-        lp = completion_logprobs(ch.logprobs, k, text_of, 0)[0] if k is not None else None
-        choices.append(s.CompletionChoice(ch.index, ch.text, lp, ch.finish_reason))
+        entries = [] if plan.drop_output else ch.logprobs
+        lp = completion_logprobs(entries, k, text_of, 0)[0] if k is not None else None
+        text = "" if plan.drop_output else ch.text
+        reason = "length" if plan.drop_output and ch.finish_reason == "stop" else ch.finish_reason
+        if plan.echo:
+            text = prompt_text(text_of.tokenizer, ch) + text
+            if k is not None:
+                lp = prepend_prompt(lp, ch, k, text_of)
+        choices.append(
+            s.CompletionChoice(ch.index, text, lp, reason, _prompt_lps(plan, ch, text_of))
+        )
     return s.CompletionResponse(
-        id=gen.request_id, created=created, model=model, choices=choices, usage=usage(gen)
+        id=gen.request_id, created=created, model=model, choices=choices, usage=usage(gen, plan)
     )
 
 
@@ -80,20 +110,34 @@ def chat_logprobs(entries: list[Logprob], k: int, text_of: TokenText) -> s.ChatC
     return s.ChatChoiceLogprobs(content)
 
 
+def _message(ch: Choice, plan: ResponsePlan) -> tuple[s.ResponseMessage, str | None]:
+    """The assistant message, and the finish reason (tool_calls when calls were made)."""
+    if plan.tools is None or ch.finish_reason not in ("stop", "length"):
+        return s.ResponseMessage("assistant", ch.text), ch.finish_reason
+    content, calls = plan.tools.extract(ch.text)
+    if not calls or (ch.finish_reason == "length" and plan.tools.mode != "auto"):
+        return s.ResponseMessage("assistant", ch.text), ch.finish_reason
+    return s.ResponseMessage("assistant", content, tool_calls(calls)), "tool_calls"
+
+
 def chat_response(
-    gen: Generation, model: str, created: int, k: int | None, text_of: TokenText
+    gen: Generation,
+    model: str,
+    created: int,
+    k: int | None,
+    text_of: TokenText,
+    plan: ResponsePlan | None = None,
 ) -> s.ChatCompletionResponse:
-    choices = [
-        s.ChatChoice(
-            ch.index,
-            s.ResponseMessage("assistant", ch.text),
-            chat_logprobs(ch.logprobs, k, text_of) if k is not None else None,
-            ch.finish_reason,
+    plan = plan or ResponsePlan()
+    choices = []
+    for ch in gen.choices:
+        message, reason = _message(ch, plan)
+        lps = chat_logprobs(ch.logprobs, k, text_of) if k is not None else None
+        choices.append(
+            s.ChatChoice(ch.index, message, lps, reason, _prompt_lps(plan, ch, text_of))
         )
-        for ch in gen.choices
-    ]
     return s.ChatCompletionResponse(
-        id=gen.request_id, created=created, model=model, choices=choices, usage=usage(gen)
+        id=gen.request_id, created=created, model=model, choices=choices, usage=usage(gen, plan)
     )
 
 
@@ -110,10 +154,15 @@ class StreamFormatter:
         k: int | None,
         include_usage: bool,
         text_of: TokenText,
+        plan: ResponsePlan | None = None,
     ) -> None:
         self.gen, self.chat, self.model, self.created = gen, chat, model, created
         self.k, self.include_usage, self.text_of = k, include_usage, text_of
+        self.plan = plan or ResponsePlan()
         self.offsets: dict[int, int] = {}
+        # Choices whose echoed prompt went out; per choice tool-call state.
+        self.echoed: set[int] = set()
+        self.tool_streams: dict[int, ToolStream] = {}
 
     def opening(self) -> list[bytes]:
         """Chat streams announce the assistant role first, one chunk per choice."""
@@ -134,27 +183,61 @@ class StreamFormatter:
         )
 
     def chunk(self, ch: Choice, ro: RequestOutput) -> bytes | None:
-        has_lp = self.k is not None and bool(ro.new_logprobs)
-        if not ro.new_text and not has_lp and not ro.finished:
+        plan = self.plan
+        new_text, new_lps = ro.new_text, ro.new_logprobs
+        if plan.drop_output:
+            new_text, new_lps = "", []
+        has_lp = self.k is not None and bool(new_lps)
+        echo_now = plan.echo and ch.index not in self.echoed and bool(ro.new_token_ids or ro.finished)
+        if not new_text and not has_lp and not ro.finished and not echo_now:
             return None  # text held back (a possible stop string or a partial character)
         reason = ch.finish_reason if ro.finished else None
+        if plan.drop_output and reason == "stop":
+            reason = "length"
         if self.chat:
-            lp = chat_logprobs(ro.new_logprobs, self.k, self.text_of) if has_lp else None
-            delta = s.DeltaMessage(content=ro.new_text) if ro.new_text else s.DeltaMessage()
-            return sse(self._chat_chunk([s.ChatStreamChoice(ch.index, delta, lp, reason)]))
+            return self._chat_delta(ch, ro, new_text, has_lp, reason)
         clp = None
         if has_lp:
             assert self.k is not None
             clp, self.offsets[ch.index] = completion_logprobs(
-                ro.new_logprobs, self.k, self.text_of, self.offsets.get(ch.index, 0)
+                new_lps, self.k, self.text_of, self.offsets.get(ch.index, 0)
             )
+        prompt_lps = None
+        if echo_now:
+            self.echoed.add(ch.index)
+            prefix = prompt_text(self.text_of.tokenizer, ch)
+            new_text = prefix + new_text
+            if self.k is not None:
+                clp = prepend_prompt(clp, ch, self.k, self.text_of)
+                self.offsets[ch.index] = self.offsets.get(ch.index, 0) + len(
+                    "".join(clp.tokens[: len(ch.prompt_token_ids)])
+                )
+        if ro.finished and plan.prompt_logprobs is not None:
+            prompt_lps = _prompt_lps(plan, ch, self.text_of)
         body = s.CompletionResponse(
             id=self.gen.request_id,
             created=self.created,
             model=self.model,
-            choices=[s.CompletionChoice(ch.index, ro.new_text, clp, reason)],
+            choices=[s.CompletionChoice(ch.index, new_text, clp, reason, prompt_lps)],
         )
         return sse(body)
+
+    def _chat_delta(
+        self, ch: Choice, ro: RequestOutput, text: str, has_lp: bool, reason: str | None
+    ) -> bytes | None:
+        lp = chat_logprobs(ro.new_logprobs, self.k, self.text_of) if has_lp and self.k is not None else None
+        delta = s.DeltaMessage(content=text) if text else s.DeltaMessage()
+        tools = self.plan.tools
+        if tools is not None:
+            stream = self.tool_streams.setdefault(ch.index, ToolStream(tools))
+            content, calls = stream.feed(text, ro.finished)
+            delta = s.DeltaMessage(content=content or None, tool_calls=calls or None)
+            if ro.finished and stream.made_calls and reason in ("stop", "length"):
+                if reason == "stop" or tools.mode == "auto":
+                    reason = "tool_calls"
+            if not content and not calls and not has_lp and reason is None:
+                return None
+        return sse(self._chat_chunk([s.ChatStreamChoice(ch.index, delta, lp, reason)]))
 
     def closing(self) -> list[bytes]:
         out = []
@@ -165,7 +248,7 @@ class StreamFormatter:
                     created=self.created,
                     model=self.model,
                     choices=[],
-                    usage=usage(self.gen),
+                    usage=usage(self.gen, self.plan),
                 )
             else:
                 body = s.CompletionResponse(
@@ -173,7 +256,7 @@ class StreamFormatter:
                     created=self.created,
                     model=self.model,
                     choices=[],
-                    usage=usage(self.gen),
+                    usage=usage(self.gen, self.plan),
                 )
             out.append(sse(body))
         out.append(DONE)

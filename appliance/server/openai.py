@@ -31,7 +31,10 @@ from appliance.server.format import (
     error_event,
 )
 from appliance.server.generate import RETRYABLE, Generation
+from appliance.server.scoring import ResponsePlan
 from appliance.server.state import ServerState
+from appliance.server.structured import structured_outputs, validated
+from appliance.server.tool_calls import plan_tools
 
 T = TypeVar("T")
 JSON = "application/json"
@@ -95,8 +98,21 @@ async def _generate(request: Request[Any, Any, Any], chat: bool) -> Response[Any
     prep.refuse_unsupported(body)
     priority_class = prep.resolve_priority(state, body.priority)
     prep.check_queue(state, priority_class)  # before tokenizing: shedding load stays cheap
+    structured = structured_outputs(body)
+    plan = ResponsePlan(prompt_logprobs=body.prompt_logprobs)
     if isinstance(body, s.ChatCompletionRequest):
-        prompts = [prep.chat_prompt(state, body.messages, body.add_generation_prompt)]
+        plan.tools = plan_tools(
+            body, state.config.model.tool_call_parser, getattr(state.tokenizer, "chat_template", None)
+        )
+        tools = plan.tools.tools if plan.tools is not None else None
+        if plan.tools is not None and plan.tools.structured is not None:
+            if structured is not None:
+                raise bad_request(
+                    f"response_format: cannot be combined with tool_choice {plan.tools.mode}",
+                    param="response_format",
+                )
+            structured = validated(plan.tools.structured, "tools")
+        prompts = [prep.chat_prompt(state, body.messages, body.add_generation_prompt, tools)]
         name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         k = (body.top_logprobs or 0) if body.logprobs else None
@@ -106,8 +122,15 @@ async def _generate(request: Request[Any, Any, Any], chat: bool) -> Response[Any
     else:
         prompts = prep.completion_prompts(state, body.prompt)
         name, asked, k, prompt_param = "max_tokens", body.max_tokens, body.logprobs, "prompt"
+        plan.echo = body.echo
+        if body.echo and asked == 0:
+            # Scoring only: the prompt's last logits sample one token (same forward), dropped.
+            plan.drop_output, asked = True, 1
     max_tokens = prep.resolve_max_tokens(state, prompts, asked, name, prompt_param)
-    params = prep.sampling_params(body, max_tokens, k)
+    # Echoed logprobs and vLLM's prompt_logprobs come from one prefill computation.
+    wanted = [x for x in (body.prompt_logprobs, k if plan.echo else None) if x is not None]
+    params = prep.sampling_params(body, max_tokens, k, max(wanted) if wanted else None)
+    params.structured = structured
     rid = state.next_id("chatcmpl" if chat else "cmpl")
     gen = Generation(state, rid, prompts, params, body.n, body.priority, priority_class, arrival, body.stream)
     await gen.submit()
@@ -117,7 +140,7 @@ async def _generate(request: Request[Any, Any, Any], chat: bool) -> Response[Any
     if body.stream:
         return await _stream(request, gen, ctx, StreamFormatter(
             gen, chat, state.model_name, created, k,
-            bool(body.stream_options and body.stream_options.include_usage), text_of,
+            bool(body.stream_options and body.stream_options.include_usage), text_of, plan,
         ))
     try:
         await race_disconnect(request, gen.done.wait())
@@ -134,7 +157,7 @@ async def _generate(request: Request[Any, Any, Any], chat: bool) -> Response[Any
         raise err
     ctx.finish(200)
     build = chat_response if chat else completion_response
-    return _json(build(gen, state.model_name, created, k, text_of), {"x-request-id": rid})
+    return _json(build(gen, state.model_name, created, k, text_of, plan), {"x-request-id": rid})
 
 
 def _token_text(state: ServerState) -> TokenText:

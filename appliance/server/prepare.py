@@ -17,6 +17,7 @@ from appliance.server.schemas import (
     ChatMessage,
     CompletionRequest,
 )
+from appliance.server.tool_calls import template_tool_calls
 
 if TYPE_CHECKING:
     from appliance.server.state import ServerState
@@ -69,13 +70,9 @@ def refuse_unsupported(body: Body) -> None:
     ]
     if isinstance(body, CompletionRequest):
         checks += [
-            (body.echo, "echo"),
             (body.suffix is not None, "suffix"),
             (body.best_of is not None and body.best_of != body.n, "best_of"),
         ]
-    else:
-        fmt = (body.response_format or {}).get("type", "text")
-        checks += [(bool(body.tools), "tools"), (fmt != "text", "response_format")]
     for bad, name in checks:
         if bad:
             raise bad_request(f"{name} is not supported by this server", param=name)
@@ -122,11 +119,18 @@ def _message_dict(i: int, msg: ChatMessage) -> dict[str, Any]:
     out: dict[str, Any] = {"role": msg.role, "content": content or ""}
     if msg.name is not None:
         out["name"] = msg.name
+    if msg.tool_calls:
+        out["tool_calls"] = template_tool_calls(msg.tool_calls, i)
+    if msg.tool_call_id is not None:
+        out["tool_call_id"] = msg.tool_call_id
     return out
 
 
 def chat_prompt(
-    state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool
+    state: ServerState,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     if not messages:
         raise bad_request("messages: must contain at least one message", param="messages")
@@ -134,7 +138,7 @@ def chat_prompt(
     convo = [_message_dict(i, m) for i, m in enumerate(messages)]
     try:
         text = tok.apply_chat_template(
-            convo, add_generation_prompt=add_generation_prompt, tokenize=False
+            convo, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
         )
     except Exception as exc:  # jinja errors: the template refused these messages
         raise bad_request(f"messages: the chat template failed: {exc}", param="messages") from None
@@ -169,7 +173,9 @@ def resolve_max_tokens(
     return asked
 
 
-def sampling_params(body: Body, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def sampling_params(
+    body: Body, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+) -> SamplingParams:
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     params = SamplingParams(
         max_tokens=max_tokens,
@@ -183,6 +189,7 @@ def sampling_params(body: Body, max_tokens: int, logprobs: int | None) -> Sampli
         min_tokens=body.min_tokens,
         logprobs=logprobs,
         include_stop_str_in_output=body.include_stop_str_in_output,
+        prompt_logprobs=prompt_logprobs,
     )
     # Validated once, by Engine.add_request; a refusal comes back as a 400 naming the field.
     return params

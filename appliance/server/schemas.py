@@ -23,6 +23,16 @@ class StreamOptions(msgspec.Struct, kw_only=True):
     continuous_usage_stats: bool = False
 
 
+class StructuredOutputsParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's `structured_outputs` extension: exactly one of these constrains the output."""
+
+    json: Any = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class _Common(msgspec.Struct, kw_only=True):
     model: str | None = None
     n: Annotated[int, Meta(ge=1, le=MAX_N)] = 1
@@ -43,6 +53,16 @@ class _Common(msgspec.Struct, kw_only=True):
     min_tokens: Annotated[int, Meta(ge=0)] = 0
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
+    # Structured outputs (server/structured.py): OpenAI's response_format, vLLM's
+    # structured_outputs and its older guided_* fields.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # vLLM: logprobs of the prompt tokens (top k each), computed in the prefill.
+    prompt_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
 
 
 class CompletionRequest(_Common, kw_only=True):
@@ -64,6 +84,9 @@ class ChatMessage(msgspec.Struct, kw_only=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    # An assistant turn that called tools, and a tool's answer to one of those calls.
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(_Common, kw_only=True):
@@ -73,7 +96,8 @@ class ChatCompletionRequest(_Common, kw_only=True):
     logprobs: bool = False
     top_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
 
 
@@ -97,11 +121,22 @@ class CompletionLogprobs(msgspec.Struct):
     text_offset: list[int]
 
 
+class PromptLogprob(msgspec.Struct):
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's prompt_logprobs: per prompt token (None for the first), token id -> its logprob.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(msgspec.Struct):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(msgspec.Struct, kw_only=True):
@@ -131,9 +166,22 @@ class ChatChoiceLogprobs(msgspec.Struct):
     content: list[ChatLogprob] | None
 
 
-class ResponseMessage(msgspec.Struct):
+class FunctionCall(msgspec.Struct):
+    name: str
+    # JSON text, as OpenAI sends it.
+    arguments: str
+
+
+class ToolCall(msgspec.Struct):
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
+class ResponseMessage(msgspec.Struct, omit_defaults=True):
     role: str
     content: str | None
+    tool_calls: list[ToolCall] = []
 
 
 class ChatChoice(msgspec.Struct):
@@ -141,6 +189,7 @@ class ChatChoice(msgspec.Struct):
     message: ResponseMessage
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class ChatCompletionResponse(msgspec.Struct, kw_only=True):
@@ -153,9 +202,22 @@ class ChatCompletionResponse(msgspec.Struct, kw_only=True):
     system_fingerprint: str | None = None
 
 
+class DeltaFunction(msgspec.Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(msgspec.Struct, omit_defaults=True):
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: DeltaFunction | None = None
+
+
 class DeltaMessage(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(msgspec.Struct):
