@@ -43,6 +43,11 @@ class ModelConfig(_Section):
     # fastest correct choice there (appliance.cpu.backend). "bfloat16" forces bf16 compute
     # (slow where the CPU emulates it; the log says so).
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    # Weight quantization. "" takes the checkpoint's own: 16-bit, or packed 4/8-bit for a GGUF
+    # file (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) or an AWQ/GPTQ directory (config.json's
+    # quantization_config). "int8" quantizes a 16-bit checkpoint's linears at load (per output
+    # channel, weight-only): half the bytes a decode step reads.
+    quantization: Literal["", "int8"] = ""
     # Longest prompt + output; 0 takes max_position_embeddings from config.json.
     max_model_len: NonNegInt = 0
     # When set and `path` holds no model, build this demo model there on first start.
