@@ -3,7 +3,8 @@
  * dequantized into registers and multiplied into float32 accumulators. No dense copy exists.
  *
  *   q4: uint8 [n, k/2]; per 32 columns 16 bytes, byte i = column i (low nibble) and column
- *       i + 16 (high nibble); fp16 scale and min per `group` columns: w = q * scale + min.
+ *       i + 16 (high nibble); fp16 scale and min (or float32 min) per `group` columns:
+ *       w = q * scale + min.
  *   q8: int8 [n, k]; fp16 scale per `group` columns (the last group may be short): w = q * scale.
  *
  * For q4, sum_j (q_j s + m) x_j = s sum_j q_j x_j + m sum_j x_j: the group sums of x are taken
@@ -22,7 +23,8 @@ typedef struct {
     int64_t n, k, group;
     const uint8_t *q;        /* q4: [n, k/2]; q8: int8 [n, k] */
     const uint16_t *scales;  /* fp16 [n, groups] */
-    const uint16_t *mins;    /* fp16 [n, groups], q4 only */
+    const void *mins;        /* [n, groups], q4 only: fp16, or float32 when mins_f32 */
+    int64_t mins_f32;        /* AWQ/GPTQ: -zero * scale is exact in float32, not in fp16 */
 } QW;
 
 typedef uint8_t vb __attribute__((vector_size(VW)));
@@ -47,6 +49,17 @@ static inline float h2f(uint16_t h) {
 }
 
 static inline int64_t groups_of(const QW *w) { return (w->k + w->group - 1) / w->group; }
+
+/* Min i of a row's groups (row base pointer `mrow`, typed by the flag). */
+static inline float min_at(const QW *w, const void *mrow, int64_t i) {
+    return w->mins_f32 ? ((const float *)mrow)[i] : h2f(((const uint16_t *)mrow)[i]);
+}
+
+static inline const void *min_row(const QW *w, int64_t n) {
+    int64_t off = n * groups_of(w);
+    return w->mins_f32 ? (const void *)((const float *)w->mins + off)
+                       : (const void *)((const uint16_t *)w->mins + off);
+}
 
 /* out[b] = row n of w . x[b, :] for NB rows of x (k apart); xs = group sums of x (q4). */
 #define Q4_DOT(NB)                                                                             \
@@ -73,7 +86,7 @@ static inline int64_t groups_of(const QW *w) { return (w->k + w->group - 1) / w-
                     }                                                                          \
                 }                                                                              \
             }                                                                                  \
-            float s = h2f(srow[g]), m = h2f(mrow[g]);                                          \
+            float s = h2f(srow[g]), m = min_at(w, mrow, g);                                    \
             for (int b = 0; b < NB; b++) {                                                     \
                 tot[b] += acc[b] * s;                                                          \
                 mt[b] += m * xs[b * ng + g];                                                   \
@@ -123,7 +136,7 @@ static inline void qdot(const QW *w, int64_t n, const float *x, const float *xs,
     const uint16_t *srow = w->scales + n * ng;
     if (w->bits == 4) {
         const uint8_t *qrow = w->q + n * (k / 2);
-        const uint16_t *mrow = w->mins + n * ng;
+        const void *mrow = min_row(w, n);
         /* The next row streams in while this one is summed (as the 16-bit matvec does). */
         for (int64_t off = 0; off < k / 2; off += 64) __builtin_prefetch(qrow + k / 2 + off);
         switch (nb) {
@@ -198,9 +211,9 @@ void quant_dequant_rows(const int64_t *qw, const int64_t *rows, int64_t nrows, f
         const uint16_t *srow = w->scales + n * ng;
         if (w->bits == 4) {
             const uint8_t *q = w->q + n * (k / 2);
-            const uint16_t *mrow = w->mins + n * ng;
+            const void *mrow = min_row(w, n);
             for (int64_t c = 0; c < k; c += 32) {
-                float s = h2f(srow[c / w->group]), m = h2f(mrow[c / w->group]);
+                float s = h2f(srow[c / w->group]), m = min_at(w, mrow, c / w->group);
                 for (int i = 0; i < 16; i++) {
                     o[c + i] = (float)(q[c / 2 + i] & 0x0F) * s + m;
                     o[c + 16 + i] = (float)(q[c / 2 + i] >> 4) * s + m;

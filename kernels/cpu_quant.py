@@ -70,14 +70,14 @@ def descriptor(w: QuantWeight) -> torch.Tensor:
     """The C side's QW struct (int64 fields; pointers into w's tensors, which must outlive
     every call that gets it)."""
     assert w.qweight.is_contiguous() and w.scales.dtype == torch.float16 and w.scales.is_contiguous()
-    mins = 0
+    mins, mins_f32 = 0, 0
     if w.fmt == "q4":
         assert w.mins is not None and w.mins.is_contiguous()
-        mins = w.mins.data_ptr()
+        mins, mins_f32 = w.mins.data_ptr(), int(w.mins.dtype == torch.float32)
     bits = 4 if w.fmt == "q4" else 8
     return torch.tensor(
         [bits, w.out_features, w.in_features, w.group, w.qweight.data_ptr(),
-         w.scales.data_ptr(), mins],
+         w.scales.data_ptr(), mins, mins_f32],
         dtype=torch.int64,
     )  # fmt: skip
 

@@ -15,14 +15,15 @@ import torch
 HIDDEN, INTER, LAYERS, HEADS, KV_HEADS = 96, 160, 2, 4, 2
 
 
-def random_llama(tokenizer_dir: Path, seed: int = 0, tied: bool = False):  # type: ignore[no-untyped-def]
+def random_llama(tokenizer_dir: Path, seed: int = 0, tied: bool = False,  # type: ignore[no-untyped-def]
+                 hidden: int = HIDDEN, inter: int = INTER):  # fmt: skip
     """A random fp32 Llama over the tokenizer of `tokenizer_dir` (its vocab)."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     vocab = len(AutoTokenizer.from_pretrained(str(tokenizer_dir)))
     vocab = -(-vocab // 32) * 32
     config = LlamaConfig(
-        vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=LAYERS,
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=LAYERS,
         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=512,
         rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=tied, bos_token_id=1,
         eos_token_id=2,
@@ -141,3 +142,75 @@ def greedy(model, prompts: list[list[int]], new: int) -> list[list[int]]:  # typ
 def random_prompts(vocab: int, lengths: list[int], seed: int = 3) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [rng.integers(10, vocab, n).tolist() for n in lengths]
+
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def rtn_4bit(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric round-to-nearest 4-bit of W [N, K] in groups along K: (q [N, K] 0..15, scale
+    fp16 [N, K/g], zero [N, K/g] 1..15); weight = (q - zero) * scale."""
+    n, k = w.shape
+    g = w.reshape(n, k // group, group)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo) / 15).clamp_min(1e-4).half()
+    # Zero 0 cannot be written in GPTQ's v1 format (it stores zero - 1): keep it >= 1.
+    zero = torch.round(-lo / scale.float()).clamp(1, 15)
+    q = torch.round(g / scale.float().unsqueeze(-1) + zero.unsqueeze(-1)).clamp(0, 15)
+    return q.reshape(n, k).to(torch.int64), scale, zero.to(torch.int64)
+
+
+def _pack_words(values: torch.Tensor, order: tuple[int, ...] = tuple(range(8))) -> torch.Tensor:
+    """int64 [..., 8 W] 0..15 -> int32 [..., W]; nibble i of word c = value 8 c + order[i]."""
+    v = values.reshape(*values.shape[:-1], -1, 8)
+    word = torch.zeros(v.shape[:-1], dtype=torch.int64)
+    for i, j in enumerate(order):
+        word |= v[..., j] << (4 * i)
+    return word.to(torch.int32)
+
+
+def write_awq_or_gptq(model, tokenizer_dir: Path, out_dir: Path, kind: str, group: int = 128):  # type: ignore[no-untyped-def]
+    """The linears of `model` quantized (RTN, 4 bits, `group`) and packed the way AutoAWQ's
+    gemm kernels / AutoGPTQ store them, in a HF directory with quantization_config; returns
+    (the directory, the fp32 HF model of the dequantized weights)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, torch.Tensor] = {}
+    ref_state: dict[str, torch.Tensor] = {}
+    linears = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    for name, t in model.state_dict().items():
+        t = t.detach().float().contiguous()
+        module = name.rsplit(".", 2)
+        if len(module) == 3 and module[1] in linears and module[2] == "weight":
+            prefix = name[: -len(".weight")]
+            q, scale, zero = rtn_4bit(t, group)
+            ref_state[name] = ((q - zero.repeat_interleave(group, 1)) * scale.float().repeat_interleave(group, 1))
+            qt, zt = q.t().contiguous(), zero.t().contiguous()  # [K, N], [K/g, N]
+            if kind == "awq":
+                tensors[prefix + ".qweight"] = _pack_words(qt, AWQ_ORDER)
+                tensors[prefix + ".qzeros"] = _pack_words(zt, AWQ_ORDER)
+            else:
+                tensors[prefix + ".qweight"] = _pack_words(qt.t()).t().contiguous()  # along K
+                tensors[prefix + ".qzeros"] = _pack_words(zt - 1)
+                tensors[prefix + ".g_idx"] = (torch.arange(t.shape[1]) // group).to(torch.int32)
+            tensors[prefix + ".scales"] = scale.t().contiguous()
+        elif not (name == "lm_head.weight" and model.config.tie_word_embeddings):
+            tensors[name] = t
+            ref_state[name] = t
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    config = model.config.to_dict()
+    if kind == "awq":
+        config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": group,
+                                         "zero_point": True, "version": "gemm"}  # fmt: skip
+    else:
+        config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group,
+                                         "desc_act": False, "sym": False}  # fmt: skip
+    (out_dir / "config.json").write_text(json.dumps(config))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / f, out_dir / f)
+    ref = type(model)(model.config).float().eval()
+    ref.load_state_dict(ref_state, strict=not model.config.tie_word_embeddings)
+    return out_dir, ref

@@ -77,12 +77,13 @@ def _engine_greedy(engine: Engine, prompts: list[list[int]], new: int) -> list[l
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
 def test_gguf_model_matches_transformers_on_its_weights(
-    qtype: str, tokenizer_dir: Path, tmp_path: Path
+    qtype: str, tokenizer_dir: Path, tmp_path: Path, cpu_path: str
 ) -> None:
     """A random Llama written as GGUF loads with its config and tokenizer, holds its linears
     packed (no dense copy), runs its one-at-a-time decode through the packed native kernels,
     and generates the same greedy tokens as transformers on the dequantized fp32 weights.
-    Prompts of 1 to 40 tokens: prefills below and above the dense-tile threshold."""
+    Prompts of 1 to 40 tokens: prefills below and above the dense-tile threshold; natively
+    and under the AVX2 mask."""
     hf = random_llama(tokenizer_dir, seed=1)
     path, ref = write_gguf(hf, tokenizer_dir, tmp_path / qtype, qtype)
     prompts = random_prompts(hf.config.vocab_size, [1, 5, 23, 40])

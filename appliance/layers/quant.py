@@ -7,8 +7,9 @@ CPU, Triton, the torch reference here) has two cases, not one per format:
 - ``q4``: ``qweight`` uint8 [N, K/2]. Each run of 32 columns is 16 bytes: byte i holds column
   i in its low nibble and column i + 16 in its high nibble (ggml's Q4_0/Q4_1 order; Q4_K, AWQ
   and GPTQ are reordered at load). ``scales`` and ``mins`` fp16 [N, K/group]; a weight is
-  ``q * scale + min``. Q4_0 is min = -8 scale, AWQ/GPTQ min = -zero * scale, Q4_K scale =
-  d * sc and min = -dmin * m of each 32-column sub-block. ``group`` is a multiple of 32.
+  ``q * scale + min``. Q4_0 is min = -8 scale, AWQ/GPTQ min = -zero * scale (float32 mins
+  there: that product is exact in float32, not in fp16), Q4_K scale = d * sc and min =
+  -dmin * m of each 32-column sub-block. ``group`` is a multiple of 32.
 - ``q8``: ``qweight`` int8 [N, K], ``scales`` fp16 [N, ceil(K/group)], a weight is
   ``q * scale`` (Q8_0: group 32; Q6_K: its 16-column sub-blocks, q - 32 in int8; the INT8
   weight-only mode: one group per row).
@@ -49,6 +50,7 @@ class QuantWeight:
                 raise ValueError(f"q4: group {self.group} must be a multiple of 32 dividing K={k}")
             assert self.qweight.dtype == torch.uint8 and self.qweight.shape == (n, k // 2)
             assert self.mins is not None and self.mins.shape == self.scales.shape
+            assert self.mins.dtype in (torch.float16, torch.float32), self.mins.dtype
         else:
             assert self.qweight.dtype == torch.int8 and self.qweight.shape == (n, k)
         assert self.scales.shape == (n, -(-k // self.group)), (self.scales.shape, n, k, self.group)

@@ -93,6 +93,10 @@ def open_checkpoint(path: str | Path, quantization: str = "") -> Checkpoint:
     else:
         kind = _hf_quant_kind(p)
         ckpt = Checkpoint(p, kind)
+        if kind in ("awq", "gptq"):
+            from appliance.models.hf_quant import quant_settings
+
+            quant_settings(p, kind)  # a bad quantization_config fails before any weight
     if quantization == "int8":
         if ckpt.kind != "hf":
             raise ValueError(f"model.quantization: 'int8' quantizes a 16-bit checkpoint; {p} is "
