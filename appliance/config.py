@@ -46,8 +46,10 @@ class ModelConfig(_Section):
     # Weight quantization. "" takes the checkpoint's own: 16-bit, or packed 4/8-bit for a GGUF
     # file (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) or an AWQ/GPTQ directory (config.json's
     # quantization_config). "int8" quantizes a 16-bit checkpoint's linears at load (per output
-    # channel, weight-only): half the bytes a decode step reads.
-    quantization: Literal["", "int8"] = ""
+    # channel, weight-only): half the bytes a decode step reads. "awq" / "gptq" state what the
+    # checkpoint is (4-bit, group 128): `appliance plan` counts it so before the weights are
+    # installed, and the loader refuses a checkpoint that is something else.
+    quantization: Literal["", "int8", "awq", "gptq"] = ""
     # Longest prompt + output; 0 takes max_position_embeddings from config.json.
     max_model_len: NonNegInt = 0
     # When set and `path` holds no model, build this demo model there on first start.

@@ -224,7 +224,10 @@ def load_weights(
     gpu_used_before = 0
     if device.type == "cuda":
         # Before allocating: weights that cannot fit are a message with numbers, not an OOM.
-        gpu_used_before = memory.check_weights_fit(model, dtype, device, config, hf_config)
+        packed = ckpt.packed_bytes_estimate(packed_params(model)) if ckpt.quantized else 0
+        gpu_used_before = memory.check_weights_fit(
+            model, dtype, device, config, hf_config, extra_bytes=packed
+        )
     model = model.to_empty(device=device).to(dtype)
     # Buffers (rotary tables) are recomputed on the real device: to_empty left them blank.
     fresh = RotaryEmbedding(
@@ -232,6 +235,8 @@ def load_weights(
     ).to(device)
     model.model.rotary.cos, model.model.rotary.sin = fresh.cos, fresh.sin
     model.load_weights(ckpt.weights(dtype, args.tie_word_embeddings))
+    if ckpt.quantized and device.type != "cpu":
+        move_packed(model, device)
     model.eval()
     if cpu is not None:
         cpu.prepare_model(model, config.scheduler.max_num_seqs)
@@ -253,6 +258,25 @@ def drop_dense_weights(model: LlamaForCausalLM, ckpt: Checkpoint) -> None:
     packs_embedding = ckpt.gguf is not None or (ckpt.int8 and model.args.tie_word_embeddings)
     if packs_embedding:
         model.model.embed_tokens.expect_quantized()
+
+
+def packed_params(model: LlamaForCausalLM) -> int:
+    """Elements of the dense weights drop_dense_weights left out (what the file packs)."""
+    total = 0
+    for module in model.modules():
+        if isinstance(module, MatmulWeight) and "weight" in module._parameters:
+            total += module.dense_shape[0] * module.dense_shape[1]
+    return total
+
+
+def move_packed(model: LlamaForCausalLM, device: torch.device) -> None:
+    """The checkpoint readers build packed weights on the CPU; the GPU kernels read them there."""
+    for module in model.modules():
+        if isinstance(module, MatmulWeight) and "weight" in module._parameters and module.quant is not None:
+            module.quant = module.quant.to(device)
+    embed = model.model.embed_tokens
+    if embed.quant is not None:
+        embed.quant = embed.quant.to(device)
 
 
 def size_kv_cache(

@@ -43,6 +43,14 @@ class Checkpoint:
             return "INT8 per-channel weight-only (quantized at load)"
         return {"hf": "16-bit", "awq": "AWQ 4-bit", "gptq": "GPTQ 4-bit"}[self.kind]
 
+    def packed_bytes_estimate(self, params: int) -> int:
+        """Bytes `params` packed weights will take (before reading them): 4 bits plus a fp16
+        scale and a float32 min per 128 for AWQ/GPTQ, 1 byte plus a per-row scale for INT8,
+        and for GGUF the file's size (its tensors are nearly all of it)."""
+        if self.gguf is not None:
+            return self.path.stat().st_size
+        return int(params * bits_per_weight(self.kind if not self.int8 else "int8") / 8)
+
     def hf_config(self) -> Any:
         if self.gguf is not None:
             return self.gguf.hf_config()
@@ -70,6 +78,15 @@ class Checkpoint:
                 else:
                     value = value.to(dtype)
             yield name, value
+
+
+def bits_per_weight(kind: str, group: int = 128) -> float:
+    """Bits a packed weight takes in the engine's layouts, scales and mins included."""
+    if kind in ("awq", "gptq"):
+        return 4 + 8 * (2 + 4) / group
+    if kind == "int8":
+        return 8.0
+    raise ValueError(f"no packed size for {kind!r}")
 
 
 def _int8_target(name: str, tied: bool) -> bool:
@@ -102,8 +119,11 @@ def open_checkpoint(path: str | Path, quantization: str = "") -> Checkpoint:
             raise ValueError(f"model.quantization: 'int8' quantizes a 16-bit checkpoint; {p} is "
                              f"already {ckpt.describe()}")  # fmt: skip
         ckpt.int8 = True
+    elif quantization in ("awq", "gptq"):
+        if ckpt.kind != quantization:
+            raise ValueError(f"model.quantization: {quantization!r}, but {p} is {ckpt.describe()}")
     elif quantization:
-        raise ValueError(f"model.quantization: unknown value {quantization!r} (expected '' or 'int8')")
+        raise ValueError(f"model.quantization: unknown value {quantization!r}")
     return ckpt
 
 

@@ -180,6 +180,8 @@ class Plan:
     chosen: TPPlan
     options: list[TPPlan] = field(default_factory=list)
     advice: str = ""
+    # "awq", "gptq", "int8" (packed weights, counted at their packed size) or "" (16-bit).
+    weight_format: str = ""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -273,8 +275,32 @@ def cpu_weight_bytes(spec: ArchSpec, config: ApplianceConfig, tp: int) -> tuple[
     return stored, copy, f"weights {cpu.weight}, compute {cpu.compute}, matmuls {layout} {cpu.compute}"
 
 
-def plan_tp(spec: ArchSpec, config: ApplianceConfig, tp: int, on_gpu: bool) -> TPPlan:
+def weight_format(config: ApplianceConfig, raw: dict[str, Any]) -> str:
+    """"awq", "gptq", "int8" or "" (16-bit): the installed config.json's quantization_config
+    wins, else model.quantization states it."""
+    qc = raw.get("quantization_config") or {}
+    method = str(qc.get("quant_method", "")).lower()
+    return method if method in ("awq", "gptq") else config.model.quantization
+
+
+def quantized_weight_bytes(spec: ArchSpec, tp: int, elem: int, fmt: str) -> int:
+    """Bytes of one rank's weights as the engine holds them packed (appliance.layers.quant):
+    AWQ/GPTQ pack the layers' linears (embedding and LM head stay 16-bit); INT8 also packs
+    the LM head (and the embedding it is tied to)."""
+    from appliance.models.checkpoint import bits_per_weight
+
+    linears = spec.linear_params_per_rank(tp)
+    packed = linears
+    if fmt == "int8":
+        packed += spec.lm_head_params_per_rank(tp)  # a tied table is the head's, counted once
+    rest = spec.params_per_rank(tp) - packed
+    return int(packed * bits_per_weight(fmt) / 8) + rest * elem
+
+
+def plan_tp(spec: ArchSpec, config: ApplianceConfig, tp: int, on_gpu: bool, fmt: str = "") -> TPPlan:
     problem = spec.tp_problem(tp)
+    if fmt and tp > 1:
+        problem = f"{fmt} weights run at tensor_parallel_size 1"
     if problem:
         return TPPlan(tp, False, f"cannot split: {problem}")
     hw, cache, sched = config.hardware, config.cache, config.scheduler
@@ -282,9 +308,11 @@ def plan_tp(spec: ArchSpec, config: ApplianceConfig, tp: int, on_gpu: bool) -> T
     kv_elem = _kv_elems(config, elem, spec.num_layers)
     max_len = config.model.max_model_len or spec.max_position_embeddings
     params = spec.params_per_rank(tp)
-    weights = params * elem
+    weights = params * elem if not fmt else quantized_weight_bytes(spec, tp, elem, fmt)
     matmul_copy, cpu_path = 0, ""
-    if not on_gpu:
+    if fmt:
+        cpu_path = f"weights {fmt} (packed; kernels read them as stored)"
+    elif not on_gpu:
         stored, matmul_copy, cpu_path = cpu_weight_bytes(spec, config, tp)
         weights = stored + matmul_copy
     per_token = spec.kv_bytes_per_token(tp, kv_elem)
@@ -350,7 +378,8 @@ def make_plan(config: ApplianceConfig, template: str = "") -> Plan:
         )
     elem = DTYPE_BYTES[config.model.dtype]
     tp = config.parallel.tensor_parallel_size
-    options = [plan_tp(spec, config, n, on_gpu) for n in TP_SIZES]
+    fmt = weight_format(config, raw)
+    options = [plan_tp(spec, config, n, on_gpu, fmt) for n in TP_SIZES]
     chosen = next(o for o in options if o.tensor_parallel_size == tp)
     plan = Plan(
         template=template,
@@ -374,6 +403,7 @@ def make_plan(config: ApplianceConfig, template: str = "") -> Plan:
         activation_method=ACTIVATION_METHOD if on_gpu else "not reserved: host memory",
         chosen=chosen,
         options=options,
+        weight_format=fmt,
     )
     plan.advice = _advice(plan)
     return plan
@@ -406,6 +436,12 @@ def _gib(n: int) -> str:
     return f"{n / GiB:.2f} GiB"
 
 
+def _format_note(fmt: str) -> str:
+    if fmt == "int8":
+        return "INT8 linears and LM head (1 byte + a fp16 scale a row), the rest 16-bit"
+    return f"{fmt.upper()} 4-bit linears (group 128: + fp16 scale, fp32 min), embedding and LM head 16-bit"
+
+
 def render(plan: Plan) -> str:
     c = plan.chosen
     lines = [
@@ -427,6 +463,8 @@ def render(plan: Plan) -> str:
         rows = [
             ("weights", _gib(c.weights_bytes), f"{c.weight_params / 1e9:.3f}B parameters x {plan.dtype_bytes} bytes" + (" + the matmul copy" if c.matmul_copy_bytes else "")),
         ]
+        if plan.weight_format:
+            rows[0] = ("weights", _gib(c.weights_bytes), _format_note(plan.weight_format))
         if c.matmul_copy_bytes:
             rows += [
                 ("  of which matmul copy", _gib(c.matmul_copy_bytes), c.cpu_path + " (this CPU)"),
