@@ -245,6 +245,13 @@ def load_weights(
         write_kv, attend = get_attention_backend(device)
         for attn in model.attention_layers():
             attn.set_backend(write_kv, attend)
+        if ckpt.quantized:
+            # Packed weights: the Triton dequantizing GEMV/GEMM (imports triton: CUDA only).
+            from appliance.kernels.triton_quant import quant_matmul_triton
+
+            for module in model.modules():
+                if isinstance(module, MatmulWeight) and module.quant is not None:
+                    module.quant_matmul = quant_matmul_triton
     times["load_weights"] = time.perf_counter() - t
     return _Weights(model_dir, hf_config, args, tokenizer, model, max_len, cpu, gpu_used_before)
 
