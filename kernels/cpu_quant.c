@@ -25,6 +25,7 @@ typedef struct {
     const uint16_t *scales;  /* fp16 [n, groups] */
     const void *mins;        /* [n, groups], q4 only: fp16, or float32 when mins_f32 */
     int64_t mins_f32;        /* AWQ/GPTQ: -zero * scale is exact in float32, not in fp16 */
+    int64_t act8;            /* x quantized to int8 per 32 columns: integer dot products */
 } QW;
 
 typedef uint8_t vb __attribute__((vector_size(VW)));
@@ -258,6 +259,114 @@ static inline void h2f_row(const uint16_t *h, int64_t n, float *out) {
 #define Q8_KERNEL Q8_DOT
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+/* Integer dot products (llama.cpp's way): x is quantized once per call to int8 in 32-column
+ * blocks (scale dx per block), each 32-column run of weights is multiplied with it as bytes
+ * and summed in int32, then scaled into the float32 accumulator: ~10 instructions a run
+ * instead of ~18, one vpdpbusd where the CPU has AVX-VNNI or AVX-512-VNNI. The weights' min
+ * term still uses float32 sums of x. Costs an int8 rounding of the activations (quant-eval
+ * measures it); chosen by model.cpu_quant_activations. */
+#include <immintrin.h>
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define DOT_U8S8(w, x) _mm256_dpbusd_epi32(_mm256_setzero_si256(), (w), (x))
+#elif defined(__AVXVNNI__)
+#define DOT_U8S8(w, x) _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), (w), (x))
+#else
+#define DOT_U8S8(w, x) _mm256_madd_epi16(_mm256_maddubs_epi16((w), (x)), _mm256_set1_epi16(1))
+#endif
+#define ACT8 1
+#ifndef GCHUNK
+#define GCHUNK 256
+static inline void h2f_row(const uint16_t *h, int64_t n, float *out) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+    for (; i < n; i++) out[i] = h2f(h[i]);
+}
+#endif
+
+static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* Row n of w (q4 or q8, K and group multiples of 32) against nb rows of int8 x. */
+#define ACT8_DOT(NB)                                                                           \
+    do {                                                                                       \
+        const __m256i mask = _mm256_set1_epi8(0x0F);                                           \
+        __m256 tot[NB];                                                                        \
+        float mt[NB];                                                                          \
+        float sf[GCHUNK], mf[GCHUNK];                                                          \
+        for (int b = 0; b < NB; b++) {                                                         \
+            tot[b] = _mm256_setzero_ps();                                                      \
+            mt[b] = 0.0f;                                                                      \
+        }                                                                                      \
+        for (int64_t g0 = 0; g0 < ng; g0 += GCHUNK) {                                          \
+            int64_t gn = ng - g0 < GCHUNK ? ng - g0 : GCHUNK;                                  \
+            h2f_row(srow + g0, gn, sf);                                                        \
+            if (q4) {                                                                          \
+                if (w->mins_f32)                                                               \
+                    memcpy(mf, (const float *)mrow + g0, gn * sizeof(float));                  \
+                else                                                                           \
+                    h2f_row((const uint16_t *)mrow + g0, gn, mf);                              \
+                for (int b = 0; b < NB; b++)                                                   \
+                    for (int64_t g = 0; g < gn; g++) mt[b] += mf[g] * xs[b * ng + g0 + g];     \
+            }                                                                                  \
+            for (int64_t g = g0; g < g0 + gn; g++) {                                           \
+                __m256 ag[NB];                                                                 \
+                for (int b = 0; b < NB; b++) ag[b] = _mm256_setzero_ps();                      \
+                for (int64_t c = g * group; c < (g + 1) * group; c += 32) {                    \
+                    __m256i wv, sx = _mm256_setzero_si256();                                   \
+                    if (q4) {                                                                  \
+                        __m128i raw = _mm_loadu_si128((const __m128i *)(qrow + c / 2));        \
+                        wv = _mm256_and_si256(                                                 \
+                            _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), mask);              \
+                    } else {                                                                   \
+                        sx = _mm256_loadu_si256((const __m256i *)(qrow + c));                  \
+                        wv = _mm256_sign_epi8(sx, sx); /* |w| as unsigned bytes */             \
+                    }                                                                          \
+                    for (int b = 0; b < NB; b++) {                                             \
+                        __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + b * k + c));    \
+                        if (!q4) xv = _mm256_sign_epi8(xv, sx); /* the sign moves to x */      \
+                        __m256 f = _mm256_cvtepi32_ps(DOT_U8S8(wv, xv));                       \
+                        ag[b] = _mm256_fmadd_ps(f, _mm256_broadcast_ss(dx + b * nblk + c / 32), \
+                                                ag[b]);                                        \
+                    }                                                                          \
+                }                                                                              \
+                __m256 sv = _mm256_broadcast_ss(sf + (g - g0));                                \
+                for (int b = 0; b < NB; b++) tot[b] = _mm256_fmadd_ps(ag[b], sv, tot[b]);      \
+            }                                                                                  \
+        }                                                                                      \
+        for (int b = 0; b < NB; b++) out[b] = hsum256(tot[b]) + mt[b];                         \
+    } while (0)
+
+#define PREFETCH_ROWS 4
+
+static inline void qdot_act8(const QW *w, int64_t n, const int8_t *xq, const float *dx,
+                             const float *xs, int64_t nb, float *out) {
+    const int64_t k = w->k, group = w->group, ng = groups_of(w), nblk = k / 32;
+    const int q4 = w->bits == 4;
+    const uint16_t *srow = w->scales + n * ng;
+    const uint8_t *qrow = w->q + n * (q4 ? k / 2 : k);
+    const void *mrow = q4 ? min_row(w, n) : NULL;
+    const int64_t row_bytes = q4 ? k / 2 : k;
+    /* Rows PREFETCH_ROWS ahead stream in while this one is summed: a 4-bit row is short (288
+     * bytes at K = 576), and one row ahead left the loads waiting on DRAM. */
+    for (int64_t off = 0; off < row_bytes; off += 64)
+        __builtin_prefetch(qrow + PREFETCH_ROWS * row_bytes + off);
+    switch (nb) {
+    case 1: ACT8_DOT(1); break;
+    case 2: ACT8_DOT(2); break;
+    case 3: ACT8_DOT(3); break;
+    default: ACT8_DOT(4); break;
+    }
+}
+#else
+#define ACT8 0
+#endif
+
 /* Row n of w against nb <= 4 rows of x. */
 static inline void qdot(const QW *w, int64_t n, const float *x, const float *xs, int64_t nb,
                         float *out) {
@@ -286,13 +395,27 @@ static inline void qdot(const QW *w, int64_t n, const float *x, const float *xs,
     }
 }
 
+/* Whether w takes the int8-activation dot (asked for, built, and K and group in whole
+ * 32-column blocks). */
+static inline int use_act8(const QW *w) {
+    return ACT8 && w->act8 && w->k % 32 == 0 && w->group % 32 == 0;
+}
+
+/* Floats of scratch qmatvec needs for `batch` rows of x of length k. */
+static inline size_t scratch_floats(int64_t batch, int64_t k) {
+    return (size_t)batch * (k / 16 + k / 32 + k / 4 + 16);
+}
+
 /* Inside a parallel region: y[b, n] (+)= x[b, :] . w[n, :] (+ bias[n]). xs: scratch of
- * batch * groups floats (q4's group sums of x). */
+ * scratch_floats(batch, k) floats (q4's group sums of x; int8 x and its block scales). */
 static void qmatvec(const float *x, const QW *w, const float *bias, float *y, int64_t batch,
                     int accumulate, float *xs) {
     const int64_t k = w->k, n_out = w->n, ng = groups_of(w);
+    const int act8 = use_act8(w);
+    float *dx = xs + batch * ng;
+    int8_t *xq = (int8_t *)(dx + batch * (k / 32) + 8);
     if (w->bits == 4) {
-        _Pragma("omp for schedule(static)")
+        _Pragma("omp for schedule(static) nowait")
         for (int64_t i = 0; i < batch * ng; i++) {
             const float *xg = x + (i / ng) * k + (i % ng) * w->group;
             float s = 0.0f;
@@ -300,13 +423,32 @@ static void qmatvec(const float *x, const QW *w, const float *bias, float *y, in
             xs[i] = s;
         }
     }
+    if (act8) {
+        const int64_t nblk = k / 32;
+        _Pragma("omp for schedule(static) nowait")
+        for (int64_t i = 0; i < batch * nblk; i++) {
+            const float *xb = x + (i / nblk) * k + (i % nblk) * 32;
+            float amax = 0.0f;
+            for (int j = 0; j < 32; j++) amax = fabsf(xb[j]) > amax ? fabsf(xb[j]) : amax;
+            float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            dx[i] = d;
+            int8_t *qb = xq + (i / nblk) * k + (i % nblk) * 32;
+            for (int j = 0; j < 32; j++) qb[j] = (int8_t)lrintf(xb[j] * inv);
+        }
+    }
+    _Pragma("omp barrier")
     _Pragma("omp for schedule(static)")
     for (int64_t n = 0; n < n_out; n++) {
         float d[4];
         float bn = bias ? bias[n] : 0.0f;
         for (int64_t b0 = 0; b0 < batch; b0 += 4) {
             int64_t nb = batch - b0 < 4 ? batch - b0 : 4;
-            qdot(w, n, x + b0 * k, xs + b0 * ng, nb, d);
+#if ACT8
+            if (act8)
+                qdot_act8(w, n, xq + b0 * k, dx + b0 * (k / 32), xs + b0 * ng, nb, d);
+            else
+#endif
+                qdot(w, n, x + b0 * k, xs + b0 * ng, nb, d);
             for (int64_t i = 0; i < nb; i++) {
                 float *dst = y + (b0 + i) * n_out + n;
                 *dst = (accumulate ? *dst : 0.0f) + d[i] + bn;
@@ -319,7 +461,7 @@ static void qmatvec(const float *x, const QW *w, const float *bias, float *y, in
 int quant_matmul(const int64_t *qw, const float *x, const float *bias, float *y, int64_t batch,
                  int64_t threads) {
     const QW *w = (const QW *)qw;
-    float *xs = malloc(((size_t)batch * groups_of(w) + 1) * sizeof(float));
+    float *xs = malloc(scratch_floats(batch, w->k) * sizeof(float));
     if (!xs) return -1;
     _Pragma("omp parallel num_threads(threads)")
     qmatvec(x, w, bias, y, batch, 0, xs);
@@ -372,7 +514,7 @@ enum { Q_LN1, Q_WQKV, Q_BQKV, Q_WO, Q_LN2, Q_WGU, Q_WDOWN, Q_KCACHE, Q_VCACHE, Q
         const int64_t hs = s->hidden, qkv_w = (s->heads + 2 * s->kv_heads) * s->head_dim;      \
         const int64_t q_w = s->heads * s->head_dim, widest = s->inter > q_w ? s->inter : q_w;  \
         size_t floats = (size_t)s->batch * (hs + qkv_w + q_w + 3 * s->inter);                  \
-        floats += (size_t)s->batch * ((widest > hs ? widest : hs) / 16 + 1);                   \
+        floats += scratch_floats(s->batch, widest > hs ? widest : hs);                         \
         float *scratch = malloc(floats * sizeof(float));                                       \
         if (!scratch) return -1;                                                               \
         float *normed = scratch, *qkv = normed + s->batch * hs;                                \

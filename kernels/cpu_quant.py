@@ -2,7 +2,7 @@
 same cache, the same APPLIANCE_CPU_MASK handling) into their own library, and called through
 ctypes on the packed tensors of an appliance.layers.quant.QuantWeight.
 
-- `quant_matmul(x, w, bias)`: the batched matmul of a quantized linear. Up to DENSE_TILE_ROWS
+- `quant_matmul(x, w, bias, act8)`: the batched matmul of a quantized linear. Up to DENSE_TILE_ROWS
   rows it reads the packed bytes (GEMV-like, bound by the weight read); wider passes
   (prefills) dequantize the matrix into a transient float32 tile and hand it to torch's GEMM,
   where the dequantization is amortized over the rows and the GEMM is compute-bound anyway.
@@ -66,9 +66,10 @@ def forget_builds() -> None:
     _loaded.clear()
 
 
-def descriptor(w: QuantWeight) -> torch.Tensor:
+def descriptor(w: QuantWeight, act8: bool = False) -> torch.Tensor:
     """The C side's QW struct (int64 fields; pointers into w's tensors, which must outlive
-    every call that gets it)."""
+    every call that gets it). `act8`: int8 activations where the shape allows (K and group
+    in whole 32-column blocks; other weights keep the float32 dot)."""
     assert w.qweight.is_contiguous() and w.scales.dtype == torch.float16 and w.scales.is_contiguous()
     mins, mins_f32 = 0, 0
     if w.fmt == "q4":
@@ -77,7 +78,7 @@ def descriptor(w: QuantWeight) -> torch.Tensor:
     bits = 4 if w.fmt == "q4" else 8
     return torch.tensor(
         [bits, w.out_features, w.in_features, w.group, w.qweight.data_ptr(),
-         w.scales.data_ptr(), mins, mins_f32],
+         w.scales.data_ptr(), mins, mins_f32, int(act8)],
         dtype=torch.int64,
     )  # fmt: skip
 
@@ -100,8 +101,11 @@ def dequant_rows(w: QuantWeight, rows: torch.Tensor | None = None) -> torch.Tens
     return out
 
 
-def quant_matmul(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., K] @ W^T (+ bias) in float32, returned in x's dtype."""
+def quant_matmul(
+    x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, act8: bool = False
+) -> torch.Tensor:
+    """x [..., K] @ W^T (+ bias) in float32, returned in x's dtype; `act8` as `descriptor`
+    (the narrow passes only: the dense tile's GEMM stays float32)."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     rows = x2.shape[0]
@@ -111,10 +115,35 @@ def quant_matmul(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None) -> 
     else:
         xf = x2.float().contiguous()
         out = torch.empty(rows, w.out_features, dtype=torch.float32)
-        desc = descriptor(w)
+        desc = descriptor(w, act8)
         p = cpu_native.ptr
         rc = _lib().quant_matmul(p(desc), p(xf), p(fbias), p(out), ctypes.c_int64(rows),
                                  ctypes.c_int64(torch.get_num_threads()))  # fmt: skip
         if rc != 0:
             raise MemoryError("quant_matmul: out of memory for its scratch buffer")
     return out.to(x.dtype).reshape(*lead, w.out_features)
+
+
+def quant_matmul_act8(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """quant_matmul with int8 activations (model.cpu_quant_activations = "int8")."""
+    return quant_matmul(x, w, bias, act8=True)
+
+
+def act8_reference(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+    """What the int8-activation kernels compute, in torch: x rounded to int8 per 32 columns
+    (scale max|x| / 127) meets q * scale, the min term meets x itself."""
+    rows, k = x.shape
+    blocks = x.float().reshape(rows, k // 32, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    d = amax / 127.0
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    xq = torch.round(blocks * inv).clamp(-127, 127) * d
+    xq = xq.reshape(rows, k)
+    scale = w.scales.float().repeat_interleave(w.group, dim=1)[:, :k]
+    if w.fmt == "q4":
+        from appliance.layers.quant import unpack_q4
+
+        q = unpack_q4(w.qweight).float()
+        mins = w.mins.float().repeat_interleave(w.group, dim=1)  # type: ignore[union-attr]
+        return xq @ (q * scale).T + x.float() @ mins.T
+    return xq @ (w.qweight.float() * scale).T

@@ -78,3 +78,21 @@ def test_dequant_rows_matches_torch(cpu_path: str, name: str, make) -> None:  # 
     rows = torch.tensor([w.out_features - 1, 0, 2, 2])
     assert torch.equal(cpu_quant.dequant_rows(w, rows), w.dequantize()[rows])
     assert torch.equal(cpu_quant.dequant_rows(w), w.dequantize())
+
+
+@pytest.mark.parametrize("name,make", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("batch", [1, 3, 6])
+def test_int8_activation_dot_matches_its_torch_reference(cpu_path: str, name: str, make, batch: int) -> None:  # type: ignore[no-untyped-def]
+    """model.cpu_quant_activations = "int8": x rounded to int8 per 32 columns, integer dot
+    products (VNNI where built for it). Shapes it cannot take (K or group not in whole
+    32-column blocks) keep the float32 dot: those must still equal the float32 reference."""
+    cpu_quant.forget_builds()
+    w = make()
+    x = torch.randn(batch, w.in_features)
+    got = cpu_quant.quant_matmul(x, w, None, act8=True)
+    eligible = w.in_features % 32 == 0 and w.group % 32 == 0
+    ref = cpu_quant.act8_reference(x, w) if eligible else x @ w.dequantize().T
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+    if eligible:  # and it is a rounding of the float32 product, not something else
+        exact = x @ w.dequantize().T
+        assert (got - exact).abs().max() < 0.05 * exact.abs().max()

@@ -184,8 +184,10 @@ def _is_quantized(model: torch.nn.Module) -> bool:
 
 
 class CpuBackend:
-    def __init__(self, plan: CpuPlan) -> None:
+    def __init__(self, plan: CpuPlan, act8: bool = False) -> None:
         self.plan = plan
+        # Packed weights' native dot products take int8 activations (cpu_quant_activations).
+        self.act8 = act8
         self.fused_decode: FusedCpuDecode | None = None
 
     @classmethod
@@ -196,7 +198,7 @@ class CpuBackend:
             log.info("CPU backend: %s", note)
         if plan.warning:
             log.warning("%s", plan.warning)
-        return cls(plan)
+        return cls(plan, act8=config.model.cpu_quant_activations == "int8")
 
     def prepare_model(self, model: torch.nn.Module, batch_hint: int) -> None:
         """After the weights are loaded in plan.weight_dtype: the compute dtype of the small
@@ -234,6 +236,8 @@ class CpuBackend:
         from appliance.layers.linear import reference_quant_matmul
 
         if self.plan.native_ops and cpu_quant.load(self.plan.features) is not None:
+            if self.act8:
+                return cpu_quant.quant_matmul_act8
             return cpu_quant.quant_matmul
         return reference_quant_matmul
 
@@ -273,6 +277,7 @@ class CpuBackend:
                     block_size,
                     self.plan.weight_dtype,
                     qlib,
+                    act8=self.act8,
                 )
             else:
                 log.info("packed weights: no fused native decode (%s)",

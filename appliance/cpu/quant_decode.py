@@ -27,8 +27,10 @@ class QuantFusedCpuDecode:
         block_size: int,
         dtype: torch.dtype,
         lib: ctypes.CDLL,
+        act8: bool = False,
     ) -> None:
         self.dtype = dtype
+        self.act8 = act8
         self.args = model.args
         self.block_size = block_size
         self._forward = getattr(lib, f"qdecode_forward_{cpu_native.SUFFIX[dtype]}")
@@ -53,7 +55,7 @@ class QuantFusedCpuDecode:
         self.layer_ptrs = torch.tensor(rows, dtype=torch.int64)
         self.final_norm = self._small(model.model.norm.weight)
         head = model.lm_head.quant
-        self.lm_head_desc = cpu_quant.descriptor(self._need(head, "lm_head"))
+        self.lm_head_desc = cpu_quant.descriptor(self._need(head, "lm_head"), act8)
         self.vocab = self._need(head, "lm_head").out_features
         self.embedding = model.model.embed_tokens
         self.cos = model.model.rotary.cos.float().contiguous()
@@ -86,7 +88,7 @@ class QuantFusedCpuDecode:
         return t.data_ptr()
 
     def _desc(self, w: QuantWeight | None, name: str) -> int:
-        return self._hold(cpu_quant.descriptor(self._need(w, name)))
+        return self._hold(cpu_quant.descriptor(self._need(w, name), self.act8))
 
     def _small(self, t: torch.Tensor) -> torch.Tensor:
         copy = t.detach().to(self.dtype).contiguous()

@@ -26,7 +26,11 @@ FORMATS: dict[str, tuple[str, dict[str, Any]]] = {
     "fp32 (reference)": ("hf", {"model.dtype": "float32"}),
     "bf16": ("hf", {"model.dtype": "bfloat16"}),
     "int8 per-channel": ("hf", {"model.dtype": "float32", "model.quantization": "int8"}),
+    "int8, int8 activations": ("hf", {"model.dtype": "float32", "model.quantization": "int8",
+                                      "model.cpu_quant_activations": "int8"}),
     "gguf Q4_1": ("gguf", {"model.dtype": "float32"}),
+    "gguf Q4_1, int8 activations": ("gguf", {"model.dtype": "float32",
+                                           "model.cpu_quant_activations": "int8"}),
 }
 
 
