@@ -19,6 +19,7 @@ import torch
 from appliance.layers.quant import QuantWeight, quantize_int8
 from appliance.models import hf_files
 from appliance.models.gguf_file import GgufCheckpoint, find_gguf
+from appliance.quant_sizes import bits_per_weight
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 Weights = Iterator[tuple[str, "torch.Tensor | QuantWeight"]]
@@ -78,15 +79,6 @@ class Checkpoint:
                 else:
                     value = value.to(dtype)
             yield name, value
-
-
-def bits_per_weight(kind: str, group: int = 128) -> float:
-    """Bits a packed weight takes in the engine's layouts, scales and mins included."""
-    if kind in ("awq", "gptq"):
-        return 4 + 8 * (2 + 4) / group
-    if kind == "int8":
-        return 8.0
-    raise ValueError(f"no packed size for {kind!r}")
 
 
 def _int8_target(name: str, tied: bool) -> bool:

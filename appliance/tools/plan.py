@@ -287,7 +287,7 @@ def quantized_weight_bytes(spec: ArchSpec, tp: int, elem: int, fmt: str) -> int:
     """Bytes of one rank's weights as the engine holds them packed (appliance.layers.quant):
     AWQ/GPTQ pack the layers' linears (embedding and LM head stay 16-bit); INT8 also packs
     the LM head (and the embedding it is tied to)."""
-    from appliance.models.checkpoint import bits_per_weight
+    from appliance.quant_sizes import bits_per_weight
 
     linears = spec.linear_params_per_rank(tp)
     packed = linears
