@@ -28,6 +28,8 @@ from . import cpu_native
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_quant.c")
+# What it #includes (part of the build's cache key).
+INCLUDES = (cpu_native.SOURCE, Path(__file__).with_name("cpu_quant_act8.h"))
 # Order of the per-layer pointer row of the quantized decode (the Q_ enum in the C file).
 QLAYER_FIELDS = ("ln1", "wqkv", "bqkv", "wo", "ln2", "wgu", "wdown", "k_cache", "v_cache")
 # Passes wider than this dequantize a transient tile and use torch's GEMM. On a Zen 3 (AVX2,
@@ -44,7 +46,7 @@ def load(features: CpuFeatures | None = None) -> ctypes.CDLL | None:
     key = tuple(cpu_native.build_flags(features))
     if key not in _loaded:
         try:
-            path = cpu_native.build(features, SOURCE, (cpu_native.SOURCE,))
+            path = cpu_native.build(features, SOURCE, INCLUDES)
             lib: ctypes.CDLL | None = ctypes.CDLL(str(path))
             error = None
         except (OSError, RuntimeError, subprocess.SubprocessError) as exc:

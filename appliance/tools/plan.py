@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance.config import ApplianceConfig, ConfigError, load_config, shipped_template_dir
+from appliance.quant_sizes import format_note, quantized_weight_bytes, weight_format
 
 GiB = 1024**3
 MiB = 1024**2
@@ -275,28 +276,6 @@ def cpu_weight_bytes(spec: ArchSpec, config: ApplianceConfig, tp: int) -> tuple[
     return stored, copy, f"weights {cpu.weight}, compute {cpu.compute}, matmuls {layout} {cpu.compute}"
 
 
-def weight_format(config: ApplianceConfig, raw: dict[str, Any]) -> str:
-    """"awq", "gptq", "int8" or "" (16-bit): the installed config.json's quantization_config
-    wins, else model.quantization states it."""
-    qc = raw.get("quantization_config") or {}
-    method = str(qc.get("quant_method", "")).lower()
-    return method if method in ("awq", "gptq") else config.model.quantization
-
-
-def quantized_weight_bytes(spec: ArchSpec, tp: int, elem: int, fmt: str) -> int:
-    """Bytes of one rank's weights as the engine holds them packed (appliance.layers.quant):
-    AWQ/GPTQ pack the layers' linears (embedding and LM head stay 16-bit); INT8 also packs
-    the LM head (and the embedding it is tied to)."""
-    from appliance.quant_sizes import bits_per_weight
-
-    linears = spec.linear_params_per_rank(tp)
-    packed = linears
-    if fmt == "int8":
-        packed += spec.lm_head_params_per_rank(tp)  # a tied table is the head's, counted once
-    rest = spec.params_per_rank(tp) - packed
-    return int(packed * bits_per_weight(fmt) / 8) + rest * elem
-
-
 def plan_tp(spec: ArchSpec, config: ApplianceConfig, tp: int, on_gpu: bool, fmt: str = "") -> TPPlan:
     problem = spec.tp_problem(tp)
     if fmt and tp > 1:
@@ -436,12 +415,6 @@ def _gib(n: int) -> str:
     return f"{n / GiB:.2f} GiB"
 
 
-def _format_note(fmt: str) -> str:
-    if fmt == "int8":
-        return "INT8 linears and LM head (1 byte + a fp16 scale a row), the rest 16-bit"
-    return f"{fmt.upper()} 4-bit linears (group 128: + fp16 scale, fp32 min), embedding and LM head 16-bit"
-
-
 def render(plan: Plan) -> str:
     c = plan.chosen
     lines = [
@@ -464,7 +437,7 @@ def render(plan: Plan) -> str:
             ("weights", _gib(c.weights_bytes), f"{c.weight_params / 1e9:.3f}B parameters x {plan.dtype_bytes} bytes" + (" + the matmul copy" if c.matmul_copy_bytes else "")),
         ]
         if plan.weight_format:
-            rows[0] = ("weights", _gib(c.weights_bytes), _format_note(plan.weight_format))
+            rows[0] = ("weights", _gib(c.weights_bytes), format_note(plan.weight_format))
         if c.matmul_copy_bytes:
             rows += [
                 ("  of which matmul copy", _gib(c.matmul_copy_bytes), c.cpu_path + " (this CPU)"),
