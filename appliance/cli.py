@@ -88,7 +88,7 @@ def _command_of(argv: list[str]) -> str | None:
 def build_parser() -> argparse.ArgumentParser:
     from appliance.bench import offline, serve
     from appliance.console import cli as console_cli
-    from appliance.tools import kv_eval, plan, router
+    from appliance.tools import kv_eval, plan, quant_eval, router
     from appliance.tools.demo_model import add_demo_model_parser
 
     parser = argparse.ArgumentParser(prog="appliance", description="LLM inference appliance")
@@ -119,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     console_cli.add_parser(sub)
     router.add_parser(sub)
     kv_eval.add_parser(sub)
+    quant_eval.add_parser(sub)
 
     bench = sub.add_parser("bench", help="benchmarks that print tables")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)

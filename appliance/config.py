@@ -43,6 +43,19 @@ class ModelConfig(_Section):
     # fastest correct choice there (appliance.cpu.backend). "bfloat16" forces bf16 compute
     # (slow where the CPU emulates it; the log says so).
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    # Weight quantization. "" takes the checkpoint's own: 16-bit, or packed 4/8-bit for a GGUF
+    # file (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) or an AWQ/GPTQ directory (config.json's
+    # quantization_config). "int8" quantizes a 16-bit checkpoint's linears at load (per output
+    # channel, weight-only): half the bytes a decode step reads. "awq" / "gptq" state what the
+    # checkpoint is (4-bit, group 128): `appliance plan` counts it so before the weights are
+    # installed, and the loader refuses a checkpoint that is something else.
+    quantization: Literal["", "int8", "awq", "gptq"] = ""
+    # CPU, packed weights: the activations the native dot products take. "float32" multiplies
+    # the dequantized weights with float32 activations (the exact reference's arithmetic).
+    # "int8" rounds each 32 activations to int8 first and sums integer products (llama.cpp's
+    # way; AVX-VNNI / AVX-512-VNNI where the CPU has them): about half the instructions a
+    # weight, at the cost of that rounding (`appliance quant-eval` measures it).
+    cpu_quant_activations: Literal["float32", "int8"] = "float32"
     # Longest prompt + output; 0 takes max_position_embeddings from config.json.
     max_model_len: NonNegInt = 0
     # When set and `path` holds no model, build this demo model there on first start.

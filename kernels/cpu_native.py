@@ -66,7 +66,9 @@ def build_flags(features: CpuFeatures | None = None) -> list[str]:
     return [*FLAGS, *(features or detect()).compiler_flags()]
 
 
-def _build_key(cc: str, flags: list[str], features: CpuFeatures) -> str:
+def _build_key(
+    cc: str, flags: list[str], features: CpuFeatures, sources: tuple[Path, ...] = (SOURCE,)
+) -> str:
     try:
         version = subprocess.run(
             [cc, "--version"], capture_output=True, text=True, timeout=30
@@ -75,21 +77,26 @@ def _build_key(cc: str, flags: list[str], features: CpuFeatures) -> str:
         version = ""
     digest = hashlib.sha256()
     cpu = " ".join(sorted(features.raw_flags))
-    for part in (SOURCE.read_bytes(), " ".join(flags).encode(), version.encode(), cpu.encode()):
+    parts = [*(src.read_bytes() for src in sources), " ".join(flags).encode()]
+    for part in (*parts, version.encode(), cpu.encode()):
         digest.update(part)
         digest.update(b"\0")
     return digest.hexdigest()[:16]
 
 
-def build(features: CpuFeatures | None = None) -> Path:
+def build(
+    features: CpuFeatures | None = None, source: Path = SOURCE, includes: tuple[Path, ...] = ()
+) -> Path:
     """Compile the kernels for `features` (default: this CPU under the environment's mask), or
-    find the cached build; raises on failure."""
+    find the cached build; raises on failure. `source` is another C file of this folder for
+    kernels/cpu_quant.py, `includes` the files it #includes (part of the cache key)."""
     features = features or detect()
     cc = compiler()
     if cc is None:
         raise RuntimeError("no C compiler (set CC, or install gcc)")
     flags = build_flags(features)
-    target = cache_dir() / f"cpu_decode-{_build_key(cc, flags, features)}.so"
+    key = _build_key(cc, flags, features, (source, *includes))
+    target = cache_dir() / f"{source.stem}-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -98,7 +105,7 @@ def build(features: CpuFeatures | None = None) -> Path:
     os.close(fd)
     try:
         result = subprocess.run(
-            [cc, *flags, str(SOURCE), "-o", tmp, "-lm"],
+            [cc, *flags, str(source), "-o", tmp, "-lm"],
             capture_output=True,
             text=True,
             timeout=300,

@@ -198,3 +198,36 @@ def test_cpu_plan_counts_the_float32_matmul_copy(
     assert c["matmul_copy_bytes"] == 4 * (linears + lm_head)
     assert c["weights_bytes"] == 2 * params + 4 * (linears + lm_head)
     assert "compute float32" in c["cpu_path"]
+
+
+def test_13b_awq_on_one_a10_hand_calculation(capsys: pytest.CaptureFixture[str]) -> None:
+    """13b-a10-awq: the linears at their packed size (4 bits + a fp16 scale and a float32 min
+    per 128 weights), embedding and LM head 16-bit; FP8 KV; the sequences of ~500 tokens that
+    fit, said as they are (fewer than the seeds' ~210)."""
+    rc, plan = plan_json(capsys, "--template", "13b-a10-awq")
+    assert rc == 0
+    assert plan["weight_format"] == "awq"
+    c = plan["chosen"]
+    linears = 40 * (4 * 5120 * 5120 + 3 * 5120 * 13824)
+    rest = 2 * 32000 * 5120 + 40 * 2 * 5120 + 5120
+    assert c["weights_bytes"] == int(linears * (4 + 8 * 6 / 128) / 8) + 2 * rest  # ~7.07 GiB
+    assert c["weights_bytes"] < 7.1 * GiB
+    assert c["kv_bytes_per_token"] == 2 * 40 * 40 * 128 * 1  # FP8: 400 KiB
+    assert c["fits"]
+    budget = int(22.49 * GiB * 0.90)
+    kv = budget - c["weights_bytes"] - c["activation_reserve_bytes"] - c["runtime_reserve_bytes"]
+    blocks = kv // (16 * 400 * 1024)
+    assert c["kv_blocks"] == blocks
+    assert c["seqs_at_typical_seq_len"] == blocks // 32 < 210  # 500 tokens = 32 blocks
+    assert plan["typical_seq_len"] == 500
+    by_tp = {o["tensor_parallel_size"]: o for o in plan["options"]}
+    assert "tensor_parallel_size 1" in by_tp[2]["verdict"]
+
+
+def test_int8_plan_counts_one_byte_weights(capsys: pytest.CaptureFixture[str]) -> None:
+    rc16, p16 = plan_json(capsys, "--template", "7b-a10")
+    rc8, p8 = plan_json(capsys, "--template", "7b-a10", "--set", "model.quantization=int8")
+    assert rc16 == rc8 == 0
+    w16, w8 = p16["chosen"]["weights_bytes"], p8["chosen"]["weights_bytes"]
+    assert 0.5 * w16 < w8 < 0.55 * w16  # all linears and the LM head at 1 byte, embedding 2
+    assert p8["chosen"]["kv_blocks"] > p16["chosen"]["kv_blocks"]

@@ -69,6 +69,42 @@ def step_path(record: StepRecord, loaded: LoadedModel) -> str:
     return "fused" if decodes_only and 0 < record.num_seqs <= fused else "torch"
 
 
+def packed_weight_bytes(loaded: LoadedModel) -> int | None:
+    """Bytes of the matmul weights (linears + LM head) as a quantized model holds them, the
+    bytes a decode step reads on either path; None for a 16-bit model (counted by dtype)."""
+    from appliance.layers.linear import MatmulWeight
+
+    linears = [m for m in loaded.model.modules() if isinstance(m, MatmulWeight)]
+    if not any(m.quant is not None for m in linears):
+        return None
+    total = 0
+    for m in linears:
+        if m.quant is not None:
+            total += m.quant.nbytes()
+        else:  # a linear the file keeps dense
+            total += int(m.weight.numel()) * m.weight.element_size()
+    return total
+
+
+def weight_bytes_per_step(loaded: LoadedModel, path: str) -> int:
+    """Weight bytes one decode step reads on `path` ("fused" or "torch")."""
+    packed = packed_weight_bytes(loaded)
+    if packed is not None:
+        return packed
+    elem = loaded.dtype.itemsize if path == "fused" else (loaded.compute_dtype or loaded.dtype).itemsize
+    return _params(loaded) * elem
+
+
+def _params(loaded: LoadedModel) -> int:
+    args = loaded.args
+    per_layer = (
+        args.hidden_size * (args.num_heads + 2 * args.num_kv_heads) * args.head_dim
+        + args.num_heads * args.head_dim * args.hidden_size
+        + 3 * args.hidden_size * args.intermediate_size
+    )
+    return args.num_layers * per_layer + args.vocab_size * args.hidden_size
+
+
 def step_bound_seconds(record: StepRecord, loaded: LoadedModel, rates: Rates) -> float:
     """Roofline time of one step on the path it took: bytes read (weights once + KV of the
     context) over copy bandwidth, or matmul FLOPs over that path's matmul rate, whichever is
@@ -91,7 +127,12 @@ def step_bound_seconds(record: StepRecord, loaded: LoadedModel, rates: Rates) ->
         elem = compute.itemsize
         flop_rate = rates.fp32_flops_per_s if compute == torch.float32 else rates.half_flops_per_s
     kv_per_token = loaded.bytes_per_block / loaded.block_size
-    bytes_read = (body_params + head_params) * elem + record.num_context_tokens * kv_per_token
+    weights = packed_weight_bytes(loaded)
+    if weights is None:
+        weights = (body_params + head_params) * elem
+    # Packed weights: the bytes held (their wide passes' transient float32 tiles are extra
+    # traffic the bound leaves out, so the bound stays an upper bound on speed).
+    bytes_read = weights + record.num_context_tokens * kv_per_token
     flops = 2 * body_params * record.num_scheduled_tokens + 2 * head_params * record.num_seqs
     return max(bytes_read / rates.copy_bytes_per_s, flops / flop_rate)
 
@@ -242,6 +283,9 @@ def main(ns: argparse.Namespace) -> int:
                     "rates": asdict(rates),
                     "kv": kv_summary(loaded, config, ns.prompt_len + ns.output_len),
                     "native_cpu_decode": loaded.runner.fused_max_batch > 0,
+                    "weight_bytes_per_step": {
+                        p: weight_bytes_per_step(loaded, p) for p in ("fused", "torch")
+                    },
                     "cpu_backend": backend,
                     "results": [asdict(r) for r in results],
                 }
@@ -251,6 +295,11 @@ def main(ns: argparse.Namespace) -> int:
     print(
         f"model {loaded.model_dir.name}: {ns.num_requests} requests x {ns.prompt_len} prompt + "
         f"{ns.output_len} output tokens, {loaded.dtype}, block size {config.cache.block_size}"
+    )
+    print(
+        f"weights read per decode step: {weight_bytes_per_step(loaded, 'fused') / 2**20:.1f} MiB "
+        f"(fused native decode), {weight_bytes_per_step(loaded, 'torch') / 2**20:.1f} MiB (torch "
+        "path), plus the KV of the context"
     )
     half_name = str(half).removeprefix("torch.") if half is not None else "float32"
     print(

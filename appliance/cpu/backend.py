@@ -194,9 +194,15 @@ class NativeCpuOps(LayerOps):
         return cpu_native.silu_mul(gate_up)
 
 
+def _is_quantized(model: torch.nn.Module) -> bool:
+    return any(isinstance(m, MatmulWeight) and m.quant is not None for m in model.modules())
+
+
 class CpuBackend:
-    def __init__(self, plan: CpuPlan) -> None:
+    def __init__(self, plan: CpuPlan, act8: bool = False) -> None:
         self.plan = plan
+        # Packed weights' native dot products take int8 activations (cpu_quant_activations).
+        self.act8 = act8
         self.fused_decode: FusedCpuDecode | None = None
 
     @classmethod
@@ -207,7 +213,7 @@ class CpuBackend:
             log.info("CPU backend: %s", note)
         if plan.warning:
             log.warning("%s", plan.warning)
-        return cls(plan)
+        return cls(plan, act8=config.model.cpu_quant_activations == "int8")
 
     def prepare_model(self, model: torch.nn.Module, batch_hint: int) -> None:
         """After the weights are loaded in plan.weight_dtype: the compute dtype of the small
@@ -223,8 +229,13 @@ class CpuBackend:
                 if isinstance(module, MatmulWeight) and bias is not None:
                     bias.data = bias.data.to(plan.compute_dtype)
         for module in model.modules():
-            if isinstance(module, MatmulWeight):
+            if isinstance(module, MatmulWeight) and module.quant is not None:
+                # Packed weights: the native dequantizing kernels where built (cpu_quant.c),
+                # else the torch reference; no dense copy either way.
+                module.quant_matmul = self._quant_matmul()
+            elif isinstance(module, MatmulWeight):
                 self._set_matmul_weight(module, batch_hint)
+        model.model.embed_tokens.quant_out_dtype = plan.compute_dtype  # type: ignore[union-attr]
         rotary = model.model.rotary  # type: ignore[union-attr]
         model.set_ops(  # type: ignore[operator]
             NativeCpuOps(plan.compute_dtype, rotary)
@@ -234,6 +245,16 @@ class CpuBackend:
         write_kv, attend = get_attention_backend(torch.device("cpu"), native_cpu=plan.native_ops)
         for attn in model.attention_layers():  # type: ignore[operator]
             attn.set_backend(write_kv, attend)
+
+    def _quant_matmul(self) -> Any:
+        from appliance.kernels import cpu_quant
+        from appliance.layers.linear import reference_quant_matmul
+
+        if self.plan.native_ops and cpu_quant.load(self.plan.features) is not None:
+            if self.act8:
+                return cpu_quant.quant_matmul_act8
+            return cpu_quant.quant_matmul
+        return reference_quant_matmul
 
     def _set_matmul_weight(self, module: MatmulWeight, batch_hint: int) -> None:
         plan = self.plan
@@ -259,7 +280,24 @@ class CpuBackend:
         block_size: int,
     ) -> None:
         """With the KV cache allocated: the fused decode over it (when the plan has it)."""
-        if self.plan.native_decode:
+        if self.plan.native_decode and _is_quantized(model):
+            from appliance.cpu.quant_decode import QuantFusedCpuDecode
+            from appliance.kernels import cpu_quant
+
+            qlib = cpu_quant.load(self.plan.features)
+            if qlib is not None and QuantFusedCpuDecode.supports(model):  # type: ignore[arg-type]
+                self.fused_decode = QuantFusedCpuDecode(  # type: ignore[assignment]
+                    model,  # type: ignore[arg-type]
+                    kv_caches,
+                    block_size,
+                    self.plan.weight_dtype,
+                    qlib,
+                    act8=self.act8,
+                )
+            else:
+                log.info("packed weights: no fused native decode (%s)",
+                         cpu_quant.load_error(self.plan.features) or "some linears are dense")
+        elif self.plan.native_decode:
             lib = cpu_native.load(self.plan.features)
             assert lib is not None, "plan_cpu checked that the kernels built"
             self.fused_decode = FusedCpuDecode(

@@ -20,9 +20,11 @@ from appliance.engine.guided import GuidedDecoder
 from appliance.engine.kv_quant import configure_kv_cache
 from appliance.engine.model_runner import KVCachePool, ModelRunner
 from appliance.kernels import get_attention_backend
+from appliance.layers.linear import MatmulWeight
 from appliance.layers.parallel import tp_rank, tp_size
 from appliance.layers.rotary import RotaryEmbedding
-from appliance.models.hf_files import has_model, iter_safetensors, load_hf_config, load_tokenizer
+from appliance.models.checkpoint import Checkpoint, has_checkpoint, open_checkpoint
+from appliance.models.hf_files import load_tokenizer  # noqa: F401 (re-exported for callers)
 from appliance.models.llama import LlamaForCausalLM, ModelArgs
 
 log = logging.getLogger("appliance.loader")
@@ -91,7 +93,7 @@ def resolve_model_dir(config: ApplianceConfig, progress: Callable[[str], None]) 
     if not config.model.path:
         raise ConfigError("model.path: no model directory given (set it in the template or --model)")
     path = Path(os.path.expanduser(config.model.path))
-    if has_model(path):
+    if has_checkpoint(path):
         return path
     if config.model.demo_shape:
         from appliance.tools.demo_model import build_demo_model
@@ -99,7 +101,8 @@ def resolve_model_dir(config: ApplianceConfig, progress: Callable[[str], None]) 
         progress(f"building the {config.model.demo_shape!r} demo model into {path} (first start)")
         build_demo_model(config.model.demo_shape, path, progress=progress)
         return path
-    raise ConfigError(f"model.path: {str(path)!r} holds no Hugging Face model (config.json + safetensors)")
+    raise ConfigError(f"model.path: {str(path)!r} holds no Hugging Face model (config.json + safetensors) "
+                      "and no GGUF file")
 
 
 def kv_bytes_per_block(
@@ -189,9 +192,16 @@ def load_weights(
     times["locate_model"] = time.perf_counter() - t0
 
     t = time.perf_counter()
-    hf_config = load_hf_config(model_dir)
+    try:
+        ckpt = open_checkpoint(model_dir, config.model.quantization)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if ckpt.quantized and tp_size() > 1:
+        raise ConfigError("parallel.tensor_parallel_size: quantized weights run at 1 "
+                          f"({ckpt.describe()})")  # fmt: skip
+    hf_config = ckpt.hf_config()
     args = ModelArgs.from_hf(hf_config)
-    tokenizer = load_tokenizer(model_dir)
+    tokenizer = ckpt.tokenizer()
     max_len = config.model.max_model_len or args.max_position_embeddings
     if max_len > args.max_position_embeddings:
         raise ConfigError(
@@ -205,20 +215,27 @@ def load_weights(
     if cpu is not None:
         say(cpu.plan.summary())
     dtype = cpu.plan.weight_dtype if cpu is not None else resolve_dtype(config)
-    say(f"loading weights from {model_dir} ({args.num_layers} layers, {dtype})")
+    say(f"loading weights from {model_dir} ({args.num_layers} layers, {dtype}, {ckpt.describe()})")
     with torch.device("meta"):
         model = LlamaForCausalLM(args)
+    if ckpt.quantized:
+        drop_dense_weights(model, ckpt)
     gpu_used_before = 0
     if device.type == "cuda":
         # Before allocating: weights that cannot fit are a message with numbers, not an OOM.
-        gpu_used_before = memory.check_weights_fit(model, dtype, device, config, hf_config)
+        packed = ckpt.packed_bytes_estimate(packed_params(model)) if ckpt.quantized else 0
+        gpu_used_before = memory.check_weights_fit(
+            model, dtype, device, config, hf_config, extra_bytes=packed
+        )
     model = model.to_empty(device=device).to(dtype)
     # Buffers (rotary tables) are recomputed on the real device: to_empty left them blank.
     fresh = RotaryEmbedding(
         args.head_dim, args.max_position_embeddings, args.rope_theta, args.rope_scaling
     ).to(device)
     model.model.rotary.cos, model.model.rotary.sin = fresh.cos, fresh.sin
-    model.load_weights((name, tensor.to(dtype)) for name, tensor in iter_safetensors(model_dir))
+    model.load_weights(ckpt.weights(dtype, args.tie_word_embeddings))
+    if ckpt.quantized and device.type != "cpu":
+        move_packed(model, device)
     model.eval()
     if cpu is not None:
         cpu.prepare_model(model, config.scheduler.max_num_seqs)
@@ -227,8 +244,45 @@ def load_weights(
         write_kv, attend = get_attention_backend(device)
         for attn in model.attention_layers():
             attn.set_backend(write_kv, attend)
+        if ckpt.quantized:
+            # Packed weights: the Triton dequantizing GEMV/GEMM (imports triton: CUDA only).
+            from appliance.kernels.triton_quant import quant_matmul_triton
+
+            for module in model.modules():
+                if isinstance(module, MatmulWeight) and module.quant is not None:
+                    module.quant_matmul = quant_matmul_triton
     times["load_weights"] = time.perf_counter() - t
     return _Weights(model_dir, hf_config, args, tokenizer, model, max_len, cpu, gpu_used_before)
+
+
+def drop_dense_weights(model: LlamaForCausalLM, ckpt: Checkpoint) -> None:
+    """Quantized checkpoints: the linears (and the embedding, where the file packs it) never
+    get a dense weight allocated; a tensor the file keeps dense still finds room at load."""
+    for module in model.modules():
+        if isinstance(module, MatmulWeight):
+            module.expect_quantized()
+    packs_embedding = ckpt.gguf is not None or (ckpt.int8 and model.args.tie_word_embeddings)
+    if packs_embedding:
+        model.model.embed_tokens.expect_quantized()
+
+
+def packed_params(model: LlamaForCausalLM) -> int:
+    """Elements of the dense weights drop_dense_weights left out (what the file packs)."""
+    total = 0
+    for module in model.modules():
+        if isinstance(module, MatmulWeight) and "weight" in module._parameters:
+            total += module.dense_shape[0] * module.dense_shape[1]
+    return total
+
+
+def move_packed(model: LlamaForCausalLM, device: torch.device) -> None:
+    """The checkpoint readers build packed weights on the CPU; the GPU kernels read them there."""
+    for module in model.modules():
+        if isinstance(module, MatmulWeight) and "weight" in module._parameters and module.quant is not None:
+            module.quant = module.quant.to(device)
+    embed = model.model.embed_tokens
+    if embed.quant is not None:
+        embed.quant = embed.quant.to(device)
 
 
 def size_kv_cache(

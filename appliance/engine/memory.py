@@ -81,14 +81,16 @@ def device_used(device: torch.device) -> tuple[int, int]:
 def check_weights_fit(
     model: LlamaForCausalLM, dtype: torch.dtype, device: torch.device, config: ApplianceConfig,
     hf_config: Any,
+    extra_bytes: int = 0,
 ) -> int:
     """Refuse to start when this rank's weights exceed its share of the GPU; called on the meta
     model, before any allocation, so the refusal is a message instead of an OOM. Returns the
-    bytes in use before loading."""
+    bytes in use before loading. `extra_bytes`: packed weights of a quantized checkpoint (the
+    meta model holds no dense tensors for them)."""
     used, total = device_used(device)
     util = config.cache.gpu_memory_utilization
     available = int(total * util) - used
-    weights = sum(p.numel() for p in model.parameters()) * dtype.itemsize
+    weights = sum(p.numel() for p in model.parameters()) * dtype.itemsize + extra_bytes
     if agree_min(int(weights < available)):
         return used
     tp = tp_size()

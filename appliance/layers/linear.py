@@ -7,11 +7,27 @@ tensors through `load(part, tensor)` and keeps only this rank's slice.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from appliance.layers.parallel import all_reduce, tp_rank, tp_size
+from appliance.layers.quant import QuantWeight
+
+# (x, packed weight, bias) -> x @ W^T + bias: the backend's dequantizing matmul.
+QuantMatmul = Callable[[torch.Tensor, QuantWeight, "torch.Tensor | None"], torch.Tensor]
+
+
+def reference_quant_matmul(
+    x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """The torch reference (and the fallback where no kernel is wired): dequantize, then a
+    plain matmul. The dequantized matrix lives only for this call."""
+    dense = w.dequantize(torch.float32)
+    out = F.linear(x.float(), dense, None if bias is None else bias.float())
+    return out.to(x.dtype)
 
 
 class MatmulWeight(nn.Module):
@@ -22,14 +38,36 @@ class MatmulWeight(nn.Module):
     arithmetic). `weight` keeps the checkpoint's values for whatever else reads them (the
     native decode, the embedding) and may be released when nothing does. Passes of up to
     `plain_max_rows` rows read `weight` itself where it is still held in the input's dtype
-    (ATen's GEMV beats a prepacked GEMM at one or two rows)."""
+    (ATen's GEMV beats a prepacked GEMM at one or two rows).
+
+    A quantized checkpoint sets `quant` (packed integers and scales, appliance.layers.quant)
+    and leaves `weight` empty: no dequantized copy is held; `quant_matmul` (the backend's
+    kernel, the torch reference by default) reads the packed bytes."""
 
     weight: nn.Parameter
     matmul_weight: torch.Tensor | None = None
     onednn_packed: bool = False
     plain_max_rows: int = 0
+    quant: QuantWeight | None = None
+    quant_matmul: QuantMatmul = staticmethod(reference_quant_matmul)  # type: ignore[assignment]
+    # The dense shape a quantized module would have had (expect_quantized).
+    dense_shape: tuple[int, int] = (0, 0)
+
+    def expect_quantized(self) -> None:
+        """Before the model is materialized: drop the dense weight so it is never allocated
+        (the checkpoint brings a QuantWeight; a dense tensor still finds room, `_dense`)."""
+        self.dense_shape = tuple(self.weight.shape)  # type: ignore[assignment]
+        self.weight = nn.Parameter(torch.empty(0, device=self.weight.device), requires_grad=False)
+
+    def _dense(self, dtype: torch.dtype) -> torch.Tensor:
+        """The dense weight to copy a checkpoint tensor into, allocated now if it was dropped."""
+        if self.weight.numel() == 0 and self.dense_shape != (0, 0):
+            self.weight.data = torch.empty(self.dense_shape, dtype=dtype)
+        return self.weight.data
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.quant is not None:
+            return self.quant_matmul(x, self.quant, bias)
         w = self.matmul_weight
         if w is None or (
             x.shape[0] <= self.plain_max_rows
@@ -60,17 +98,30 @@ class MergedColumnLinear(MatmulWeight):
         self.bias = nn.Parameter(torch.empty(offset), requires_grad=False) if bias else None
         # For heads replicated across ranks (more ranks than KV heads): which shard to take.
         self.shard_index: dict[str, int] = {name: tp_rank() for name, _, _ in parts}
+        self._quant_parts: dict[str, QuantWeight] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._matmul(x, self.bias)
 
-    def load(self, part: str, tensor: torch.Tensor, is_bias: bool = False) -> None:
+    def load(self, part: str, tensor: torch.Tensor | QuantWeight, is_bias: bool = False) -> None:
         offset, rows = self.offsets[part]
+        if isinstance(tensor, QuantWeight):
+            # Packed parts are merged once all have arrived (rows concatenate; TP is 1).
+            if tensor.out_features != rows:
+                raise ValueError(f"{part}: quantized weight has {tensor.out_features} rows, "
+                                 f"expected {rows}")  # fmt: skip
+            self._quant_parts[part] = tensor
+            if len(self._quant_parts) == len(self.parts):
+                self.quant = QuantWeight.cat_rows([self._quant_parts[p] for p, _, _ in self.parts])
+                self._quant_parts = {}
+            return
         shard = self.shard_index[part]
         piece = tensor.narrow(0, shard * rows, rows)
-        target = self.bias if is_bias else self.weight
-        assert target is not None, f"{part}: checkpoint has a bias the model does not expect"
-        target.data[offset : offset + rows].copy_(piece)
+        if is_bias:
+            assert self.bias is not None, f"{part}: checkpoint has a bias the model does not expect"
+            self.bias.data[offset : offset + rows].copy_(piece)
+        else:
+            self._dense(tensor.dtype)[offset : offset + rows].copy_(piece)
 
 
 class RowParallelLinear(MatmulWeight):
@@ -85,10 +136,13 @@ class RowParallelLinear(MatmulWeight):
         out = all_reduce(self._matmul(x, None))
         return out + self.bias if self.bias is not None else out
 
-    def load(self, tensor: torch.Tensor, is_bias: bool = False) -> None:
+    def load(self, tensor: torch.Tensor | QuantWeight, is_bias: bool = False) -> None:
+        if isinstance(tensor, QuantWeight):
+            self.quant = tensor
+            return
         if is_bias:
             assert self.bias is not None
             self.bias.data.copy_(tensor)
             return
         start = tp_rank() * self.in_per_rank
-        self.weight.data.copy_(tensor.narrow(1, start, self.in_per_rank))
+        self._dense(tensor.dtype).copy_(tensor.narrow(1, start, self.in_per_rank))

@@ -44,9 +44,15 @@ def load_hf_config(model_dir: str | Path) -> Any:
 
 
 def load_tokenizer(model_dir: str | Path) -> Any:
-    """The model's tokenizer via AutoTokenizer, from local files only."""
+    """The model's tokenizer via AutoTokenizer, from local files only (a GGUF checkpoint's
+    from beside it or its metadata, appliance.models.gguf_file)."""
     from transformers import AutoTokenizer
 
+    from appliance.models.gguf_file import GgufCheckpoint, find_gguf
+
+    gguf = find_gguf(model_dir)
+    if gguf is not None:
+        return GgufCheckpoint(gguf).tokenizer()
     return AutoTokenizer.from_pretrained(str(_dir(model_dir)), local_files_only=True)
 
 

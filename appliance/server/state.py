@@ -310,6 +310,13 @@ def _check_model_path(config: ApplianceConfig) -> None:
     """Refuse before draining anything when the new model cannot be found."""
     if not config.model.path:
         raise ConfigError("model.path: no model directory given")
+    from appliance.models.gguf_file import find_gguf
+
     path = Path(os.path.expanduser(config.model.path))
-    if not (path / "config.json").is_file() and not config.model.demo_shape:
-        raise ConfigError(f"model.path: {str(path)!r} holds no Hugging Face model (config.json)")
+    try:
+        gguf = find_gguf(path)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if not (path / "config.json").is_file() and gguf is None and not config.model.demo_shape:
+        raise ConfigError(f"model.path: {str(path)!r} holds no Hugging Face model (config.json) "
+                          "and no GGUF file")  # fmt: skip

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance.config import ApplianceConfig, ConfigError, load_config, shipped_template_dir
+from appliance.quant_sizes import format_note, quantized_weight_bytes, weight_format
 
 GiB = 1024**3
 MiB = 1024**2
@@ -180,6 +181,8 @@ class Plan:
     chosen: TPPlan
     options: list[TPPlan] = field(default_factory=list)
     advice: str = ""
+    # "awq", "gptq", "int8" (packed weights, counted at their packed size) or "" (16-bit).
+    weight_format: str = ""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -273,8 +276,10 @@ def cpu_weight_bytes(spec: ArchSpec, config: ApplianceConfig, tp: int) -> tuple[
     return stored, copy, f"weights {cpu.weight}, compute {cpu.compute}, matmuls {layout} {cpu.compute}"
 
 
-def plan_tp(spec: ArchSpec, config: ApplianceConfig, tp: int, on_gpu: bool) -> TPPlan:
+def plan_tp(spec: ArchSpec, config: ApplianceConfig, tp: int, on_gpu: bool, fmt: str = "") -> TPPlan:
     problem = spec.tp_problem(tp)
+    if fmt and tp > 1:
+        problem = f"{fmt} weights run at tensor_parallel_size 1"
     if problem:
         return TPPlan(tp, False, f"cannot split: {problem}")
     hw, cache, sched = config.hardware, config.cache, config.scheduler
@@ -282,9 +287,11 @@ def plan_tp(spec: ArchSpec, config: ApplianceConfig, tp: int, on_gpu: bool) -> T
     kv_elem = _kv_elems(config, elem, spec.num_layers)
     max_len = config.model.max_model_len or spec.max_position_embeddings
     params = spec.params_per_rank(tp)
-    weights = params * elem
+    weights = params * elem if not fmt else quantized_weight_bytes(spec, tp, elem, fmt)
     matmul_copy, cpu_path = 0, ""
-    if not on_gpu:
+    if fmt:
+        cpu_path = f"weights {fmt} (packed; kernels read them as stored)"
+    elif not on_gpu:
         stored, matmul_copy, cpu_path = cpu_weight_bytes(spec, config, tp)
         weights = stored + matmul_copy
     per_token = spec.kv_bytes_per_token(tp, kv_elem)
@@ -350,7 +357,8 @@ def make_plan(config: ApplianceConfig, template: str = "") -> Plan:
         )
     elem = DTYPE_BYTES[config.model.dtype]
     tp = config.parallel.tensor_parallel_size
-    options = [plan_tp(spec, config, n, on_gpu) for n in TP_SIZES]
+    fmt = weight_format(config, raw)
+    options = [plan_tp(spec, config, n, on_gpu, fmt) for n in TP_SIZES]
     chosen = next(o for o in options if o.tensor_parallel_size == tp)
     plan = Plan(
         template=template,
@@ -374,6 +382,7 @@ def make_plan(config: ApplianceConfig, template: str = "") -> Plan:
         activation_method=ACTIVATION_METHOD if on_gpu else "not reserved: host memory",
         chosen=chosen,
         options=options,
+        weight_format=fmt,
     )
     plan.advice = _advice(plan)
     return plan
@@ -427,6 +436,8 @@ def render(plan: Plan) -> str:
         rows = [
             ("weights", _gib(c.weights_bytes), f"{c.weight_params / 1e9:.3f}B parameters x {plan.dtype_bytes} bytes" + (" + the matmul copy" if c.matmul_copy_bytes else "")),
         ]
+        if plan.weight_format:
+            rows[0] = ("weights", _gib(c.weights_bytes), format_note(plan.weight_format))
         if c.matmul_copy_bytes:
             rows += [
                 ("  of which matmul copy", _gib(c.matmul_copy_bytes), c.cpu_path + " (this CPU)"),

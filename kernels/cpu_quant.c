@@ -1,0 +1,451 @@
+/* Matmuls and the decode forward over packed 4- and 8-bit weights (the layouts of
+ * appliance/layers/quant.py), reading the packed bytes directly: each run of columns is
+ * dequantized into registers and multiplied into float32 accumulators. No dense copy exists.
+ *
+ *   q4: uint8 [n, k/2]; per 32 columns 16 bytes, byte i = column i (low nibble) and column
+ *       i + 16 (high nibble); fp16 scale and min (or float32 min) per `group` columns:
+ *       w = q * scale + min.
+ *   q8: int8 [n, k]; fp16 scale per `group` columns (the last group may be short): w = q * scale.
+ *
+ * For q4, sum_j (q_j s + m) x_j = s sum_j q_j x_j + m sum_j x_j: the group sums of x are taken
+ * once per call (shared by all n rows), so the inner loop is one convert and one FMA per column.
+ *
+ * This file includes cpu_decode.c for the pieces of the decode forward that do not touch the
+ * weights (norms, rotary and KV store, paged attention) and is built into its own library by
+ * kernels/cpu_quant.py with the same flags (-march=native under APPLIANCE_CPU_MASK), so the
+ * vector width follows the ISA: 8 floats on AVX2, 16 on AVX-512.
+ */
+#include "cpu_decode.c"
+
+/* A packed weight as cpu_quant.py passes it: int64 fields, pointers as integers. */
+typedef struct {
+    int64_t bits;            /* 4 or 8 */
+    int64_t n, k, group;
+    const uint8_t *q;        /* q4: [n, k/2]; q8: int8 [n, k] */
+    const uint16_t *scales;  /* fp16 [n, groups] */
+    const void *mins;        /* [n, groups], q4 only: fp16, or float32 when mins_f32 */
+    int64_t mins_f32;        /* AWQ/GPTQ: -zero * scale is exact in float32, not in fp16 */
+    int64_t act8;            /* x quantized to int8 per 32 columns: integer dot products */
+} QW;
+
+typedef uint8_t vb __attribute__((vector_size(VW)));
+typedef int8_t vsb __attribute__((vector_size(VW)));
+
+/* IEEE half -> float: F16C's one instruction where the CPU has it (the per-group scalar work
+ * is as large as the vector work at group 32), else by bits (normals, subnormals, inf/nan). */
+#if defined(__F16C__)
+#include <immintrin.h>
+static inline float h2f(uint16_t h) { return _cvtsh_ss(h); }
+#else
+static inline float h2f(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    uint32_t u;
+    if (exp == 0) {
+        float f = (float)man * (1.0f / 16777216.0f);
+        memcpy(&u, &f, 4);
+        u |= sign;
+    } else if (exp == 31) {
+        u = sign | 0x7f800000u | (man << 13);
+    } else {
+        u = sign | ((exp + 112u) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+#endif
+
+static inline int64_t groups_of(const QW *w) { return (w->k + w->group - 1) / w->group; }
+
+/* Min i of a row's groups (row base pointer `mrow`, typed by the flag). */
+static inline float min_at(const QW *w, const void *mrow, int64_t i) {
+    return w->mins_f32 ? ((const float *)mrow)[i] : h2f(((const uint16_t *)mrow)[i]);
+}
+
+static inline const void *min_row(const QW *w, int64_t n) {
+    int64_t off = n * groups_of(w);
+    return w->mins_f32 ? (const void *)((const float *)w->mins + off)
+                       : (const void *)((const uint16_t *)w->mins + off);
+}
+
+/* out[b] = row n of w . x[b, :] for NB rows of x (k apart); xs = group sums of x (q4). */
+#define Q4_DOT(NB)                                                                             \
+    do {                                                                                       \
+        vf tot[NB];                                                                            \
+        float mt[NB];                                                                          \
+        for (int b = 0; b < NB; b++) {                                                         \
+            tot[b] = (vf){0};                                                                  \
+            mt[b] = 0.0f;                                                                      \
+        }                                                                                      \
+        for (int64_t g = 0; g < ng; g++) {                                                     \
+            vf acc[NB];                                                                        \
+            for (int b = 0; b < NB; b++) acc[b] = (vf){0};                                     \
+            for (int64_t c = g * group; c < (g + 1) * group; c += 32) {                        \
+                const uint8_t *r = qrow + c / 2;                                               \
+                for (int v = 0; v < 16; v += VW) {                                             \
+                    vb bytes;                                                                  \
+                    memcpy(&bytes, r + v, VW);                                                 \
+                    vf lo = __builtin_convertvector(bytes & 0x0F, vf);                         \
+                    vf hi = __builtin_convertvector(bytes >> 4, vf);                           \
+                    for (int b = 0; b < NB; b++) {                                             \
+                        const float *xb = x + b * k + c + v;                                   \
+                        acc[b] += lo * f32_loadv(xb) + hi * f32_loadv(xb + 16);                \
+                    }                                                                          \
+                }                                                                              \
+            }                                                                                  \
+            float s = h2f(srow[g]), m = min_at(w, mrow, g);                                    \
+            for (int b = 0; b < NB; b++) {                                                     \
+                tot[b] += acc[b] * s;                                                          \
+                mt[b] += m * xs[b * ng + g];                                                   \
+            }                                                                                  \
+        }                                                                                      \
+        for (int b = 0; b < NB; b++) out[b] = hsum(tot[b]) + mt[b];                            \
+    } while (0)
+
+#define Q8_DOT(NB)                                                                             \
+    do {                                                                                       \
+        vf tot[NB];                                                                            \
+        float st[NB];                                                                          \
+        for (int b = 0; b < NB; b++) {                                                         \
+            tot[b] = (vf){0};                                                                  \
+            st[b] = 0.0f;                                                                      \
+        }                                                                                      \
+        const int8_t *qs = (const int8_t *)qrow;                                               \
+        for (int64_t g = 0; g < ng; g++) {                                                     \
+            int64_t j = g * group, end = j + group < k ? j + group : k;                        \
+            vf acc[NB];                                                                        \
+            float tail[NB];                                                                    \
+            for (int b = 0; b < NB; b++) {                                                     \
+                acc[b] = (vf){0};                                                              \
+                tail[b] = 0.0f;                                                                \
+            }                                                                                  \
+            for (; j + VW <= end; j += VW) {                                                   \
+                vsb raw;                                                                       \
+                memcpy(&raw, qs + j, VW);                                                      \
+                vf wv = __builtin_convertvector(raw, vf);                                      \
+                for (int b = 0; b < NB; b++) acc[b] += wv * f32_loadv(x + b * k + j);          \
+            }                                                                                  \
+            for (; j < end; j++)                                                               \
+                for (int b = 0; b < NB; b++) tail[b] += (float)qs[j] * x[b * k + j];           \
+            float s = h2f(srow[g]);                                                            \
+            for (int b = 0; b < NB; b++) {                                                     \
+                tot[b] += acc[b] * s;                                                          \
+                st[b] += tail[b] * s;                                                          \
+            }                                                                                  \
+        }                                                                                      \
+        for (int b = 0; b < NB; b++) out[b] = hsum(tot[b]) + st[b];                            \
+    } while (0)
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
+#include <immintrin.h>
+/* AVX2 (Zen 3, most servers in service): GCC's generic byte -> float vector conversions
+ * above go through scalar inserts, ~3x slower than the 16-bit decode. Here each 32-column run
+ * is one 16-byte load, two masks, four zero-extends and conversions, and four FMAs per row of
+ * x into two accumulator chains (FMA latency, not throughput, bounds one chain). */
+/* Groups whose scales (and mins) one pass converts to float32 up front. */
+#define GCHUNK 256
+
+/* fp16 -> float32 of n values (scales of up to GCHUNK groups), 8 at a time. */
+static inline void h2f_row(const uint16_t *h, int64_t n, float *out) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+    for (; i < n; i++) out[i] = h2f(h[i]);
+}
+
+#define Q4_DOT_AVX2(NB)                                                                        \
+    do {                                                                                       \
+        const __m128i mask = _mm_set1_epi8(0x0F);                                              \
+        __m256 tot[NB];                                                                        \
+        float mt[NB];                                                                          \
+        float sf[GCHUNK], mf[GCHUNK];                                                          \
+        for (int b = 0; b < NB; b++) {                                                         \
+            tot[b] = _mm256_setzero_ps();                                                      \
+            mt[b] = 0.0f;                                                                      \
+        }                                                                                      \
+        for (int64_t g0 = 0; g0 < ng; g0 += GCHUNK) {                                          \
+            int64_t gn = ng - g0 < GCHUNK ? ng - g0 : GCHUNK;                                  \
+            h2f_row(srow + g0, gn, sf);                                                        \
+            if (w->mins_f32)                                                                   \
+                memcpy(mf, (const float *)mrow + g0, gn * sizeof(float));                      \
+            else                                                                               \
+                h2f_row((const uint16_t *)mrow + g0, gn, mf);                                  \
+            /* sum_g min_g * (sum of x over g): one short dot per row of x. */                 \
+            for (int b = 0; b < NB; b++)                                                       \
+                for (int64_t g = 0; g < gn; g++) mt[b] += mf[g] * xs[b * ng + g0 + g];         \
+            for (int64_t g = g0; g < g0 + gn; g++) {                                           \
+                __m256 a0[NB], a1[NB];                                                         \
+                for (int b = 0; b < NB; b++) a0[b] = a1[b] = _mm256_setzero_ps();              \
+                for (int64_t c = g * group; c < (g + 1) * group; c += 32) {                    \
+                    __m128i raw = _mm_loadu_si128((const __m128i *)(qrow + c / 2));            \
+                    __m128i lo = _mm_and_si128(raw, mask);                                     \
+                    __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);                  \
+                    __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));                  \
+                    __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))); \
+                    __m256 w2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));                  \
+                    __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))); \
+                    for (int b = 0; b < NB; b++) {                                             \
+                        const float *xb = x + b * k + c;                                       \
+                        a0[b] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xb), a0[b]);               \
+                        a1[b] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xb + 8), a1[b]);           \
+                        a0[b] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xb + 16), a0[b]);          \
+                        a1[b] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xb + 24), a1[b]);          \
+                    }                                                                          \
+                }                                                                              \
+                __m256 sv = _mm256_broadcast_ss(sf + (g - g0));                                \
+                for (int b = 0; b < NB; b++)                                                   \
+                    tot[b] = _mm256_fmadd_ps(_mm256_add_ps(a0[b], a1[b]), sv, tot[b]);         \
+            }                                                                                  \
+        }                                                                                      \
+        for (int b = 0; b < NB; b++) {                                                         \
+            vf t;                                                                              \
+            memcpy(&t, &tot[b], sizeof t);                                                     \
+            out[b] = hsum(t) + mt[b];                                                          \
+        }                                                                                      \
+    } while (0)
+
+#define Q8_DOT_AVX2(NB)                                                                        \
+    do {                                                                                       \
+        __m256 tot[NB];                                                                        \
+        float st[NB];                                                                          \
+        for (int b = 0; b < NB; b++) {                                                         \
+            tot[b] = _mm256_setzero_ps();                                                      \
+            st[b] = 0.0f;                                                                      \
+        }                                                                                      \
+        const int8_t *qs = (const int8_t *)qrow;                                               \
+        for (int64_t g = 0; g < ng; g++) {                                                     \
+            int64_t j = g * group, end = j + group < k ? j + group : k;                        \
+            __m256 a0[NB], a1[NB];                                                             \
+            float tail[NB];                                                                    \
+            for (int b = 0; b < NB; b++) {                                                     \
+                a0[b] = a1[b] = _mm256_setzero_ps();                                           \
+                tail[b] = 0.0f;                                                                \
+            }                                                                                  \
+            for (; j + 16 <= end; j += 16) {                                                   \
+                __m128i raw = _mm_loadu_si128((const __m128i *)(qs + j));                      \
+                __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));                     \
+                __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(raw, 8)));  \
+                for (int b = 0; b < NB; b++) {                                                 \
+                    a0[b] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + b * k + j), a0[b]);        \
+                    a1[b] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + b * k + j + 8), a1[b]);    \
+                }                                                                              \
+            }                                                                                  \
+            for (; j + 8 <= end; j += 8) {                                                     \
+                __m128i raw = _mm_loadl_epi64((const __m128i *)(qs + j));                      \
+                __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));                     \
+                for (int b = 0; b < NB; b++)                                                   \
+                    a0[b] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + b * k + j), a0[b]);        \
+            }                                                                                  \
+            for (; j < end; j++)                                                               \
+                for (int b = 0; b < NB; b++) tail[b] += (float)qs[j] * x[b * k + j];           \
+            float s = h2f(srow[g]);                                                            \
+            __m256 sv = _mm256_set1_ps(s); /* per-channel rows: one group; Q8_0: 18 a row */  \
+            for (int b = 0; b < NB; b++) {                                                     \
+                tot[b] = _mm256_fmadd_ps(_mm256_add_ps(a0[b], a1[b]), sv, tot[b]);             \
+                st[b] += tail[b] * s;                                                          \
+            }                                                                                  \
+        }                                                                                      \
+        for (int b = 0; b < NB; b++) {                                                         \
+            vf t;                                                                              \
+            memcpy(&t, &tot[b], sizeof t);                                                     \
+            out[b] = hsum(t) + st[b];                                                          \
+        }                                                                                      \
+    } while (0)
+#define Q4_KERNEL Q4_DOT_AVX2
+#define Q8_KERNEL Q8_DOT_AVX2
+#else
+/* AVX-512 and other ISAs: the generic vector-extension loops (VW lanes). */
+#define Q4_KERNEL Q4_DOT
+#define Q8_KERNEL Q8_DOT
+#endif
+
+/* The int8-activation dot products (AVX2 / AVX-VNNI / AVX-512-VNNI), or ACT8 0. */
+#include "cpu_quant_act8.h"
+
+/* Row n of w against nb <= 4 rows of x. */
+static inline void qdot(const QW *w, int64_t n, const float *x, const float *xs, int64_t nb,
+                        float *out) {
+    const int64_t k = w->k, group = w->group, ng = groups_of(w);
+    const uint16_t *srow = w->scales + n * ng;
+    if (w->bits == 4) {
+        const uint8_t *qrow = w->q + n * (k / 2);
+        const void *mrow = min_row(w, n);
+        /* The next row streams in while this one is summed (as the 16-bit matvec does). */
+        for (int64_t off = 0; off < k / 2; off += 64) __builtin_prefetch(qrow + k / 2 + off);
+        switch (nb) {
+        case 1: Q4_KERNEL(1); break;
+        case 2: Q4_KERNEL(2); break;
+        case 3: Q4_KERNEL(3); break;
+        default: Q4_KERNEL(4); break;
+        }
+    } else {
+        const uint8_t *qrow = w->q + n * k;
+        for (int64_t off = 0; off < k; off += 64) __builtin_prefetch(qrow + k + off);
+        switch (nb) {
+        case 1: Q8_KERNEL(1); break;
+        case 2: Q8_KERNEL(2); break;
+        case 3: Q8_KERNEL(3); break;
+        default: Q8_KERNEL(4); break;
+        }
+    }
+}
+
+/* Whether w takes the int8-activation dot (asked for, built, and K and group in whole
+ * 32-column blocks). */
+static inline int use_act8(const QW *w) {
+    return ACT8 && w->act8 && w->k % 32 == 0 && w->group % 32 == 0;
+}
+
+/* Floats of scratch qmatvec needs for `batch` rows of x of length k. */
+static inline size_t scratch_floats(int64_t batch, int64_t k) {
+    return (size_t)batch * (k / 16 + k / 32 + k / 4 + 16);
+}
+
+/* Inside a parallel region: y[b, n] (+)= x[b, :] . w[n, :] (+ bias[n]). xs: scratch of
+ * scratch_floats(batch, k) floats (q4's group sums of x; int8 x and its block scales). */
+static void qmatvec(const float *x, const QW *w, const float *bias, float *y, int64_t batch,
+                    int accumulate, float *xs) {
+    const int64_t k = w->k, n_out = w->n, ng = groups_of(w);
+    const int act8 = use_act8(w);
+    float *dx = xs + batch * ng;
+    int8_t *xq = (int8_t *)(dx + batch * (k / 32) + 8);
+    if (w->bits == 4) {
+        _Pragma("omp for schedule(static) nowait")
+        for (int64_t i = 0; i < batch * ng; i++) {
+            const float *xg = x + (i / ng) * k + (i % ng) * w->group;
+            float s = 0.0f;
+            for (int64_t j = 0; j < w->group; j++) s += xg[j];
+            xs[i] = s;
+        }
+    }
+    if (act8) {
+        const int64_t nblk = k / 32;
+        _Pragma("omp for schedule(static) nowait")
+        for (int64_t i = 0; i < batch * nblk; i++) {
+            const float *xb = x + (i / nblk) * k + (i % nblk) * 32;
+            float amax = 0.0f;
+            for (int j = 0; j < 32; j++) amax = fabsf(xb[j]) > amax ? fabsf(xb[j]) : amax;
+            float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            dx[i] = d;
+            int8_t *qb = xq + (i / nblk) * k + (i % nblk) * 32;
+            for (int j = 0; j < 32; j++) qb[j] = (int8_t)lrintf(xb[j] * inv);
+        }
+    }
+    _Pragma("omp barrier")
+    _Pragma("omp for schedule(static)")
+    for (int64_t n = 0; n < n_out; n++) {
+        float d[4];
+        float bn = bias ? bias[n] : 0.0f;
+        for (int64_t b0 = 0; b0 < batch; b0 += 4) {
+            int64_t nb = batch - b0 < 4 ? batch - b0 : 4;
+#if ACT8
+            if (act8)
+                qdot_act8(w, n, xq + b0 * k, dx + b0 * (k / 32), xs + b0 * ng, nb, d);
+            else
+#endif
+                qdot(w, n, x + b0 * k, xs + b0 * ng, nb, d);
+            for (int64_t i = 0; i < nb; i++) {
+                float *dst = y + (b0 + i) * n_out + n;
+                *dst = (accumulate ? *dst : 0.0f) + d[i] + bn;
+            }
+        }
+    }
+}
+
+/* y [batch, n] = x [batch, k] . w^T (+ bias), float32. Returns 0, or -1 if out of memory. */
+int quant_matmul(const int64_t *qw, const float *x, const float *bias, float *y, int64_t batch,
+                 int64_t threads) {
+    const QW *w = (const QW *)qw;
+    float *xs = malloc(scratch_floats(batch, w->k) * sizeof(float));
+    if (!xs) return -1;
+    _Pragma("omp parallel num_threads(threads)")
+    qmatvec(x, w, bias, y, batch, 0, xs);
+    free(xs);
+    return 0;
+}
+
+/* out [nrows, k] = float32 rows `rows` of w (all n rows when rows is NULL): the embedding
+ * lookup of a packed table and the transient tiles of wide (prefill) matmuls. */
+void quant_dequant_rows(const int64_t *qw, const int64_t *rows, int64_t nrows, float *out,
+                        int64_t threads) {
+    const QW *w = (const QW *)qw;
+    const int64_t k = w->k, ng = groups_of(w);
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")
+    for (int64_t r = 0; r < nrows; r++) {
+        int64_t n = rows ? rows[r] : r;
+        float *o = out + r * k;
+        const uint16_t *srow = w->scales + n * ng;
+        if (w->bits == 4) {
+            const uint8_t *q = w->q + n * (k / 2);
+            const void *mrow = min_row(w, n);
+            for (int64_t c = 0; c < k; c += 32) {
+                float s = h2f(srow[c / w->group]), m = min_at(w, mrow, c / w->group);
+                for (int i = 0; i < 16; i++) {
+                    o[c + i] = (float)(q[c / 2 + i] & 0x0F) * s + m;
+                    o[c + 16 + i] = (float)(q[c / 2 + i] >> 4) * s + m;
+                }
+            }
+        } else {
+            const int8_t *q = (const int8_t *)w->q + n * k;
+            for (int64_t j = 0; j < k; j++) o[j] = (float)q[j] * h2f(srow[j / w->group]);
+        }
+    }
+}
+
+/* Per-layer pointers of the quantized decode (cpu_quant.py QLAYER_FIELDS): the linears are
+ * QW descriptors, the qkv bias float32, norms and the KV cache in the model dtype T. */
+enum { Q_LN1, Q_WQKV, Q_BQKV, Q_WO, Q_LN2, Q_WGU, Q_WDOWN, Q_KCACHE, Q_VCACHE, Q_COUNT };
+
+#define DEFINE_QUANT_DECODE(SUFFIX, T)                                                         \
+    /* The decode forward of cpu_decode.c's decode_forward_*, with every linear read packed. \
+     * hidden [batch, hidden] holds the embeddings on entry; logits [batch, vocab] out. */    \
+    int qdecode_forward_##SUFFIX(const int64_t *shape, const int64_t *layer_ptrs,             \
+                                 const T *final_norm, const int64_t *lm_head,                 \
+                                 const float *cos_table, const float *sin_table,              \
+                                 const int64_t *positions, const int64_t *slots,              \
+                                 const int32_t *tables, const int32_t *seq_lens, float eps,   \
+                                 float scale, float *hidden, float *logits) {                 \
+        const Shape *s = (const Shape *)shape;                                                 \
+        const int64_t hs = s->hidden, qkv_w = (s->heads + 2 * s->kv_heads) * s->head_dim;      \
+        const int64_t q_w = s->heads * s->head_dim, widest = s->inter > q_w ? s->inter : q_w;  \
+        size_t floats = (size_t)s->batch * (hs + qkv_w + q_w + 3 * s->inter);                  \
+        floats += scratch_floats(s->batch, widest > hs ? widest : hs);                         \
+        float *scratch = malloc(floats * sizeof(float));                                       \
+        if (!scratch) return -1;                                                               \
+        float *normed = scratch, *qkv = normed + s->batch * hs;                                \
+        float *attn = qkv + s->batch * qkv_w, *gu = attn + s->batch * q_w;                     \
+        float *act = gu + s->batch * 2 * s->inter, *xs = act + s->batch * s->inter;            \
+        _Pragma("omp parallel num_threads(s->threads)")                                        \
+        {                                                                                      \
+            for (int64_t layer = 0; layer < s->layers; layer++) {                              \
+                const int64_t *p = layer_ptrs + layer * Q_COUNT;                               \
+                T *k_cache = (T *)(intptr_t)p[Q_KCACHE], *v_cache = (T *)(intptr_t)p[Q_VCACHE]; \
+                rms_norm_##SUFFIX(hidden, (const T *)(intptr_t)p[Q_LN1], normed, s->batch, hs, \
+                                  eps);                                                        \
+                qmatvec(normed, (const QW *)(intptr_t)p[Q_WQKV],                               \
+                        (const float *)(intptr_t)p[Q_BQKV], qkv, s->batch, 0, xs);             \
+                rotate_and_store_##SUFFIX(qkv, cos_table, sin_table, positions, slots,         \
+                                          k_cache, v_cache, s);                                \
+                attention_##SUFFIX(qkv, qkv_w, k_cache, v_cache, tables, seq_lens, s, scale,   \
+                                   attn);                                                      \
+                qmatvec(attn, (const QW *)(intptr_t)p[Q_WO], NULL, hidden, s->batch, 1, xs);   \
+                rms_norm_##SUFFIX(hidden, (const T *)(intptr_t)p[Q_LN2], normed, s->batch, hs, \
+                                  eps);                                                        \
+                qmatvec(normed, (const QW *)(intptr_t)p[Q_WGU], NULL, gu, s->batch, 0, xs);    \
+                _Pragma("omp for schedule(static)")                                            \
+                for (int64_t i = 0; i < s->batch * s->inter; i++) {                            \
+                    int64_t b = i / s->inter, c = i % s->inter;                                \
+                    const float *row = gu + b * 2 * s->inter;                                  \
+                    act[i] = silu(row[c]) * row[s->inter + c];                                 \
+                }                                                                              \
+                qmatvec(act, (const QW *)(intptr_t)p[Q_WDOWN], NULL, hidden, s->batch, 1, xs); \
+            }                                                                                  \
+            rms_norm_##SUFFIX(hidden, final_norm, normed, s->batch, hs, eps);                  \
+            qmatvec(normed, (const QW *)lm_head, NULL, logits, s->batch, 0, xs);               \
+        }                                                                                      \
+        free(scratch);                                                                         \
+        return 0;                                                                              \
+    }
+
+DEFINE_QUANT_DECODE(bf16, uint16_t)
+DEFINE_QUANT_DECODE(f32, float)

@@ -1,0 +1,151 @@
+"""The packed-weight CPU kernels of `cpu_quant.c`, built by cpu_native's machinery (same flags,
+same cache, the same APPLIANCE_CPU_MASK handling) into their own library, and called through
+ctypes on the packed tensors of an appliance.layers.quant.QuantWeight.
+
+- `quant_matmul(x, w, bias, act8)`: the batched matmul of a quantized linear. Up to DENSE_TILE_ROWS
+  rows it reads the packed bytes (GEMV-like, bound by the weight read); wider passes
+  (prefills) dequantize the matrix into a transient float32 tile and hand it to torch's GEMM,
+  where the dequantization is amortized over the rows and the GEMM is compute-bound anyway.
+- `dequant_rows(w, rows)`: float32 rows (embedding lookups, the tiles above).
+- `qdecode_forward_*`: the whole decode forward over packed linears (appliance.cpu.quant_decode).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import subprocess
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from appliance.cpu.features import CpuFeatures, detect
+from appliance.layers.quant import QuantWeight
+
+from . import cpu_native
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_quant.c")
+# What it #includes (part of the build's cache key).
+INCLUDES = (cpu_native.SOURCE, Path(__file__).with_name("cpu_quant_act8.h"))
+# Order of the per-layer pointer row of the quantized decode (the Q_ enum in the C file).
+QLAYER_FIELDS = ("ln1", "wqkv", "bqkv", "wo", "ln2", "wgu", "wdown", "k_cache", "v_cache")
+# Passes wider than this dequantize a transient tile and use torch's GEMM. On a Zen 3 (AVX2,
+# 2 threads) the packed kernel re-reads each weight row per 4 rows of x and stops gaining
+# from batching at about this many rows; a float32 GEMM does ~120 GFLOP/s there.
+DENSE_TILE_ROWS = 16
+
+_loaded: dict[tuple[str, ...], tuple[ctypes.CDLL | None, str | None]] = {}
+
+
+def load(features: CpuFeatures | None = None) -> ctypes.CDLL | None:
+    """The library built for `features` (default: this CPU under the mask), or None."""
+    features = features or detect()
+    key = tuple(cpu_native.build_flags(features))
+    if key not in _loaded:
+        try:
+            path = cpu_native.build(features, SOURCE, INCLUDES)
+            lib: ctypes.CDLL | None = ctypes.CDLL(str(path))
+            error = None
+        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+            lib, error = None, str(exc)
+            log.warning("packed-weight CPU kernels unavailable, using the torch path: %s", exc)
+        if lib is not None:
+            for name in ("quant_matmul", "qdecode_forward_bf16", "qdecode_forward_f32"):
+                getattr(lib, name).restype = ctypes.c_int
+        _loaded[key] = (lib, error)
+    return _loaded[key][0]
+
+
+def load_error(features: CpuFeatures | None = None) -> str | None:
+    load(features)
+    return _loaded[tuple(cpu_native.build_flags(features or detect()))][1]
+
+
+def forget_builds() -> None:
+    _loaded.clear()
+
+
+def descriptor(w: QuantWeight, act8: bool = False) -> torch.Tensor:
+    """The C side's QW struct (int64 fields; pointers into w's tensors, which must outlive
+    every call that gets it). `act8`: int8 activations where the shape allows (K and group
+    in whole 32-column blocks; other weights keep the float32 dot)."""
+    assert w.qweight.is_contiguous() and w.scales.dtype == torch.float16 and w.scales.is_contiguous()
+    mins, mins_f32 = 0, 0
+    if w.fmt == "q4":
+        assert w.mins is not None and w.mins.is_contiguous()
+        mins, mins_f32 = w.mins.data_ptr(), int(w.mins.dtype == torch.float32)
+    bits = 4 if w.fmt == "q4" else 8
+    return torch.tensor(
+        [bits, w.out_features, w.in_features, w.group, w.qweight.data_ptr(),
+         w.scales.data_ptr(), mins, mins_f32, int(act8)],
+        dtype=torch.int64,
+    )  # fmt: skip
+
+
+def _lib() -> ctypes.CDLL:
+    lib = load()
+    assert lib is not None, "packed-weight CPU kernels unavailable"
+    return lib
+
+
+def dequant_rows(w: QuantWeight, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 [len(rows) or N, K]; the torch reference is quant.dequantize_rows."""
+    idx = None if rows is None else rows.to(torch.int64).contiguous()
+    n = w.out_features if idx is None else idx.numel()
+    out = torch.empty(n, w.in_features, dtype=torch.float32)
+    desc = descriptor(w)
+    p = cpu_native.ptr
+    _lib().quant_dequant_rows(p(desc), p(idx), ctypes.c_int64(n), p(out),
+                              ctypes.c_int64(torch.get_num_threads()))  # fmt: skip
+    return out
+
+
+def quant_matmul(
+    x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, act8: bool = False
+) -> torch.Tensor:
+    """x [..., K] @ W^T (+ bias) in float32, returned in x's dtype; `act8` as `descriptor`
+    (the narrow passes only: the dense tile's GEMM stays float32)."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    rows = x2.shape[0]
+    fbias = None if bias is None else bias.float().contiguous()
+    if rows > DENSE_TILE_ROWS:
+        out = F.linear(x2.float(), dequant_rows(w), fbias)
+    else:
+        xf = x2.float().contiguous()
+        out = torch.empty(rows, w.out_features, dtype=torch.float32)
+        desc = descriptor(w, act8)
+        p = cpu_native.ptr
+        rc = _lib().quant_matmul(p(desc), p(xf), p(fbias), p(out), ctypes.c_int64(rows),
+                                 ctypes.c_int64(torch.get_num_threads()))  # fmt: skip
+        if rc != 0:
+            raise MemoryError("quant_matmul: out of memory for its scratch buffer")
+    return out.to(x.dtype).reshape(*lead, w.out_features)
+
+
+def quant_matmul_act8(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """quant_matmul with int8 activations (model.cpu_quant_activations = "int8")."""
+    return quant_matmul(x, w, bias, act8=True)
+
+
+def act8_reference(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+    """What the int8-activation kernels compute, in torch: x rounded to int8 per 32 columns
+    (scale max|x| / 127) meets q * scale, the min term meets x itself."""
+    rows, k = x.shape
+    blocks = x.float().reshape(rows, k // 32, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    d = amax / 127.0
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    xq = torch.round(blocks * inv).clamp(-127, 127) * d
+    xq = xq.reshape(rows, k)
+    scale = w.scales.float().repeat_interleave(w.group, dim=1)[:, :k]
+    if w.fmt == "q4":
+        from appliance.layers.quant import unpack_q4
+
+        q = unpack_q4(w.qweight).float()
+        mins = w.mins.float().repeat_interleave(w.group, dim=1)  # type: ignore[union-attr]
+        return xq @ (q * scale).T + x.float() @ mins.T
+    return xq @ (w.qweight.float() * scale).T

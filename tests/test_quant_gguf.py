@@ -1,0 +1,145 @@
+"""GGUF checkpoints: ggml's blocks repacked without dequantizing, against the gguf package's
+own dequantizer; and small random models written by the tests as Q8_0 and Q4_0 GGUF files,
+served greedily token for token like transformers on the weights the file holds, in fp32."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from appliance import Engine, SamplingParams
+from appliance.config import load_config
+from appliance.layers.linear import MatmulWeight
+from appliance.models.gguf_blocks import BLOCKS, convert
+from tests.quant_models import greedy, random_llama, random_prompts, write_gguf
+
+gguf = pytest.importorskip("gguf")
+
+
+def _raw_blocks(name: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Bytes of n rows of k columns: quantized from random floats where gguf can quantize the
+    type, else random bytes with sane fp16 super-block scales (every byte pattern of a
+    K-quant's sub-scales and values is a valid block)."""
+    qt = getattr(gguf.GGMLQuantizationType, name)
+    if name in ("Q8_0", "Q4_0", "Q4_1"):
+        return gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32), qt)
+    elems, size = BLOCKS[name]
+    raw = rng.integers(0, 256, (n, k // elems, size), dtype=np.uint8)
+    offsets = {"Q4_K": (0, 2), "Q6_K": (208,)}[name]
+    for off in offsets:
+        d = rng.uniform(0.001, 0.05, (n, k // elems)).astype(np.float16)
+        raw[..., off : off + 2] = d.view(np.uint8).reshape(n, k // elems, 2)
+    return raw.reshape(n, -1)
+
+
+@pytest.mark.parametrize("name", list(BLOCKS))
+def test_blocks_repack_to_what_gguf_dequantizes(name: str) -> None:
+    """Each type's conversion, dequantized by the engine's reference, equals gguf's own
+    dequantization: exactly for Q8_0/Q4_0/Q4_1, within the fp16 rounding of the products
+    d * sc for the K-quants."""
+    rng = np.random.default_rng(7)
+    n, k = 5, 512
+    raw = _raw_blocks(name, n, k, rng)
+    ref = torch.from_numpy(gguf.quants.dequantize(raw, getattr(gguf.GGMLQuantizationType, name)))
+    w = convert(raw, name, k, name)
+    got = w.dequantize()
+    assert got.shape == ref.shape == (n, k)
+    if name in ("Q8_0", "Q4_0", "Q4_1"):
+        assert torch.equal(got, ref)
+    else:
+        # Per 16/32-column group, the error is at most one fp16 rounding of its scale/min.
+        err = (got - ref).abs().max().item()
+        assert err <= ref.abs().max().item() * 2.0**-10, err
+        assert w.nbytes() < n * k * 2  # still packed: under the bytes of 16-bit weights
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from appliance.tools.demo_model import build_demo_model
+
+    return build_demo_model("tiny", tmp_path_factory.mktemp("tiny-tok"))
+
+
+def _engine(path: Path, **extra: object) -> Engine:
+    return Engine(load_config(None, {
+        "model.path": str(path), "model.dtype": "float32", "cache.kv_cache_memory": 0.1,
+        "cache.swap_space": 0.0, "hardware.device": "cpu", **extra,
+    }))  # fmt: skip
+
+
+def _engine_greedy(engine: Engine, prompts: list[list[int]], new: int) -> list[list[int]]:
+    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    return [list(r.token_ids) for r in engine.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+def test_gguf_model_matches_transformers_on_its_weights(
+    qtype: str, tokenizer_dir: Path, tmp_path: Path, cpu_path: str
+) -> None:
+    """A random Llama written as GGUF loads with its config and tokenizer, holds its linears
+    packed (no dense copy), runs its one-at-a-time decode through the packed native kernels,
+    and generates the same greedy tokens as transformers on the dequantized fp32 weights.
+    Prompts of 1 to 40 tokens: prefills below and above the dense-tile threshold; natively
+    and under the AVX2 mask."""
+    hf = random_llama(tokenizer_dir, seed=1)
+    path, ref = write_gguf(hf, tokenizer_dir, tmp_path / qtype, qtype)
+    prompts = random_prompts(hf.config.vocab_size, [1, 5, 23, 40])
+    expected = greedy(ref, prompts, 24)
+    with _engine(path) as engine:
+        model = engine.loaded.model
+        linears = [m for m in model.modules() if isinstance(m, MatmulWeight)]
+        assert all(m.quant is not None for m in linears)
+        assert all(m.weight.numel() == 0 for m in linears)
+        assert model.model.embed_tokens.quant is not None
+        cpu = engine.loaded.cpu
+        assert cpu is not None and type(cpu.fused_decode).__name__ == "QuantFusedCpuDecode"
+        got = _engine_greedy(engine, prompts, 24)
+        # One at a time: every decode step goes through the fused packed forward.
+        single = _engine_greedy(engine, prompts[:1], 24)
+    assert got == expected
+    assert single == expected[:1]
+
+
+def test_gguf_model_on_the_torch_path_matches_too(tokenizer_dir: Path, tmp_path: Path) -> None:
+    """Native kernels off: the torch reference matmul over the packed weights (the path a box
+    without a C compiler takes) gives the same tokens."""
+    hf = random_llama(tokenizer_dir, seed=2, tied=True)
+    path, ref = write_gguf(hf, tokenizer_dir, tmp_path / "q8", "Q8_0")
+    prompts = random_prompts(hf.config.vocab_size, [3, 18])
+    expected = greedy(ref, prompts, 16)
+    with _engine(path, **{"model.cpu_native_kernels": False}) as engine:
+        assert engine.loaded.cpu is not None and engine.loaded.cpu.fused_decode is None
+        assert _engine_greedy(engine, prompts, 16) == expected
+
+
+def test_int8_quantizes_a_16bit_checkpoint_at_load(tiny_model_dir: Path) -> None:
+    """model.quantization = "int8": every linear held as per-channel int8 (its dense weight
+    never allocated), and the greedy tokens match transformers on the same int8 weights
+    dequantized (the quantization is the appliance's; the arithmetic is checked)."""
+    from transformers import AutoModelForCausalLM
+
+    from appliance.layers.quant import quantize_int8
+
+    ref = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if p.dim() == 2 and "embed_tokens" not in name:
+                p.copy_(quantize_int8(p).dequantize())
+    prompts = random_prompts(4096, [4, 30])
+    expected = greedy(ref, prompts, 16)
+    with _engine(tiny_model_dir, **{"model.quantization": "int8"}) as engine:
+        qkv = engine.loaded.model.model.layers[0].self_attn.qkv_proj
+        assert qkv.quant is not None and qkv.quant.fmt == "q8" and qkv.weight.numel() == 0
+        assert _engine_greedy(engine, prompts, 16) == expected
+
+
+def test_int8_refuses_an_already_quantized_checkpoint(tokenizer_dir: Path, tmp_path: Path) -> None:
+    from appliance.config import ConfigError
+
+    hf = random_llama(tokenizer_dir, seed=3)
+    path, _ = write_gguf(hf, tokenizer_dir, tmp_path / "q4", "Q4_0")
+    with pytest.raises(ConfigError, match="model.quantization"):
+        _engine(path, **{"model.quantization": "int8"})
