@@ -162,6 +162,9 @@ class ServerConfig(_Section):
     admin_token_file: str = ""
     admin_token_env: str = ""
     max_request_body_bytes: PositiveInt = 4 * 1024 * 1024
+    # Request line + headers; more is a 431 with OpenAI's error body (server/edge.py). h11's
+    # own default is 16 KiB; 64 KiB leaves room for long bearer tokens and tracing headers.
+    max_header_bytes: Annotated[int, Meta(ge=1024)] = 64 * 1024
     drain_timeout_s: NonNegFloat = 30.0
     # Retry-After (seconds) sent with 429 responses.
     retry_after_s: PositiveInt = 1
