@@ -188,6 +188,12 @@ class EngineClient:
                 self.output.end(res.request_id, res.rejected, res.detail)
             if fut is not None and not fut.done():
                 fut.set_result(res)
+        for rid in frame.started:
+            state = self.output.states.get(rid)
+            if state is not None:
+                state.scheduled = True
+        if not frame.added and not frame.outputs and not frame.steps:
+            return  # a start notice alone (sent mid-step): no queue figures in it
         self.waiting_by_class = frame.waiting_by_class
         stopped = self.output.process(frame.outputs)
         if stopped and not self.dead:
@@ -262,6 +268,20 @@ class EngineClient:
             self.output.end(rid, "abort", detail)
         if request_ids and not self.dead:
             self._send(ipc.AbortRequests(list(request_ids)))
+
+    def expire(self, request_ids: list[str], detail: str) -> None:
+        """Refuse still-queued requests whose queue timeout passed (the API's timer): each
+        finishes here at once as `queue_timeout`, through the same callbacks as an engine
+        output, and the core drops it (freeing anything it held) between its steps."""
+        self.output.process(
+            [
+                EngineOutput(request_id=rid, new_token_ids=[], finished=True,
+                             finish_reason="queue_timeout", finish_detail=detail)
+                for rid in request_ids
+            ]
+        )
+        if request_ids and not self.dead:
+            self._send(ipc.AbortRequests(list(request_ids), reason="queue_timeout", detail=detail))
 
     def set_paused(self, paused: bool) -> None:
         self._send(ipc.SetPaused(paused))

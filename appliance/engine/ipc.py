@@ -37,8 +37,10 @@ class AddRequest(msgspec.Struct, tag="add", kw_only=True):
 
 class AbortRequests(msgspec.Struct, tag="abort"):
     request_ids: list[str]
-    # "stop" when the API side's output processor matched a stop string.
+    # "stop" when the API side's output processor matched a stop string; "queue_timeout" when
+    # the API's timer refused a request still queued (`detail` says how long it waited).
     reason: str = "abort"
+    detail: str = ""
 
 
 class GetStats(msgspec.Struct, tag="stats"):
@@ -106,6 +108,8 @@ class Frame(msgspec.Struct, tag="frame", kw_only=True):
     """What one turn of the core loop produced."""
 
     added: list[AddResult] = []
+    # Requests scheduled for the first time this step, sent before its forward pass.
+    started: list[str] = []
     outputs: list[EngineOutput] = []
     # (scheduled tokens, sequences) per step, for the per-step histograms.
     steps: list[tuple[int, int]] = []

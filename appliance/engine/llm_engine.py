@@ -12,7 +12,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from appliance.config import ApplianceConfig, ConfigError, load_config
@@ -72,6 +72,10 @@ class Engine:
         # runner.execute at TP 1; at TP > 1 it also drives the worker ranks (engine/tp.py).
         self.executor = self.loaded.executor
         self._ids = itertools.count()
+        # Called with the requests scheduled for the first time, after scheduling and before
+        # the forward pass (the core process tells the API at once: a long step must not make
+        # a request that is being served look queued to the API's queue-timeout timer).
+        self.on_started: Callable[[list[str]], None] | None = None
         self.history = StepHistory()
         self.step_count = 0
         self.prompt_tokens_total = 0
@@ -170,6 +174,9 @@ class Engine:
         started = time.perf_counter()
         sched = self.scheduler
         out = sched.schedule()
+        first_scheduled = sched.take_started()
+        if first_scheduled and self.on_started is not None:
+            self.on_started(first_scheduled)
         result = self.executor.execute(out)
         new_tokens = sched.update_from_output(out, result.sampled)
 
