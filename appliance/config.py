@@ -98,6 +98,12 @@ class SchedulerConfig(_Section):
     # Admission control (0 = unlimited); per-class values in [priority_classes] override.
     max_waiting_requests: NonNegInt = 0
     queue_timeout_s: NonNegFloat = 0.0
+    # Refuse (429) at arrival a request whose estimated wait, from the requests queued ahead of
+    # it and the measured rate at which requests leave the engine, exceeds its class's
+    # queue_timeout_s: it would time out anyway, after holding the client for the whole limit.
+    # Off by default (README, "Admission control": on a mixed load the estimate also refuses
+    # requests that would have started in time).
+    estimated_wait_admission: bool = False
     # Class of a request that names none (OpenAI clients send no `priority`); must name a class
     # in [priority_classes]. "" = "interactive" where the classes have one, else the most
     # urgent. Not the most urgent by default: a fast-fail class turns a burst of plain requests

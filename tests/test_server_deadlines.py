@@ -131,3 +131,69 @@ def test_queue_timeout_fires_on_time_during_slow_steps(slow_server: ServerProces
         return not s["requests"] and s["engine"]["blocks_used"] == 0
 
     wait_for(idle, timeout_s=30)  # no KV block leaked by the refused or the aborted requests
+
+
+# -- estimated-wait admission --------------------------------------------------------------------
+ADMISSION_STEP_S = 0.5
+ADMISSION_TIMEOUT_S = 3.0
+
+
+@pytest.fixture(scope="module")
+def admission_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    d = tmp_path_factory.mktemp("srv-admission")
+    template = write_template(
+        d / "t.toml", tiny_model_dir,
+        scheduler={"max_num_seqs": 1, "estimated_wait_admission": True},
+        extra=f"""
+[server]
+retry_after_s = 2
+[priority_classes]
+realtime = {{ priority = 0, queue_timeout_s = {ADMISSION_TIMEOUT_S} }}
+batch = {{ priority = 10 }}
+""",
+    )
+    srv = ServerProcess(template, d / "log.txt",
+                        env={"APPLIANCE_TEST_STEP_DELAY_S": str(ADMISSION_STEP_S)}).start()
+    yield srv
+    assert srv.stop() == 0, srv.log()
+
+
+def _queue(server: ServerProcess, cls: str) -> dict[str, Any]:
+    return next(q for q in _stats(server)["queues"] if q["priority_class"] == cls)
+
+
+def test_estimated_wait_over_the_limit_is_refused_at_arrival(admission_server: ServerProcess) -> None:
+    srv = admission_server
+    assert _queue(srv, "realtime")["estimated_wait_s"] == 0.0  # a free slot: no wait
+    # Measure the departure rate: 4 requests of 4 slow steps each leave at ~0.5 per second.
+    sdk = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+    for _ in range(4):
+        sdk.completions.create(model=MODEL, prompt="warm", max_tokens=4, temperature=0,
+                               extra_body={"ignore_eos": True})
+    running = Streamer(srv, {"prompt": "a", "max_tokens": 400, "priority": "batch"})
+    running.start()
+    assert running.first.wait(60)
+    # The only slot is taken: one realtime request queued waits ~1 / rate = ~2 s < 3 s, so it
+    # is admitted; the next one would wait for two departures, ~4 s: refused at once.
+    with ThreadPoolExecutor(1) as pool:
+        queued = pool.submit(httpx.post, srv.url + "/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": "q", "max_tokens": 2, "priority": "realtime"})
+        wait_for(lambda: _queue(srv, "realtime")["waiting"] == 1, timeout_s=10)
+        est = _queue(srv, "realtime")["estimated_wait_s"]
+        assert est is not None and ADMISSION_TIMEOUT_S < est < 3 * ADMISSION_TIMEOUT_S, est
+        t0 = time.monotonic()
+        r = httpx.post(srv.url + "/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": "r", "max_tokens": 2, "priority": "realtime"})
+        refused_after = time.monotonic() - t0
+        assert r.status_code == 429, r.text
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"}
+        assert err["type"] == "rate_limit_error" and err["code"] == "queue_timeout_estimated"
+        assert "queue_timeout_s 3.0" in err["message"] and "1 requests queued ahead" in err["message"]
+        assert r.headers["retry-after"] == "2"
+        assert refused_after < 1.0, refused_after  # at arrival, not at the limit
+        # The admitted one got a real answer: served, or its own queue timeout on its timer.
+        assert queued.result(60).status_code in (200, 429)
+    assert _rejected(srv, "estimated_wait", "realtime") == 1
+    running.stop.set()
+    running.join(60)

@@ -182,6 +182,8 @@ class _Core:
                 self._step(out)
             if out.added or out.outputs or out.steps:
                 out.waiting_by_class = self._waiting_by_class()
+                out.num_running = len(engine.scheduler.running)
+                out.departure_rate = engine.departures.rate
                 _send(self.conn, out)
 
     def _send_started(self, request_ids: list[str]) -> None:

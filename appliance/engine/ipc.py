@@ -115,6 +115,10 @@ class Frame(msgspec.Struct, tag="frame", kw_only=True):
     steps: list[tuple[int, int]] = []
     # Waiting requests per priority class after this turn (the API's cheap queue-full check).
     waiting_by_class: dict[str, int] = {}
+    # Running requests and the measured departure rate (started requests leaving per busy
+    # second; None: not measured yet), for the API's estimated-wait admission.
+    num_running: int = 0
+    departure_rate: float | None = None
 
 
 class StatsReply(msgspec.Struct, tag="stats_reply", kw_only=True):

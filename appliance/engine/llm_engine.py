@@ -19,6 +19,7 @@ from appliance.config import ApplianceConfig, ConfigError, load_config
 from appliance.core.kv_cache_manager import KVCacheManager
 from appliance.core.request import FinishReason, Request
 from appliance.core.scheduler import Scheduler
+from appliance.core.wait_estimate import DepartureRate
 from appliance.engine.loader import LoadedModel, load_model
 from appliance.engine.output_processor import OutputProcessor
 from appliance.engine.outputs import CompletionResult, EngineOutput, Logprob
@@ -77,6 +78,8 @@ class Engine:
         # a request that is being served look queued to the API's queue-timeout timer).
         self.on_started: Callable[[list[str]], None] | None = None
         self.history = StepHistory()
+        # Started requests leaving per busy second: the queue's estimated wait (wait_estimate).
+        self.departures = DepartureRate()
         self.step_count = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -192,9 +195,11 @@ class Engine:
                 eo.new_logprobs = [Logprob(lp.token_id, lp.logprob, top)]
             outputs[rid] = eo
 
+        departures = 0
         for fin in sched.take_finished():
             req = fin.request
             rid = req.request_id
+            departures += req.first_scheduled_time is not None  # it held a slot
             touched[rid] = req
             eo = outputs.setdefault(rid, EngineOutput(request_id=rid, new_token_ids=[]))
             eo.finished = True
@@ -209,7 +214,9 @@ class Engine:
             eo.num_prompt_tokens = req.num_prompt_tokens
             eo.num_cached_tokens = req.num_cached_prompt_tokens
 
-        self._record_step(out, time.perf_counter() - started)
+        duration = time.perf_counter() - started
+        self._record_step(out, duration)
+        self.departures.observe(duration, departures)
         return list(outputs.values())
 
     def _count_finish(self, reason: FinishReason) -> None:

@@ -103,6 +103,7 @@ async def _generate(request: Request[Any, Any, Any], chat: bool) -> Response[Any
     prep.refuse_unsupported(body)
     priority_class = prep.resolve_priority(state, body.priority)
     prep.check_queue(state, priority_class)  # before tokenizing: shedding load stays cheap
+    prep.check_estimated_wait(state, priority_class)
     if isinstance(body, s.ChatCompletionRequest):
         prompts = [prep.chat_prompt(state, body.messages, body.add_generation_prompt)]
         name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
