@@ -151,7 +151,7 @@ def _install_signals(state: ServerState) -> None:
             # A second signal: the operator will not wait; end the in-flight requests now.
             log.warning("%s again: aborting %d in-flight requests", signame, len(state.inflight))
             for gen in list(state.inflight):
-                gen.abort("server stopping")
+                gen.cut(f"the server is stopping ({signame} during the drain)", code="server_stopping")
             return
         asyncio.ensure_future(state.drain_and_stop())
 

@@ -65,6 +65,10 @@ class Generation:
         # Fires at arrival + the class's queue_timeout_s (the queue timeout on a timer: an engine
         # step may be long, a gateway's fast-fail must come on time).
         self._queue_timer: asyncio.TimerHandle | None = None
+        # Set when a drain ran out of time and cut this request (cut()): the error it ends with.
+        self.cut_error: APIError | None = None
+        # "drained" when it was in flight as a drain began, "cut" once cut: the request log's.
+        self.drain_outcome: str | None = None
 
     # -- submission ------------------------------------------------------------------------------
     def _params_for(self, index: int) -> SamplingParams:
@@ -219,6 +223,25 @@ class Generation:
         for _ in range(len(self._planned) - len(self.choices)):
             self._one_finished()
 
+    def cut(self, message: str, code: str = "drain_timeout") -> None:
+        """End the request now because the server is stopping (a drain out of time). Unlike
+        abort(), a streaming consumer sees it: each unfinished choice gets a last chunk with
+        finish_reason "abort" (vLLM's), then the stream carries `cut_error` as an SSE error
+        event (which OpenAI's SDKs raise); a request not yet answered gets it as a 503."""
+        if self.done.is_set():
+            return
+        retry = str(self.state.config.server.retry_after_s)
+        self.cut_error = APIError(503, message, code=code, headers={"Retry-After": retry})
+        self.drain_outcome = "cut"
+        open_choices = [ch for ch in self.choices if ch.finish_reason is None]
+        for ch in open_choices:
+            ch.finish_detail = message
+            if self.stream:
+                self.events.put_nowait((ch, RequestOutput(
+                    request_id=ch.request_id, new_token_ids=[], finished=True,
+                    finish_reason="abort", finish_detail=message)))
+        self.abort(message)
+
     def close(self) -> None:
         if self._queue_timer is not None:
             self._queue_timer.cancel()
@@ -232,6 +255,8 @@ class Generation:
     def failure(self) -> APIError | None:
         """The error to answer with when a choice ended without an answer (non-streaming, or
         before a stream's first byte)."""
+        if self.cut_error is not None:
+            return self.cut_error
         for ch in self.choices:
             if ch.finish_reason in RETRYABLE:
                 return self._refusal(ch.finish_reason, ch.finish_detail)

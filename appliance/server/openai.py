@@ -216,6 +216,10 @@ async def _sse_body(gen: Generation, ctx: _LogContext, fmt: StreamFormatter, fir
                 yield b"".join(parts)
                 parts = []
             event = await gen.next_event()
+        if gen.cut_error is not None:
+            # Cut by a drain: after each choice's last chunk ("abort"), the error event that
+            # tells the client why (OpenAI's SDKs raise it).
+            parts.append(error_event(gen.cut_error))
         yield b"".join(parts + fmt.closing())
         status = 200
     finally:
@@ -247,6 +251,7 @@ class _LogContext:
             ttft_ms=None if ttft is None else round(ttft * 1000, 1),
             queue_ms=None if queued is None else round(queued * 1000, 1),
             latency_ms=round((time.monotonic() - gen.arrival) * 1000, 1),
+            **({"drain": gen.drain_outcome} if gen.drain_outcome else {}),
         )
 
 
