@@ -62,8 +62,10 @@ class ServerAudit:
     rss: dict[str, list[int]] = field(default_factory=dict)
     _task: asyncio.Task[None] | None = None
 
-    async def _stats(self, client: Any) -> dict[str, Any]:
-        r = await client.get(self.base_url + "/admin/stats", headers=self.headers, timeout=30)
+    async def _stats(self, client: Any, count_objects: bool = False) -> dict[str, Any]:
+        params = {"count_objects": "true"} if count_objects else {}
+        r = await client.get(self.base_url + "/admin/stats", headers=self.headers, params=params,
+                             timeout=30)
         r.raise_for_status()
         return r.json()
 
@@ -102,11 +104,21 @@ class ServerAudit:
             if idle or time.monotonic() > deadline:
                 break
             await asyncio.sleep(0.5)
+        # Per-request objects still alive in the engine process (after a gc pass there).
+        objects = (await self._stats(client, count_objects=True)).get("engine_objects", {})
         self._sample()
         counts: dict[str, int] = {}
         for o in outcomes:
             counts[classify(o)] = counts.get(classify(o), 0) + 1
         lates = [x for o in outcomes if (x := late(o, self.limits)) is not None]
+        # Refusals and first tokens apart: a refusal must come at the limit (the timer); a
+        # request started before it may take a few slow steps to its first token.
+        answered: dict[str, dict[str, Any]] = {}
+        for kind in ("completed", "refused"):
+            mine = [o for o in outcomes if (o.status == 200) == (kind == "completed")]
+            over = [x for o in mine if (x := late(o, self.limits)) is not None]
+            times = [o.answered_s for o in mine if o.answered_s is not None]
+            answered[kind] = {"late": len(over), "max_s": round(max(times), 2) if times else None}
         rss = {
             name: {
                 "first_mib": round(v[0] / 2**20, 1),
@@ -118,6 +130,7 @@ class ServerAudit:
                 "change_after_warmup_pct": round((v[-1] - v[1]) / v[1] * 100, 2)
                 if len(v) > 2 else None,
                 "samples": len(v),
+                "series_mib": [round(x / 2**20, 1) for x in v],
             }
             for name, v in self.rss.items() if v
         }
@@ -125,13 +138,14 @@ class ServerAudit:
             "outcomes": counts,
             "limits_s": self.limits,
             "late": {"count": len(lates), "max_over_s": round(max(lates), 2) if lates else 0.0,
-                     "grace_s": GRACE_S},
+                     "grace_s": GRACE_S, **answered},
             "idle_after": {
                 "engine_requests": len(s["requests"]),
                 "blocks_used": eng.get("blocks_used"),
                 "blocks_cached": eng.get("blocks_cached"),
                 "api_requests_tracked": s["server"].get("requests_tracked"),
                 "api_in_flight": s["server"].get("requests_in_flight"),
+                "engine_objects": objects,
             },
             "rss": rss,
         }
@@ -143,10 +157,14 @@ def print_audit(a: dict[str, Any]) -> None:
     lt = a["late"]
     print(f"  late past class limit + {lt['grace_s']:.0f} s: {lt['count']} "
           f"(max {lt['max_over_s']:.2f} s over); limits {a['limits_s']}")
+    for kind, what in (("refused", "refusal came"), ("completed", "first token came")):
+        k = lt[kind]
+        print(f"    {kind}: {k['late']} late; latest {what} after {k['max_s']} s")
     i = a["idle_after"]
     print(f"  after the load: engine requests {i['engine_requests']}, KV blocks used "
           f"{i['blocks_used']} (cached free {i['blocks_cached']}), API tracked "
-          f"{i['api_requests_tracked']}, in flight {i['api_in_flight']}")
+          f"{i['api_requests_tracked']}, in flight {i['api_in_flight']}; live engine objects "
+          f"{i['engine_objects']}")
     for name, r in a["rss"].items():
         warm = r["change_after_warmup_pct"]
         warm_text = f", {warm:+.2f}% after the first {SAMPLE_EVERY_S:.0f} s" if warm is not None else ""
