@@ -116,6 +116,12 @@ class SchedulerConfig(_Section):
     # Admission control (0 = unlimited); per-class values in [priority_classes] override.
     max_waiting_requests: NonNegInt = 0
     queue_timeout_s: NonNegFloat = 0.0
+    # Refuse (429) at arrival a request whose estimated wait, from the requests queued ahead of
+    # it and the measured rate at which requests leave the engine, exceeds its class's
+    # queue_timeout_s: it would time out anyway, after holding the client for the whole limit.
+    # Off by default (README, "Admission control": on a mixed load the estimate also refuses
+    # requests that would have started in time).
+    estimated_wait_admission: bool = False
     # Class of a request that names none (OpenAI clients send no `priority`); must name a class
     # in [priority_classes]. "" = "interactive" where the classes have one, else the most
     # urgent. Not the most urgent by default: a fast-fail class turns a burst of plain requests
@@ -180,6 +186,9 @@ class ServerConfig(_Section):
     admin_token_file: str = ""
     admin_token_env: str = ""
     max_request_body_bytes: PositiveInt = 4 * 1024 * 1024
+    # Request line + headers; more is a 431 with OpenAI's error body (server/edge.py). h11's
+    # own default is 16 KiB; 64 KiB leaves room for long bearer tokens and tracing headers.
+    max_header_bytes: Annotated[int, Meta(ge=1024)] = 64 * 1024
     drain_timeout_s: NonNegFloat = 30.0
     # Retry-After (seconds) sent with 429 responses.
     retry_after_s: PositiveInt = 1

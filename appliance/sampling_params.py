@@ -8,6 +8,8 @@ import msgspec
 
 # Top logprobs a request may ask for (the API's schema caps its fields at the same number).
 MAX_LOGPROBS = 20
+# vLLM's _SAMPLING_EPS.
+GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
 def invalid_field(message: str) -> str | None:
@@ -83,4 +85,5 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        # As vLLM: a temperature this close to 0 is greedy (dividing logits by it overflows).
+        return self.temperature < GREEDY_BELOW_TEMPERATURE or self.top_k == 1

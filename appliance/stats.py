@@ -134,6 +134,10 @@ class QueueInfo(msgspec.Struct, kw_only=True):
     queue_timeout_s: float
     # 0 = unlimited.
     max_waiting_requests: int
+    # How long a request of this class arriving now would wait to be scheduled, from the
+    # requests queued ahead of it and the measured departure rate (core/wait_estimate.py);
+    # None until enough requests have finished to measure it.
+    estimated_wait_s: float | None = None
 
 
 class StatsSnapshot(msgspec.Struct, kw_only=True):

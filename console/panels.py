@@ -148,8 +148,9 @@ BOUND_LABEL = {"token_budget": "tokens", "max_num_seqs": "seqs", "kv_blocks": "K
 
 
 def slow_text(snap: Snapshot, width: int, rows: int) -> Text:
-    """StepRecord.bound_by shares over the last minute; QueueInfo.oldest_wait_s against
-    queue_timeout_s per priority class."""
+    """StepRecord.bound_by shares over the last minute; per priority class the queue, its
+    oldest wait and the estimated wait of a new arrival (QueueInfo.estimated_wait_s, "–"
+    until measured) against queue_timeout_s."""
     stats = snap.stats
     if stats is None or stats.engine is None:
         return NO_ENGINE
@@ -168,16 +169,19 @@ def slow_text(snap: Snapshot, width: int, rows: int) -> Text:
         for b in ("kv_blocks", "token_budget", "max_num_seqs"):
             text.append(f"{BOUND_LABEL[b]} ", DIM).append(f"{shares[b] * 100:.0f}% ", BOUND_STYLE[b])
         text.append(f"idle {shares['none'] * 100:.0f}%", DIM)
-    text.append(f"\n{'class':<{name_w}} {'wait':>4} {'oldest':>6}/{'limit':<6}", DIM)
-    room = width - (name_w + 1 + 4 + 1 + 6 + 1 + 6)
+    text.append(f"\n{'class':<{name_w}} {'wait':>4} {'est':>5} {'oldest':>6}/{'limit':<5}", DIM)
+    room = width - (name_w + 1 + 4 + 1 + 5 + 1 + 6 + 1 + 5)
     for q in stats.queues[: max(0, rows - 2 - with_bar)]:
         text.append(f"\n{q.priority_class:<{name_w}} ", DIM)
-        text.append(f"{q.waiting:>4} {secs(q.oldest_wait_s):>6}")
+        est = q.estimated_wait_s
+        over = est is not None and q.queue_timeout_s > 0 and est > q.queue_timeout_s
+        text.append(f"{q.waiting:>4} ").append(f"{secs(est):>5}", BAD if over else "")
+        text.append(f" {secs(q.oldest_wait_s):>6}")
         if q.queue_timeout_s <= 0:
             text.append("/∞", DIM)  # no queue timeout for this class
             continue
         frac = q.oldest_wait_s / q.queue_timeout_s
-        text.append(f"/{secs(q.queue_timeout_s):<6}", DIM)
+        text.append(f"/{secs(q.queue_timeout_s):<5}", DIM)
         if room >= 8:
             text.append(" ").append(meter(frac, room - 1, warn=0.5, bad=0.8))
         else:  # 80 columns: the share of the timeout as a number instead of a meter

@@ -156,8 +156,10 @@ async def test_dashboard_numbers_match_admin_stats(server: ServerProcess, monkey
     assert f"tiny on cpu (float32), max_model_len {ref['max_model_len']}" in text
     assert "1 block/cell" in text and "per block" in text  # 16 blocks, real per-block states
     assert "● tiny · ready · tiny-a" in text
+    # Per class: waiting, the estimated wait of a new arrival, the oldest wait / the limit.
+    assert re.search(r"class\s+wait\s+est\s+oldest/limit", text)
     for q in ref["queues"]:
-        assert re.search(rf"{q['priority_class']}\s+{q['waiting']}\s+\S+/", text), q
+        assert re.search(rf"{q['priority_class']}\s+{q['waiting']}\s+\S+\s+\S+/", text), q
 
 
 async def test_snapshot_80x24(server: ServerProcess, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

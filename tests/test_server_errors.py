@@ -7,6 +7,7 @@ queue timeout."""
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -232,33 +233,32 @@ def test_429_queue_timeout(server: ServerProcess) -> None:
     running = Streamer(server, {"prompt": "a", "max_tokens": 480, "priority": "realtime"})
     running.start()
     assert running.first.wait(30)
-    # Paused, `running` holds the only slot and both late requests wait as long as the test
-    # needs (queue timeouts are enforced when the engine steps), however fast the machine.
+    # Paused, `running` holds the only slot however fast the machine, and no step runs: the
+    # queue timeout is a timer in the API process, it does not wait for a step boundary.
     _pause(server, True)
 
-    def late(stream: bool) -> httpx.Response:
+    def late(stream: bool) -> tuple[httpx.Response, float]:
         body = {"model": MODEL, "prompt": "late", "max_tokens": 2, "priority": "realtime", "stream": stream}
         with httpx.Client(timeout=60, headers=AUTH) as http:
-            return http.post(server.url + "/v1/completions", json=body)
+            t0 = time.monotonic()
+            r = http.post(server.url + "/v1/completions", json=body)
+            return r, time.monotonic() - t0
 
     with ThreadPoolExecutor(2) as pool:
         try:
             plain, streamed = pool.submit(late, False), pool.submit(late, True)
-
-            def both_past_timeout() -> bool:
-                ages = [q["age_s"] for q in _stats(server)["requests"]
-                        if q["status"] == "waiting" and q["priority_class"] == "realtime"]
-                return len(ages) == 2 and min(ages) > 0.3  # queue_timeout_s
-
-            wait_for(both_past_timeout)
-            assert not plain.done() and not streamed.done()
+            r, waited = plain.result(60)
+            assert_error(r, 429, code="queue_timeout", contains=("queue_timeout_s",))
+            assert r.headers["retry-after"] == "3"
+            assert 0.3 <= waited < 1.3, waited  # queue_timeout_s 0.3, while paused
+            # A stream refused while queued still gets a real 429 (the status line waits for it).
+            r, waited = streamed.result(60)
+            assert_error(r, 429, code="queue_timeout")
+            assert 0.3 <= waited < 1.3, waited
+            # Refused in the engine too: nothing of them is left queued.
+            wait_for(lambda: _waiting(server, "realtime") == 0)
         finally:
-            _pause(server, False)  # the next step expires both
-        r = plain.result(60)
-        assert_error(r, 429, code="queue_timeout", contains=("queue_timeout_s",))
-        assert r.headers["retry-after"] == "3"
-        # A stream refused while queued still gets a real 429 (the status line waits for it).
-        assert_error(streamed.result(60), 429, code="queue_timeout")
+            _pause(server, False)
     running.stop.set()
     running.join(30)
     assert not running.is_alive()

@@ -230,3 +230,17 @@ def test_a_refusal_names_the_field_the_engine_validation_named() -> None:
         assert invalid_field(str(info.value)) == field
     assert invalid_field("prompt: token id 9 is outside the vocabulary [0, 4)") == "prompt"
     assert invalid_field("the pool is full") is None
+
+
+def test_bench_audit_classifies_outcomes_and_late_answers() -> None:
+    from appliance.bench.audit import GRACE_S, Outcome, classify, late
+
+    limits = {"realtime": 10.0, "batch": 0.0}
+    assert classify(Outcome("realtime", 200, False, 1.0)) == "completed"
+    assert classify(Outcome("realtime", 429, True, 10.1)) == "429 with Retry-After"
+    assert classify(Outcome("realtime", 503, False, 0.1)) == "503 WITHOUT Retry-After"
+    assert classify(Outcome("realtime", "ReadTimeout", False, None)) == "other: ReadTimeout"
+    assert late(Outcome("realtime", 429, True, 10.0 + GRACE_S - 0.1), limits) is None
+    assert late(Outcome("realtime", 429, True, 10.0 + GRACE_S + 2.0), limits) == pytest.approx(2.0)
+    assert late(Outcome("realtime", 200, False, 30.0), limits) == pytest.approx(20.0 - GRACE_S)
+    assert late(Outcome("batch", 200, False, 999.0), limits) is None  # no limit for the class

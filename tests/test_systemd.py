@@ -74,14 +74,36 @@ def test_unit_promises() -> None:
     assert one["Type"] == "notify" and int(one["WatchdogSec"]) > 0
     assert one["ExecReload"] == "/bin/kill -HUP $MAINPID" and one["KillSignal"] == "SIGTERM"
     assert one["Restart"] == "on-failure" and one["EnvironmentFile"] == "/etc/appliance/%i.env"
-    from appliance.config import ServerConfig
-
-    assert int(one["TimeoutStopSec"]) > ServerConfig().drain_timeout_s + 10
+    check_timeout_stop_leaves_the_drain_its_time(int(one["TimeoutStopSec"]))
     for k, v in {"NoNewPrivileges": "yes", "ProtectSystem": "strict", "ProtectHome": "yes",
                  "PrivateTmp": "yes", "DevicePolicy": "closed"}.items():
         assert one[k] == v, k
     assert "char-nvidia* rw" in keys["DeviceAllow"] and int(one["LimitNOFILE"]) >= 65536
     assert "/var/lib/appliance" in one["ReadWritePaths"] and one["WantedBy"] == "appliance.target"
+
+
+def check_timeout_stop_leaves_the_drain_its_time(timeout_stop_s: int) -> None:
+    """systemd kills the service TimeoutStopSec after SIGTERM: that must cover the default
+    drain_timeout_s and every shipped template's, plus what the stop takes after the drain
+    (cut streams' last chunks, the engine's shutdown, uvicorn's; state.STOP_AFTER_DRAIN_S)."""
+    from appliance.config import ServerConfig, list_templates, load_config
+    from appliance.server.state import STOP_AFTER_DRAIN_S
+
+    drains = {"default": ServerConfig().drain_timeout_s}
+    for name in list_templates():
+        drains[name] = load_config(name).server.drain_timeout_s
+    assert len(drains) > 1
+    for name, drain in drains.items():
+        assert timeout_stop_s >= drain + STOP_AFTER_DRAIN_S, (name, drain, timeout_stop_s)
+
+
+def test_timeout_stop_check_refuses_a_drain_longer_than_the_unit_allows() -> None:
+    from appliance.config import ServerConfig
+    from appliance.server.state import STOP_AFTER_DRAIN_S
+
+    tight = int(ServerConfig().drain_timeout_s + STOP_AFTER_DRAIN_S) - 1
+    with pytest.raises(AssertionError):
+        check_timeout_stop_leaves_the_drain_its_time(tight)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from appliance.bench.audit import Outcome, ServerAudit, print_audit
 from appliance.bench.workload import PROFILES, Item, make_workload
 
 
@@ -30,6 +31,9 @@ class Result:
     status: int | str = 0
     ttft_s: float | None = None
     e2e_s: float | None = None
+    # Refusals (429, 503): whether they said when to retry, and how long they took to come.
+    retry_after: bool = False
+    refused_s: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -82,6 +86,8 @@ async def _one(client: Any, url: str, item: Item, ns: argparse.Namespace, t0: fl
             res.status = resp.status_code
             if resp.status_code != 200:
                 await resp.aread()
+                res.retry_after = "retry-after" in resp.headers
+                res.refused_s = time.perf_counter() - start
                 return res
             async for line in resp.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
@@ -100,7 +106,13 @@ async def _one(client: Any, url: str, item: Item, ns: argparse.Namespace, t0: fl
     return res
 
 
-async def run_http(items: list[Item], ns: argparse.Namespace) -> tuple[list[Result], float]:
+def outcome(r: Result, label: str) -> Outcome:
+    return Outcome(label, r.status, r.retry_after, r.ttft_s if r.status == 200 else r.refused_s)
+
+
+async def run_http(
+    items: list[Item], ns: argparse.Namespace
+) -> tuple[list[Result], float, dict[str, Any] | None]:
     import httpx
 
     headers = {"Authorization": f"Bearer {ns.api_key}"} if ns.api_key else {}
@@ -110,9 +122,23 @@ async def run_http(items: list[Item], ns: argparse.Namespace) -> tuple[list[Resu
         if ns.model is None:
             models = (await client.get(ns.url.rstrip("/") + "/v1/models")).json()
             ns.model = models["data"][0]["id"]
+        audit = None
+        if ns.audit:
+            admin = {"Authorization": f"Bearer {ns.admin_token}"} if ns.admin_token else {}
+            audit = ServerAudit(ns.url.rstrip("/"), admin)
+            await audit.start(client)
         t0 = time.perf_counter()
         results = await asyncio.gather(*(_one(client, url, it, ns, t0) for it in items))
-        return list(results), time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        report = None
+        if audit is not None:
+            # Requests sent without `priority` are in the server's default class.
+            default = "interactive" if "interactive" in audit.limits else ""
+            report = await audit.finish(client, [
+                outcome(r, it.priority_class if not ns.no_priority else default)
+                for r, it in zip(results, items, strict=True)
+            ])
+        return list(results), seconds, report
 
 
 # -- in-process reference ------------------------------------------------------------------------
@@ -265,6 +291,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--template", default="cpu-demo", help="--offline: engine template")
     p.add_argument("--model-dir", default=None, help="--offline: model directory")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--audit", action="store_true",
+                   help="soak checks: outcomes with Retry-After, late answers, KV blocks and "
+                        "requests left after the load, RSS (run on the server's box)")
+    p.add_argument("--admin-token", default=None, help="--audit: token for /admin/stats")
     p.add_argument("--json", action="store_true", help="print JSON instead of the tables")
     p.add_argument("--json-out", help="also write the JSON report to this file")
     p.set_defaults(func=main)
@@ -276,11 +306,12 @@ def main(ns: argparse.Namespace) -> int:
         ns.prompt_len, ns.output_len,
     )  # fmt: skip
     cpu_s = None
+    audit = None
     if ns.offline:
         results, seconds, cpu_s = run_offline(items, ns)
         source = f"offline ({ns.template}, {cpu_s:.1f} CPU s)"
     else:
-        results, seconds = asyncio.run(run_http(items, ns))
+        results, seconds, audit = asyncio.run(run_http(items, ns))
         source = ns.url
     slo = SLO(ns.slo_ttft_ms, ns.slo_tpot_ms, ns.slo_e2e_ms)
     overall = summarize(results, seconds, slo)
@@ -291,7 +322,7 @@ def main(ns: argparse.Namespace) -> int:
         "source": source, "profile": ns.profile, "arrival": ns.arrival, "rate": ns.rate,
         "num_requests": ns.num_requests, "seed": ns.seed, "slo": asdict(slo),
         "summary": asdict(overall), "per_class": {c: asdict(s) for c, s in per_class.items()},
-        "errors": errors, "offline_cpu_s": cpu_s,
+        "errors": errors, "offline_cpu_s": cpu_s, "audit": audit,
     })
     if ns.json_out:
         with open(ns.json_out, "w") as f:
@@ -302,5 +333,7 @@ def main(ns: argparse.Namespace) -> int:
     arrival = "burst" if ns.arrival == "burst" else f"poisson {ns.rate:g} req/s"
     print_table(f"bench serve: {source}, profile {ns.profile}, {ns.num_requests} requests, {arrival}",
                 overall, per_class, errors)
+    if audit is not None:
+        print_audit(audit)
     return 0
 

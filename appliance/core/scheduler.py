@@ -90,6 +90,9 @@ class Scheduler:
         self._pressure_steps = 0
         self._dropped_tables: list[str] = []
         self._done_structured: list[str] = []
+        # Requests scheduled for the first time since the last take_started() (the API stops
+        # their queue-timeout timers: from here on they are being served).
+        self._started: list[str] = []
 
     # -- queues ----------------------------------------------------------------------------------
     def _key(self, req: Request) -> tuple[int, float]:
@@ -160,6 +163,19 @@ class Scheduler:
 
     def abort(self, request_id: str) -> bool:
         return self.finish_request(request_id, FinishReason.ABORT)
+
+    def expire(self, request_id: str, detail: str) -> bool:
+        """The API's timer found the request past its class's queue timeout: refuse it as
+        _expire_timeouts would have at the next step boundary (and count it the same way)."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return False
+        self.counters.count_rejected(req.priority_class, FinishReason.QUEUE_TIMEOUT)
+        return self.finish_request(request_id, FinishReason.QUEUE_TIMEOUT, detail)
+
+    def take_started(self) -> list[str]:
+        out, self._started = self._started, []
+        return out
 
     def take_dropped_tables(self) -> list[str]:
         out, self._dropped_tables = self._dropped_tables, []
@@ -490,6 +506,7 @@ class _StepBuilder:
             req.preempted_at = None
         if req.first_scheduled_time is None:
             req.first_scheduled_time = now
+            s._started.append(req.request_id)
         req.status = RequestStatus.RUNNING
         s.running.append(req)
         if tokens < req.num_tokens - req.num_computed_tokens:

@@ -22,6 +22,7 @@ from typing import Any
 import msgspec
 
 from appliance.config import ApplianceConfig
+from appliance.core.wait_estimate import estimated_wait_s
 from appliance.engine import ipc
 from appliance.engine.core_process import core_main
 from appliance.engine.output_processor import OutputProcessor, RequestState
@@ -67,6 +68,9 @@ class EngineClient:
         self.in_transit: dict[str, int] = {}
         self.waiting_by_class: dict[str, int] = {}
         self._class_of: dict[str, str] = {}
+        # The core's running count and departure rate as of its last frame.
+        self.num_running = 0
+        self.departure_rate: float | None = None
 
     # -- life cycle ------------------------------------------------------------------------------
     async def start(self, timeout_s: float = 600.0) -> ipc.CoreInfo:
@@ -188,7 +192,15 @@ class EngineClient:
                 self.output.end(res.request_id, res.rejected, res.detail)
             if fut is not None and not fut.done():
                 fut.set_result(res)
+        for rid in frame.started:
+            state = self.output.states.get(rid)
+            if state is not None:
+                state.scheduled = True
+        if not frame.added and not frame.outputs and not frame.steps:
+            return  # a start notice alone (sent mid-step): no queue figures in it
         self.waiting_by_class = frame.waiting_by_class
+        self.num_running = frame.num_running
+        self.departure_rate = frame.departure_rate
         stopped = self.output.process(frame.outputs)
         if stopped and not self.dead:
             self._send(ipc.AbortRequests(stopped, reason="stop"))
@@ -221,6 +233,13 @@ class EngineClient:
     def queued(self, priority_class: str) -> int:
         """Waiting requests of a class as the core last reported, plus those still in transit."""
         return self.waiting_by_class.get(priority_class, 0) + self.in_transit.get(priority_class, 0)
+
+    def estimated_wait_s(self, classes_ahead: list[str]) -> float | None:
+        """The wait of a request arriving now behind the queued requests of `classes_ahead`
+        (those still in transit included), as core/wait_estimate.py models it."""
+        ahead = sum(self.queued(c) for c in classes_ahead)
+        free = self.config.scheduler.max_num_seqs - self.num_running
+        return estimated_wait_s(ahead, free, self.departure_rate)
 
     def add(
         self,
@@ -262,6 +281,20 @@ class EngineClient:
             self.output.end(rid, "abort", detail)
         if request_ids and not self.dead:
             self._send(ipc.AbortRequests(list(request_ids)))
+
+    def expire(self, request_ids: list[str], detail: str) -> None:
+        """Refuse still-queued requests whose queue timeout passed (the API's timer): each
+        finishes here at once as `queue_timeout`, through the same callbacks as an engine
+        output, and the core drops it (freeing anything it held) between its steps."""
+        self.output.process(
+            [
+                EngineOutput(request_id=rid, new_token_ids=[], finished=True,
+                             finish_reason="queue_timeout", finish_detail=detail)
+                for rid in request_ids
+            ]
+        )
+        if request_ids and not self.dead:
+            self._send(ipc.AbortRequests(list(request_ids), reason="queue_timeout", detail=detail))
 
     def set_paused(self, paused: bool) -> None:
         self._send(ipc.SetPaused(paused))

@@ -30,6 +30,9 @@ log = logging.getLogger("appliance.core")
 
 # How long the idle loop blocks on the pipe: bounds how late it notices a dead parent.
 IDLE_POLL_S = 1.0
+# Fault injection for tests: seconds of sleep added to every engine step (a slow step, as on a
+# loaded CPU box or a long prefill), to prove that deadlines do not wait for step boundaries.
+STEP_DELAY_ENV = "APPLIANCE_TEST_STEP_DELAY_S"
 
 
 def core_main(conn: Connection, config_json: bytes, log_level: str = "INFO") -> None:
@@ -84,6 +87,19 @@ def live_request_objects() -> dict[str, int]:
     return counts
 
 
+def _slow_forward(engine: Engine, delay_s: float) -> None:
+    """The fault injection of STEP_DELAY_ENV: every forward pass takes `delay_s` longer (after
+    scheduling, as a long prefill or a loaded box would)."""
+    execute = engine.executor.execute
+
+    def slow_execute(out: Any) -> Any:
+        time.sleep(delay_s)
+        return execute(out)
+
+    engine.executor.execute = slow_execute
+    log.warning("fault injection: every engine step sleeps %.1fs (%s)", delay_s, STEP_DELAY_ENV)
+
+
 def _send(conn: Connection, msg: msgspec.Struct) -> None:
     conn.send_bytes(ipc.encode(msg))
 
@@ -99,6 +115,10 @@ class _Core:
         self.running = True
         # Set by the operator (/admin/pause): no steps run until /admin/resume.
         self.paused = False
+        engine.on_started = self._send_started
+        delay = float(os.environ.get(STEP_DELAY_ENV, "0") or 0)
+        if delay > 0:
+            _slow_forward(engine, delay)
 
     @classmethod
     def start(cls, conn: Connection, config_json: bytes) -> _Core:
@@ -162,7 +182,12 @@ class _Core:
                 self._step(out)
             if out.added or out.outputs or out.steps:
                 out.waiting_by_class = self._waiting_by_class()
+                out.num_running = len(engine.scheduler.running)
+                out.departure_rate = engine.departures.rate
                 _send(self.conn, out)
+
+    def _send_started(self, request_ids: list[str]) -> None:
+        _send(self.conn, ipc.Frame(started=request_ids))
 
     def _step(self, out: ipc.Frame) -> None:
         outputs = self.engine.step()
@@ -177,7 +202,10 @@ class _Core:
         elif isinstance(msg, ipc.AbortRequests):
             reason = FinishReason(msg.reason)
             for rid in msg.request_ids:
-                self.engine.abort(rid, reason)
+                if reason is FinishReason.QUEUE_TIMEOUT:
+                    self.engine.scheduler.expire(rid, msg.detail)
+                else:
+                    self.engine.abort(rid, reason)
         elif isinstance(msg, ipc.GetStats):
             _send(self.conn, self._stats(msg))
         elif isinstance(msg, ipc.Ping):

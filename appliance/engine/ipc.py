@@ -37,8 +37,10 @@ class AddRequest(msgspec.Struct, tag="add", kw_only=True):
 
 class AbortRequests(msgspec.Struct, tag="abort"):
     request_ids: list[str]
-    # "stop" when the API side's output processor matched a stop string.
+    # "stop" when the API side's output processor matched a stop string; "queue_timeout" when
+    # the API's timer refused a request still queued (`detail` says how long it waited).
     reason: str = "abort"
+    detail: str = ""
 
 
 class GetStats(msgspec.Struct, tag="stats"):
@@ -106,11 +108,17 @@ class Frame(msgspec.Struct, tag="frame", kw_only=True):
     """What one turn of the core loop produced."""
 
     added: list[AddResult] = []
+    # Requests scheduled for the first time this step, sent before its forward pass.
+    started: list[str] = []
     outputs: list[EngineOutput] = []
     # (scheduled tokens, sequences) per step, for the per-step histograms.
     steps: list[tuple[int, int]] = []
     # Waiting requests per priority class after this turn (the API's cheap queue-full check).
     waiting_by_class: dict[str, int] = {}
+    # Running requests and the measured departure rate (started requests leaving per busy
+    # second; None: not measured yet), for the API's estimated-wait admission.
+    num_running: int = 0
+    departure_rate: float | None = None
 
 
 class StatsReply(msgspec.Struct, tag="stats_reply", kw_only=True):

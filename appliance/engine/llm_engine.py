@@ -12,13 +12,14 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from appliance.config import ApplianceConfig, ConfigError, load_config
 from appliance.core.kv_cache_manager import KVCacheManager
 from appliance.core.request import FinishReason, Request
 from appliance.core.scheduler import Scheduler
+from appliance.core.wait_estimate import DepartureRate
 from appliance.engine import guided_check
 from appliance.engine.executor import load_model
 from appliance.engine.loader import LoadedModel
@@ -74,7 +75,13 @@ class Engine:
         # runner.execute at TP 1; at TP > 1 it also drives the worker ranks (engine/tp.py).
         self.executor = self.loaded.executor
         self._ids = itertools.count()
+        # Called with the requests scheduled for the first time, after scheduling and before
+        # the forward pass (the core process tells the API at once: a long step must not make
+        # a request that is being served look queued to the API's queue-timeout timer).
+        self.on_started: Callable[[list[str]], None] | None = None
         self.history = StepHistory()
+        # Started requests leaving per busy second: the queue's estimated wait (wait_estimate).
+        self.departures = DepartureRate()
         self.step_count = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -180,6 +187,9 @@ class Engine:
         started = time.perf_counter()
         sched = self.scheduler
         out = sched.schedule()
+        first_scheduled = sched.take_started()
+        if first_scheduled and self.on_started is not None:
+            self.on_started(first_scheduled)
         result = self.executor.execute(out)
         new_tokens = sched.update_from_output(out, result.sampled)
 
@@ -208,9 +218,11 @@ class Engine:
                 for e in entries
             ]
 
+        departures = 0
         for fin in sched.take_finished():
             req = fin.request
             rid = req.request_id
+            departures += req.first_scheduled_time is not None  # it held a slot
             touched[rid] = req
             eo = outputs.setdefault(rid, EngineOutput(request_id=rid, new_token_ids=[]))
             eo.finished = True
@@ -225,7 +237,9 @@ class Engine:
             eo.num_prompt_tokens = req.num_prompt_tokens
             eo.num_cached_tokens = req.num_cached_prompt_tokens
 
-        self._record_step(out, time.perf_counter() - started)
+        duration = time.perf_counter() - started
+        self._record_step(out, duration)
+        self.departures.observe(duration, departures)
         return list(outputs.values())
 
     def _count_finish(self, reason: FinishReason) -> None:

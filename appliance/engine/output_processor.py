@@ -44,6 +44,9 @@ class RequestState:
     # From the engine's finishing output: arrival to first scheduled (None: never scheduled).
     queue_time_s: float | None = None
     num_preemptions: int = 0
+    # The engine has scheduled it (told before the step's forward pass, or implied by any
+    # output): the queue timeout no longer applies.
+    scheduled: bool = False
     # time.monotonic() when the first and the latest token reached the consumer (the server's
     # latency metrics set them; the processor does not time anything).
     first_token_at: float | None = None
@@ -116,6 +119,7 @@ class OutputProcessor:
                 num_prompt_tokens=out.num_prompt_tokens,
                 num_cached_tokens=out.num_cached_tokens,
             )
+            state.scheduled = state.scheduled or bool(out.new_token_ids)
             state.token_ids.extend(out.new_token_ids)
             state.logprobs.extend(delta.new_logprobs)
             state.prompt_logprobs.extend(out.prompt_logprobs)

@@ -8,6 +8,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING
 
+from appliance.core.wait_estimate import estimated_wait_s
 from appliance.stats import EngineStats, LiveRequest, QueueInfo, StatsSnapshot, StepRecord
 
 if TYPE_CHECKING:
@@ -95,10 +96,16 @@ def _live_requests(engine: Engine) -> list[LiveRequest]:
 def _queues(engine: Engine) -> list[QueueInfo]:
     now = time.monotonic()
     cfg = engine.config
-    waiting = engine.scheduler.waiting
+    sched = engine.scheduler
+    waiting = sched.waiting
+    free_slots = cfg.scheduler.max_num_seqs - len(sched.running)
+    rate = engine.departures.rate
     out = []
-    for name, _ in sorted(cfg.priority_classes.items(), key=lambda kv: kv[1].priority):
+    for name, cls in sorted(cfg.priority_classes.items(), key=lambda kv: kv[1].priority):
         queued = [r for r in waiting if r.priority_class == name]
+        # Served before a new arrival of this class: every waiting request under arrival order,
+        # the equally or more urgent ones under the priority policy.
+        ahead = sum(1 for r in waiting if not sched.by_priority or r.priority <= cls.priority)
         limits = cfg.class_limits(name)
         out.append(
             QueueInfo(
@@ -107,6 +114,7 @@ def _queues(engine: Engine) -> list[QueueInfo]:
                 oldest_wait_s=max((now - r.arrival_time for r in queued), default=0.0),
                 queue_timeout_s=limits.queue_timeout_s,
                 max_waiting_requests=limits.max_waiting_requests,
+                estimated_wait_s=estimated_wait_s(ahead, free_slots, rate),
             )
         )
     return out

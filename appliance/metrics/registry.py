@@ -169,6 +169,12 @@ class Metrics:
             [*m, "mode", "priority_class"],
             registry=reg,
         )
+        self.drain = Counter(
+            "appliance_drain_requests",
+            "Requests in flight when a drain began: drained (finished in time) or cut.",
+            [*m, "outcome"],
+            registry=reg,
+        )
         self.rejections = Counter(
             "appliance_requests_rejected",
             "Requests refused, by reason and priority class.",
@@ -327,6 +333,14 @@ class Metrics:
     def count_rejection(self, reason: str, priority_class: str) -> None:
         """Refusals the API decides itself (queue full before tokenization, draining)."""
         self.rejections.labels(self.model_name, reason, priority_class).inc()
+
+    def count_drain(self, drained: int, cut: int) -> None:
+        """One drain (SIGTERM, reload): requests in flight that finished in time, and those cut
+        at drain_timeout_s."""
+        if drained:
+            self.drain.labels(self.model_name, "drained").inc(drained)
+        if cut:
+            self.drain.labels(self.model_name, "cut").inc(cut)
 
     def observe_steps(self, steps: list[tuple[int, int]]) -> None:
         it = self.iteration_tokens.labels(self.model_name)

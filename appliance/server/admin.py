@@ -148,7 +148,8 @@ def _set_paused(request: Request[Any, Any, Any], paused: bool) -> Response[bytes
 @post("/admin/pause", status_code=200)
 async def pause(request: Request[Any, Any, Any]) -> Response[bytes]:
     """Stop scheduling steps (as vLLM's /pause): running and waiting requests keep their place and
-    their blocks; new requests queue; aborts, stats and queue timeouts still apply on resume."""
+    their blocks; new requests queue; aborts, stats and queue timeouts (on their timers in the
+    API process) still apply while paused."""
     return _set_paused(request, True)
 
 

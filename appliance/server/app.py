@@ -7,16 +7,18 @@ from litestar.datastructures import State
 
 from appliance.server import admin, openai, ops
 from appliance.server.errors import exception_handler
+from appliance.server.openapi_doc import openapi_json
 from appliance.server.state import ServerState
 
 
 def create_app(state: ServerState) -> Litestar:
     return Litestar(
-        route_handlers=[openai.router(), admin.router(), *ops.route_handlers],
+        route_handlers=[openai.router(), admin.router(), *ops.route_handlers, openapi_json],
         exception_handlers={Exception: exception_handler},
         request_max_body_size=state.config.server.max_request_body_bytes,
         state=State({"server": state}),
-        # No schema generation at start-up (it costs time and nobody reads it here), and no
+        # No Litestar schema generation (the routes decode their own bodies, so it would
+        # describe none: /openapi.json comes from the Structs, openapi_doc.py), and no
         # Litestar logging setup: the daemon configures logging once.
         openapi_config=None,
         logging_config=None,

@@ -25,6 +25,7 @@ from appliance.engine.client import EngineError
 from appliance.server import sdnotify
 from appliance.server.app import create_app
 from appliance.server.auth import check_bind
+from appliance.server.edge import OpenAIErrorH11Protocol
 from appliance.server.reqlog import configure_json_lines
 from appliance.server.state import ServerState
 
@@ -74,6 +75,9 @@ async def serve(state: ServerState, t0: float | None = None) -> int:
             access_log=False,  # one JSON line per request comes from the API itself
             lifespan="off",
             timeout_graceful_shutdown=5,
+            # Requests uvicorn refuses before the app runs still get OpenAI's error body.
+            http=OpenAIErrorH11Protocol,
+            h11_max_incomplete_event_size=cfg.max_header_bytes,
         )
     )
     _install_signals(state)
@@ -147,7 +151,7 @@ def _install_signals(state: ServerState) -> None:
             # A second signal: the operator will not wait; end the in-flight requests now.
             log.warning("%s again: aborting %d in-flight requests", signame, len(state.inflight))
             for gen in list(state.inflight):
-                gen.abort("server stopping")
+                gen.cut(f"the server is stopping ({signame} during the drain)", code="server_stopping")
             return
         asyncio.ensure_future(state.drain_and_stop())
 

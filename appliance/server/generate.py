@@ -62,6 +62,13 @@ class Generation:
         self.events: asyncio.Queue[tuple[Choice, RequestOutput] | None] = asyncio.Queue()
         self.done = asyncio.Event()
         self.aborted = False
+        # Fires at arrival + the class's queue_timeout_s (the queue timeout on a timer: an engine
+        # step may be long, a gateway's fast-fail must come on time).
+        self._queue_timer: asyncio.TimerHandle | None = None
+        # Set when a drain ran out of time and cut this request (cut()): the error it ends with.
+        self.cut_error: APIError | None = None
+        # "drained" when it was in flight as a drain began, "cut" once cut: the request log's.
+        self.drain_outcome: str | None = None
 
     # -- submission ------------------------------------------------------------------------------
     def _params_for(self, index: int) -> SamplingParams:
@@ -96,8 +103,18 @@ class Generation:
             self.abort("engine gone", count=False)
             self.close()
             raise APIError(503, f"engine unavailable: {exc}", code="engine_error") from None
-        results = await asyncio.gather(*futures)
-        refused = next((r for r in results if r.rejected), None)
+        self._arm_queue_timer()
+        # The core acknowledges between its steps: a request may time out (or be cut) before
+        # that, and then its answer must not wait for the step to end.
+        acks = asyncio.gather(*futures)
+        done = asyncio.ensure_future(self.done.wait())
+        try:
+            await asyncio.wait({acks, done}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            done.cancel()
+        if not acks.done():
+            return  # finished already; the late acknowledgements change nothing
+        refused = next((r for r in acks.result() if r.rejected), None)
         if refused is not None:
             self.abort(refused.rejected, count=False)
             self.close()
@@ -120,6 +137,30 @@ class Generation:
             code="engine_error",
             headers={"Retry-After": retry},
         )
+
+    # -- the queue timeout, on a timer ----------------------------------------------------------
+    def _arm_queue_timer(self) -> None:
+        timeout = self.state.config.class_limits(self.priority_class).queue_timeout_s
+        if not timeout or self.done.is_set():
+            return
+        delay = max(0.0, self.arrival + timeout - time.monotonic())
+        self._queue_timer = asyncio.get_running_loop().call_later(
+            delay, self._queue_deadline, timeout
+        )
+
+    def _queue_deadline(self, timeout: float) -> None:
+        """Refuse the choices the engine has not started yet (429 queue_timeout, as the
+        scheduler's own check would at its next step); the rest are no use without them."""
+        self._queue_timer = None
+        client = self.state.client
+        if self.done.is_set() or client is None:
+            return
+        queued = [ch.request_id for ch in self.choices if not ch.finished and not ch.scheduled]
+        if not queued:
+            return
+        waited = time.monotonic() - self.arrival
+        client.expire(queued, f"waited {waited:.1f}s > queue_timeout_s {timeout}")
+        self.abort("queue timeout of a sibling choice")
 
     # -- outputs ---------------------------------------------------------------------------------
     def _on_output(self, ch: Choice, ro: RequestOutput) -> None:
@@ -182,7 +223,29 @@ class Generation:
         for _ in range(len(self._planned) - len(self.choices)):
             self._one_finished()
 
+    def cut(self, message: str, code: str = "drain_timeout") -> None:
+        """End the request now because the server is stopping (a drain out of time). Unlike
+        abort(), a streaming consumer sees it: each unfinished choice gets a last chunk with
+        finish_reason "abort" (vLLM's), then the stream carries `cut_error` as an SSE error
+        event (which OpenAI's SDKs raise); a request not yet answered gets it as a 503."""
+        if self.done.is_set():
+            return
+        retry = str(self.state.config.server.retry_after_s)
+        self.cut_error = APIError(503, message, code=code, headers={"Retry-After": retry})
+        self.drain_outcome = "cut"
+        open_choices = [ch for ch in self.choices if ch.finish_reason is None]
+        for ch in open_choices:
+            ch.finish_detail = message
+            if self.stream:
+                self.events.put_nowait((ch, RequestOutput(
+                    request_id=ch.request_id, new_token_ids=[], finished=True,
+                    finish_reason="abort", finish_detail=message)))
+        self.abort(message)
+
     def close(self) -> None:
+        if self._queue_timer is not None:
+            self._queue_timer.cancel()
+            self._queue_timer = None
         self.state.inflight.discard(self)
 
     # -- results ---------------------------------------------------------------------------------
@@ -192,6 +255,8 @@ class Generation:
     def failure(self) -> APIError | None:
         """The error to answer with when a choice ended without an answer (non-streaming, or
         before a stream's first byte)."""
+        if self.cut_error is not None:
+            return self.cut_error
         for ch in self.choices:
             if ch.finish_reason in RETRYABLE:
                 return self._refusal(ch.finish_reason, ch.finish_detail)

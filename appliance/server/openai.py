@@ -19,6 +19,7 @@ from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
 from litestar.response import Stream
 
+from appliance.server import limits
 from appliance.server import prepare as prep
 from appliance.server import schemas as s
 from appliance.server.auth import api_key_guard
@@ -58,11 +59,17 @@ def ready_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHand
 
 async def decode_body(request: Request[Any, Any, Any], schema: type[T]) -> T:
     raw = await request.body()
+    limits.check_json_depth(raw)  # before the decoder recurses into it
     dec = _decoders.get(schema) or _decoders.setdefault(schema, msgspec.json.Decoder(schema))
     try:
         return dec.decode(raw)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise from_validation(exc) from None
+    except RecursionError:  # deep nesting the byte check let through (it cannot be: a guard)
+        raise bad_request(
+            f"invalid request body: JSON nested deeper than {limits.MAX_JSON_DEPTH} levels",
+            code="json_too_deep",
+        ) from None
 
 
 def _json(obj: Any, headers: dict[str, str] | None = None) -> Response[bytes]:
@@ -95,9 +102,11 @@ async def _generate(request: Request[Any, Any, Any], chat: bool) -> Response[Any
     state = _state(request)
     body: prep.Body = await decode_body(request, s.ChatCompletionRequest if chat else s.CompletionRequest)
     prep.check_model(state, body.model)
+    _check_limits(state, body)
     prep.refuse_unsupported(body)
     priority_class = prep.resolve_priority(state, body.priority)
     prep.check_queue(state, priority_class)  # before tokenizing: shedding load stays cheap
+    prep.check_estimated_wait(state, priority_class)
     structured = structured_outputs(body)
     plan = ResponsePlan(prompt_logprobs=body.prompt_logprobs)
     if isinstance(body, s.ChatCompletionRequest):
@@ -121,6 +130,8 @@ async def _generate(request: Request[Any, Any, Any], chat: bool) -> Response[Any
         prompt_param = "messages"
     else:
         prompts = prep.completion_prompts(state, body.prompt)
+        if not isinstance(body.prompt, str):  # ids from the client: within the vocabulary
+            limits.check_prompt_ids(prompts, _vocab_size(state))
         name, asked, k, prompt_param = "max_tokens", body.max_tokens, body.logprobs, "prompt"
         plan.echo = body.echo
         if body.echo and asked == 0:
@@ -158,6 +169,20 @@ async def _generate(request: Request[Any, Any, Any], chat: bool) -> Response[Any
     ctx.finish(200)
     build = chat_response if chat else completion_response
     return _json(build(gen, state.model_name, created, k, text_of, plan), {"x-request-id": rid})
+
+
+def _vocab_size(state: ServerState) -> int:
+    return state.info.vocab_size if state.info else 0
+
+
+def _check_limits(state: ServerState, body: prep.Body) -> None:
+    """The limits a schema cannot state (appliance/server/limits.py), before any work."""
+    vocab = _vocab_size(state)
+    limits.check_top_k(body.top_k, vocab)
+    if body.stop_token_ids:
+        limits.check_token_ids(body.stop_token_ids, vocab, "stop_token_ids")
+    if isinstance(body, s.ChatCompletionRequest):
+        limits.check_roles([m.role for m in body.messages])
 
 
 def _token_text(state: ServerState) -> TokenText:
@@ -213,6 +238,10 @@ async def _sse_body(gen: Generation, ctx: _LogContext, fmt: StreamFormatter, fir
                 yield b"".join(parts)
                 parts = []
             event = await gen.next_event()
+        if gen.cut_error is not None:
+            # Cut by a drain: after each choice's last chunk ("abort"), the error event that
+            # tells the client why (OpenAI's SDKs raise it).
+            parts.append(error_event(gen.cut_error))
         yield b"".join(parts + fmt.closing())
         status = 200
     finally:
@@ -244,6 +273,7 @@ class _LogContext:
             ttft_ms=None if ttft is None else round(ttft * 1000, 1),
             queue_ms=None if queued is None else round(queued * 1000, 1),
             latency_ms=round((time.monotonic() - gen.arrival) * 1000, 1),
+            **({"drain": gen.drain_outcome} if gen.drain_outcome else {}),
         )
 
 
@@ -278,6 +308,7 @@ async def tokenize(request: Request[Any, Any, Any]) -> Response[bytes]:
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give exactly one of prompt or messages", param="prompt")
     if body.messages is not None:
+        limits.check_roles([m.role for m in body.messages])
         ids = prep.chat_prompt(state, body.messages, body.add_generation_prompt)
     else:
         ids = list(state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))

@@ -62,6 +62,33 @@ def check_queue(state: ServerState, priority_class: str) -> None:
         )
 
 
+def check_estimated_wait(state: ServerState, priority_class: str) -> None:
+    """429 at arrival when the request would wait longer than its class's queue timeout
+    (scheduler.estimated_wait_admission): failing now beats failing after the whole limit."""
+    cfg = state.config
+    timeout = cfg.class_limits(priority_class).queue_timeout_s
+    client = state.client
+    if not cfg.scheduler.estimated_wait_admission or not timeout or client is None:
+        return
+    classes = cfg.priority_classes
+    mine = classes[priority_class].priority if priority_class in classes else None
+    by_priority = cfg.scheduler.policy == "priority" and mine is not None
+    ahead = [c for c, pc in classes.items() if not by_priority or pc.priority <= mine]
+    if priority_class not in ahead:
+        ahead.append(priority_class)
+    wait = client.estimated_wait_s(ahead)
+    if wait is not None and wait > timeout:
+        state.metrics.count_rejection("estimated_wait", priority_class)
+        raise APIError(
+            429,
+            f"estimated wait for priority class {priority_class!r} is {wait:.1f}s > "
+            f"queue_timeout_s {timeout} ({sum(client.queued(c) for c in ahead)} requests "
+            "queued ahead)",
+            code="queue_timeout_estimated",
+            headers={"Retry-After": str(cfg.server.retry_after_s)},
+        )
+
+
 def refuse_unsupported(body: Body) -> None:
     checks: list[tuple[bool, str]] = [
         (body.presence_penalty != 0.0, "presence_penalty"),

@@ -16,6 +16,13 @@ from msgspec import Meta
 from appliance.sampling_params import MAX_LOGPROBS
 
 MAX_N = 16
+# Integer ranges (a value outside is a 400 naming the field and the bound, from msgspec):
+# seeds are signed 64-bit like vLLM's (torch.long) and OpenAI's int64; counts of tokens and
+# priorities fit a signed 32-bit int, far beyond any context length.
+Int64 = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
+MAX_INT32 = 2**31 - 1
+TokenCount = Annotated[int, Meta(ge=1, le=MAX_INT32)]
+TokenId = Annotated[int, Meta(ge=0, le=MAX_INT32)]
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -40,18 +47,18 @@ class _Common(msgspec.Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     temperature: float | None = None
     top_p: float | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     stop: str | list[str] | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # Extras (vLLM's names): a class name such as "realtime" or an integer (lower = sooner).
-    priority: str | int | None = None
-    top_k: int | None = None
+    priority: str | Annotated[int, Meta(ge=-MAX_INT32, le=MAX_INT32)] | None = None
+    top_k: Annotated[int, Meta(ge=-1, le=MAX_INT32)] | None = None
     ignore_eos: bool = False
-    min_tokens: Annotated[int, Meta(ge=0)] = 0
-    stop_token_ids: list[int] | None = None
+    min_tokens: Annotated[int, Meta(ge=0, le=MAX_INT32)] = 0
+    stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     # Structured outputs (server/structured.py): OpenAI's response_format, vLLM's
     # structured_outputs and its older guided_* fields.
@@ -68,11 +75,11 @@ class _Common(msgspec.Struct, kw_only=True):
 class CompletionRequest(_Common, kw_only=True):
     # A string, a list of strings, a list of token ids, or a list of token-id lists.
     prompt: str | list[Any]
-    max_tokens: int | None = 16
+    max_tokens: TokenCount | None = 16
     logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: Annotated[int, Meta(ge=1, le=MAX_N)] | None = None
 
 
 class ContentPart(msgspec.Struct, kw_only=True):
@@ -91,12 +98,12 @@ class ChatMessage(msgspec.Struct, kw_only=True):
 
 class ChatCompletionRequest(_Common, kw_only=True):
     messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: TokenCount | None = None
+    max_completion_tokens: TokenCount | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     tools: list[Any] | None = None
-    tool_choice: Any = None
+    tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
 
@@ -266,7 +273,7 @@ class TokenizeResponse(msgspec.Struct):
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 class DetokenizeResponse(msgspec.Struct):

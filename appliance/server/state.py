@@ -36,6 +36,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("appliance.server")
 
+# After a drain ends, the most the stop can still take, in seconds: cut streams writing their
+# last chunk (CUT_FLUSH_S), the engine core's shutdown (EngineClient.shutdown: 10 s, then a kill
+# and 5 s to reap it) and uvicorn closing connections (daemon.py, timeout_graceful_shutdown 5).
+# systemd's TimeoutStopSec must leave drain_timeout_s plus this (tests/test_systemd.py).
+CUT_FLUSH_S = 2.0
+STOP_AFTER_DRAIN_S = CUT_FLUSH_S + 10.0 + 5.0 + 5.0
+
 
 @dataclass
 class ServerState:
@@ -196,20 +203,33 @@ class ServerState:
 
     # -- draining --------------------------------------------------------------------------------
     async def wait_idle(self, timeout_s: float) -> bool:
-        """Wait until no generation is in flight; False (after aborting them) on timeout."""
+        """Wait until no generation is in flight; False (after cutting them) on timeout. Cut
+        requests end with finish_reason "abort" and an error (SSE event or 503); both kinds
+        are counted (appliance_drain_requests_total) and logged."""
         deadline = time.monotonic() + timeout_s
         if self.paused:
             with contextlib.suppress(EngineError):  # a dead engine has nothing left to finish
                 self.set_paused(False)  # a drain finishes work; a paused engine never would
+        draining = list(self.inflight)
+        for gen in draining:
+            gen.drain_outcome = "drained"
         while self.inflight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        if not self.inflight:
-            return True
-        log.warning("drain timeout (%.0fs): aborting %d requests", timeout_s, len(self.inflight))
-        for gen in list(self.inflight):
-            gen.abort("drain timeout")
-        await asyncio.sleep(0.1)  # let the streams write their last chunk
-        return False
+        cut = list(self.inflight)
+        if cut:
+            log.warning("drain timeout (%.0fs): cutting %d requests", timeout_s, len(cut))
+            why = f"the server is {self.phase}: request cut after drain_timeout_s {timeout_s}"
+            for gen in cut:
+                gen.cut(why)
+            # Let the streams write their last chunk and error event (bounded: a client that
+            # does not read cannot hold the stop).
+            flush_until = time.monotonic() + CUT_FLUSH_S
+            while self.inflight and time.monotonic() < flush_until:
+                await asyncio.sleep(0.02)
+        drained = sum(1 for gen in draining if gen.drain_outcome == "drained")
+        self.metrics.count_drain(drained, len(cut))
+        log.info("drain: %d requests finished, %d cut", drained, len(cut))
+        return not cut
 
     async def drain_and_stop(self) -> None:
         """SIGTERM: refuse new work (503), let in-flight requests finish, stop the engine."""

@@ -24,6 +24,7 @@ from appliance.engine.guided_check import StructuredError, check_schema
 from appliance.sampling_params import StructuredOutputs
 from appliance.server import schemas as s
 from appliance.server.errors import bad_request
+from appliance.server.limits import check_tool_choice
 from appliance.server.tool_parsers import MARKERS, PARSERS, ParsedCall
 
 Mode = Literal["named", "required", "auto"]
@@ -96,10 +97,10 @@ def plan_tools(
     body: s.ChatCompletionRequest, parser: str, chat_template: str | None
 ) -> ToolPlan | None:
     """The request's tool plan (None: no tools offered); 400 naming the field when bad."""
+    # The shape of tool_choice and its consistency with tools: one rule (server/limits.py).
+    check_tool_choice(body.tools, body.tool_choice)
     choice = body.tool_choice
     if not body.tools:
-        if choice not in (None, "none"):
-            raise bad_request("tool_choice: requires tools", param="tool_choice")
         return None
     functions = [_function(i, t) for i, t in enumerate(body.tools)]
     tools = [{"type": "function", "function": f} for f in functions]
