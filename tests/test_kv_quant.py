@@ -16,7 +16,7 @@ from appliance.kernels.paged_attention import paged_attention, quantize, write_k
 
 from appliance import Engine, SamplingParams
 from appliance.config import ConfigError, load_config
-from appliance.core.scheduler import ScheduledRequest, SchedulerOutput
+from appliance.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from appliance.cpu import backend as cpu_backend_mod
 from appliance.engine.executor import load_model
 from appliance.engine.loader import LoadedModel

@@ -10,7 +10,8 @@ import pytest
 from appliance.config import load_config
 from appliance.core.kv_cache_manager import KVCacheManager
 from appliance.core.request import FinishReason, Request, RequestStatus
-from appliance.core.scheduler import Scheduler, SchedulerOutput
+from appliance.core.scheduler import Scheduler
+from appliance.core.scheduler_output import SchedulerOutput
 from appliance.sampling_params import SamplingParams
 
 BS = 16

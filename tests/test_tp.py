@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from appliance import Engine, SamplingParams
 from appliance.config import ConfigError, load_config
-from appliance.core.scheduler import ScheduledRequest, SchedulerOutput
+from appliance.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from appliance.engine.tp import TPWorkerError
 from appliance.engine.tp_worker import decode_step, encode_step
 

@@ -10,59 +10,14 @@ from __future__ import annotations
 import bisect
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from appliance.config import ApplianceConfig
 from appliance.core.block_pool import KVBlock
 from appliance.core.kv_cache_manager import KVCacheManager
 from appliance.core.request import FinishReason, Request, RequestStatus
-from appliance.sampling_params import SamplingParams
+from appliance.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from appliance.stats import PreemptionEvent, SchedulerCounters
-
-
-@dataclass
-class ScheduledRequest:
-    request_id: str
-    # Tokens fed this step: positions start_pos .. start_pos + len(token_ids) - 1.
-    token_ids: list[int]
-    start_pos: int
-    # Block ids the runner appends to the request's block table; with new_table, the whole
-    # table (a request the runner has not seen since it was admitted or resumed).
-    block_ids: list[int]
-    # True when this step reaches the request's last known token: sample its next one.
-    sample: bool
-    sampling_params: SamplingParams
-    # Index of the token to be sampled among the outputs (seeds randomness per position).
-    output_index: int
-    new_table: bool = True
-    # The request's stop tokens (Request.stop_token_ids): banned until min_tokens are out.
-    stop_token_ids: frozenset[int] = frozenset()
-    # Prompt logprobs wanted this step: the hidden state at position p predicts token p + 1,
-    # for p = prompt_logprobs_start .. + len(targets) - 1; targets are those next tokens.
-    prompt_logprobs_start: int = 0
-    prompt_logprob_targets: list[int] = field(default_factory=list)
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    num_scheduled_tokens: int = 0
-    # Tokens of context the step's attention reads (cached prefixes + new tokens).
-    num_context_tokens: int = 0
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
-    # Requests whose block table the runner drops before this step: finished, preempted or
-    # swapped out since the last step (a resumed one comes back with a new table).
-    finished_request_ids: list[str] = field(default_factory=list)
-    # Constrained requests finished since the last step: the runner drops their matchers
-    # (a preempted request keeps its matcher; it is not listed here).
-    done_request_ids: list[str] = field(default_factory=list)
-    # Which limit stopped the step from doing more: none | token_budget | max_num_seqs | kv_blocks
-    bound_by: str = "none"
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled and not self.blocks_to_swap_out and not self.blocks_to_swap_in
 
 
 @dataclass

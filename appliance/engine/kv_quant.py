@@ -34,7 +34,7 @@ from collections.abc import Sequence
 import torch
 
 from appliance.config import CacheConfig, ConfigError
-from appliance.core.scheduler import ScheduledRequest, SchedulerOutput
+from appliance.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from appliance.engine.model_runner import KVCachePool, ModelRunner
 from appliance.kernels.paged_attention import cache_storage_dtype
 from appliance.layers.attention import Attention, KVCacheSpec

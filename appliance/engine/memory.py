@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from appliance.config import ApplianceConfig, ConfigError
-from appliance.core.scheduler import ScheduledRequest, SchedulerOutput
+from appliance.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from appliance.engine.model_runner import KVCachePool, ModelRunner
 from appliance.layers.parallel import agree_min, tp_size
 from appliance.models.llama import LlamaForCausalLM, ModelArgs

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from appliance.core.scheduler import ScheduledRequest, SchedulerOutput
+from appliance.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from appliance.engine.guided import GuidedDecoder
 from appliance.engine.sampler import Sampler, SampleRequest, TokenLogprobs
 from appliance.layers.attention import AttentionMetadata, PagedBatch

@@ -40,7 +40,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from appliance.config import ApplianceConfig, ConfigError
-from appliance.core.scheduler import SchedulerOutput
+from appliance.core.scheduler_output import SchedulerOutput
 from appliance.engine.loader import LoadedModel, load_this_rank, resolve_device, resolve_model_dir
 from appliance.engine.model_runner import RunnerOutput
 from appliance.engine.tp_worker import (

@@ -20,7 +20,7 @@ from multiprocessing.connection import Connection
 import msgspec
 
 from appliance.config import ApplianceConfig
-from appliance.core.scheduler import SchedulerOutput
+from appliance.core.scheduler_output import SchedulerOutput
 
 # Sent instead of a step: leave the loop and exit cleanly.
 STOP = b""

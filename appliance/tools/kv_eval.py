@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from appliance.config import ConfigError, load_config, resolve_template
-from appliance.core.scheduler import ScheduledRequest
+from appliance.core.scheduler_output import ScheduledRequest
 from appliance.engine.executor import load_model
 from appliance.engine.kv_quant import (
     apply_kv_specs,

@@ -52,7 +52,7 @@ def teacher_forced_logprobs(
 ) -> list[torch.Tensor]:
     """Next-token log-probs [len(window), vocab] per window, each window prefilled in chunks
     through the runner's own step preparation on a fresh pool (the serving path's forward)."""
-    from appliance.core.scheduler import ScheduledRequest
+    from appliance.core.scheduler_output import ScheduledRequest
     from appliance.engine.model_runner import KVCachePool, ModelRunner
     from appliance.sampling_params import SamplingParams
 
