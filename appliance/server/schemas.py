@@ -23,6 +23,8 @@ Int64 = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
 MAX_INT32 = 2**31 - 1
 TokenCount = Annotated[int, Meta(ge=1, le=MAX_INT32)]
 TokenId = Annotated[int, Meta(ge=0, le=MAX_INT32)]
+# Completions take max_tokens 0 with echo (scoring only); without echo prepare refuses 0.
+ScoringTokenCount = Annotated[int, Meta(ge=0, le=MAX_INT32)]
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -75,7 +77,7 @@ class _Common(msgspec.Struct, kw_only=True):
 class CompletionRequest(_Common, kw_only=True):
     # A string, a list of strings, a list of token ids, or a list of token-id lists.
     prompt: str | list[Any]
-    max_tokens: TokenCount | None = 16
+    max_tokens: ScoringTokenCount | None = 16
     logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
     suffix: str | None = None
