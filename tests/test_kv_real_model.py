@@ -29,9 +29,10 @@ MEASURED = {
     ("fp8_e4m3", tuple(KEEP)): (7 / 16, 0.686),
     ("int8", ()): (11 / 16, 0.840),
     ("int8", tuple(KEEP)): (11 / 16, 0.819),
-    ("fp8_e5m2", ()): (2 / 16, 0.353),
-    ("fp8_e5m2", tuple(KEEP)): (1 / 16, 0.338),
 }
+# fp8_e5m2 (2/16 identical, 35.3% matched prefix; 1/16 and 33.8% with the keep-list) keeps too
+# few answers for a level worth asserting; its perplexity is asserted below, its answers are
+# reported by `python -m appliance.tools.kv_answers` (README). Leaving it out keeps CI in time.
 
 
 @pytest.fixture(scope="module", autouse=True)
