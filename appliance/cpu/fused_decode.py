@@ -11,12 +11,13 @@ where oneDNN's matmuls win once a step is compute-bound.
 from __future__ import annotations
 
 import ctypes
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from appliance.kernels import cpu_native
-from appliance.models.llama import LlamaForCausalLM
+from appliance.models.llama import LlamaForCausalLM, ModelArgs
 
 # Inputs of the kernel that are a few KB a layer (norms, biases): a float32 forward keeps them
 # in float32, the kernel reads them in its weight dtype, so it holds its own copies of those.
@@ -27,6 +28,60 @@ SMALL_TENSORS = ("ln1", "bqkv", "ln2", "norm")
 # does: small demo model, ms a step native vs torch: 9.9 vs 27 (1), 19.6 vs 28.6 (4),
 # 28.1 vs 32.6 (6), 35.6 vs 33.2 (8).
 MAX_BATCH = 6
+
+
+class DecodeForward(Protocol):
+    """What the native decode forwards (dense and packed) read of their owner."""
+
+    args: ModelArgs
+    block_size: int
+    heads: int
+    kv_heads: int
+    inter: int
+    vocab: int
+    layer_ptrs: torch.Tensor
+    final_norm: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    eps: float
+    scale: float
+    _forward: Any
+
+
+def run_decode_forward(
+    d: DecodeForward,
+    lm_head: torch.Tensor,
+    hidden: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    what: str,
+) -> torch.Tensor:
+    """One native decode call: float32 hidden [batch, hidden] in, float32 logits out; each
+    token's K/V is written into its slot. `lm_head`: the head's weight or packed descriptor."""
+    batch = hidden.shape[0]
+    a = d.args
+    logits = torch.empty(batch, d.vocab, dtype=torch.float32)
+    tables = block_tables.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    pos = positions.to(torch.int64).contiguous()
+    slot_ids = slots.to(torch.int64).contiguous()
+    shape = cpu_native.shape_vector(
+        batch=batch, layers=a.num_layers, hidden=a.hidden_size, heads=d.heads,
+        kv_heads=d.kv_heads, head_dim=a.head_dim, inter=d.inter,
+        vocab=d.vocab, block_size=d.block_size, table_stride=tables.shape[1],
+        threads=torch.get_num_threads(),
+    )  # fmt: skip
+    p = cpu_native.ptr
+    rc = d._forward(
+        p(shape), p(d.layer_ptrs), p(d.final_norm), p(lm_head), p(d.cos),
+        p(d.sin), p(pos), p(slot_ids), p(tables), p(lens), ctypes.c_float(d.eps),
+        ctypes.c_float(d.scale), p(hidden), p(logits),
+    )  # fmt: skip
+    if rc != 0:
+        raise MemoryError(f"{what}: out of memory for its scratch buffers")
+    return logits[:, : a.vocab_size]
 
 
 class FusedCpuDecode:
@@ -103,27 +158,8 @@ class FusedCpuDecode:
     ) -> torch.Tensor:
         """One decode token per sequence -> float32 logits [batch, vocab]; writes each token's
         K/V into its slot, as the torch forward does."""
-        batch = input_ids.shape[0]
-        a = self.args
         hidden = F.embedding(input_ids, self.embed).float().contiguous()
-        logits = torch.empty(batch, self.vocab, dtype=torch.float32)
-        tables = block_tables.to(torch.int32).contiguous()
-        lens = seq_lens.to(torch.int32).contiguous()
-        pos = positions.to(torch.int64).contiguous()
-        slot_ids = slots.to(torch.int64).contiguous()
-        shape = cpu_native.shape_vector(
-            batch=batch, layers=a.num_layers, hidden=a.hidden_size, heads=self.heads,
-            kv_heads=self.kv_heads, head_dim=a.head_dim, inter=self.inter,
-            vocab=self.vocab, block_size=self.block_size, table_stride=tables.shape[1],
-            threads=torch.get_num_threads(),
-        )  # fmt: skip
-        p = cpu_native.ptr
-        rc = self._forward(
-            p(shape), p(self.layer_ptrs), p(self.final_norm), p(self.lm_head), p(self.cos),
-            p(self.sin), p(pos), p(slot_ids), p(tables), p(lens), ctypes.c_float(self.eps),
-            ctypes.c_float(self.scale), p(hidden), p(logits),
-        )  # fmt: skip
-        if rc != 0:
-            raise MemoryError("native decode: out of memory for its scratch buffers")
-        return logits[:, : a.vocab_size]
+        return run_decode_forward(
+            self, self.lm_head, hidden, positions, slots, block_tables, seq_lens, "native decode"
+        )
 

@@ -11,6 +11,7 @@ import ctypes
 
 import torch
 
+from appliance.cpu.fused_decode import run_decode_forward
 from appliance.kernels import cpu_native, cpu_quant
 from appliance.layers.quant import QuantWeight
 from appliance.models.llama import LlamaForCausalLM
@@ -111,30 +112,12 @@ class QuantFusedCpuDecode:
     ) -> torch.Tensor:
         """One decode token per sequence -> float32 logits [batch, vocab]; writes each token's
         K/V into its slot."""
-        batch = input_ids.shape[0]
-        a = self.args
         table = self.embedding.quant
         # A packed table is dequantized straight to float32 (the lookup would round to the
         # model dtype first).
         hidden = (cpu_quant.dequant_rows(table, input_ids) if table is not None
                   else self.embedding(input_ids).float().contiguous())  # fmt: skip
-        logits = torch.empty(batch, self.vocab, dtype=torch.float32)
-        tables = block_tables.to(torch.int32).contiguous()
-        lens = seq_lens.to(torch.int32).contiguous()
-        pos = positions.to(torch.int64).contiguous()
-        slot_ids = slots.to(torch.int64).contiguous()
-        shape = cpu_native.shape_vector(
-            batch=batch, layers=a.num_layers, hidden=a.hidden_size, heads=self.heads,
-            kv_heads=self.kv_heads, head_dim=a.head_dim, inter=self.inter,
-            vocab=self.vocab, block_size=self.block_size, table_stride=tables.shape[1],
-            threads=torch.get_num_threads(),
+        return run_decode_forward(
+            self, self.lm_head_desc, hidden, positions, slots, block_tables, seq_lens,
+            "quantized native decode",
         )  # fmt: skip
-        p = cpu_native.ptr
-        rc = self._forward(
-            p(shape), p(self.layer_ptrs), p(self.final_norm), p(self.lm_head_desc), p(self.cos),
-            p(self.sin), p(pos), p(slot_ids), p(tables), p(lens), ctypes.c_float(self.eps),
-            ctypes.c_float(self.scale), p(hidden), p(logits),
-        )  # fmt: skip
-        if rc != 0:
-            raise MemoryError("quantized native decode: out of memory for its scratch buffers")
-        return logits[:, : a.vocab_size]
