@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from appliance.config import ApplianceConfig
-    from appliance.tools.plan import ArchSpec
+    from appliance.models.args import ModelArgs
 
 
 def bits_per_weight(kind: str, group: int = 128) -> float:
@@ -26,13 +26,20 @@ def weight_format(config: ApplianceConfig, raw: dict[str, Any]) -> str:
     wins, else model.quantization states it."""
     qc = raw.get("quantization_config") or {}
     method = str(qc.get("quant_method", "")).lower()
-    return method if method in ("awq", "gptq") else config.model.quantization
+    return method if method in ("awq", "gptq", "gguf") else config.model.quantization
 
 
-def quantized_weight_bytes(spec: ArchSpec, tp: int, elem: int, fmt: str) -> int:
+def quantized_weight_bytes(
+    spec: ModelArgs, tp: int, elem: int, fmt: str, qc: dict[str, Any] | None = None
+) -> int:
     """Bytes of one rank's weights as the engine holds them packed (appliance.layers.quant):
     AWQ/GPTQ pack the layers' linears (embedding and LM head stay 16-bit); INT8 also packs
-    the LM head (and the embedding it is tied to)."""
+    the LM head (and the embedding it is tied to); GGUF packs what the file quantized, at the
+    size `qc` (plan._gguf_config) counted."""
+    if fmt == "gguf":
+        qc = qc or {}
+        dense = spec.params_per_rank(tp) - int(qc["packed_elements"])
+        return int(qc["packed_bytes"]) + dense * elem
     linears = spec.linear_params_per_rank(tp)
     packed = linears
     if fmt == "int8":
@@ -41,7 +48,10 @@ def quantized_weight_bytes(spec: ArchSpec, tp: int, elem: int, fmt: str) -> int:
     return int(packed * bits_per_weight(fmt) / 8) + rest * elem
 
 
-def format_note(fmt: str) -> str:
+def format_note(fmt: str, types: list[str] | None = None) -> str:
+    if fmt == "gguf":
+        kinds = ", ".join(types or []) or "unquantized"
+        return f"GGUF {kinds} repacked (4-bit: + fp16 scale and min per 32), the rest 16-bit"
     if fmt == "int8":
         return "INT8 linears and LM head (1 byte + a fp16 scale a row), the rest 16-bit"
     return f"{fmt.upper()} 4-bit linears (group 128: + fp16 scale, fp32 min), embedding and LM head 16-bit"

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from appliance.models.args import rope_parameters
 from appliance.models.hf_files import (
     has_model,
     iter_safetensors,
     load_hf_config,
     load_tokenizer,
-    rope_parameters,
     safetensors_files,
 )
 from appliance.tools.demo_model import (

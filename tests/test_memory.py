@@ -14,7 +14,8 @@ from transformers import LlamaConfig
 from appliance.config import ConfigError, load_config
 from appliance.engine import memory
 from appliance.engine.memory import GpuMemoryPlan
-from appliance.models.llama import LlamaForCausalLM, ModelArgs
+from appliance.models.args import ModelArgs
+from appliance.models.llama import LlamaForCausalLM
 from appliance.tools.plan import reference_architectures
 
 GiB = 1024**3

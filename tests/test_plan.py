@@ -5,6 +5,7 @@ plan's per-rank parameter counts equal the real model's, built on the meta devic
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -12,11 +13,12 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from appliance.config import load_config, shipped_template_dir
+from appliance.config import ConfigError, load_config, shipped_template_dir
 from appliance.layers.parallel import tensor_parallel
-from appliance.models.llama import LlamaForCausalLM, ModelArgs
+from appliance.models.args import ModelArgs
+from appliance.models.llama import LlamaForCausalLM
 from appliance.tools import plan as plan_cmd
-from appliance.tools.plan import ArchSpec, make_plan, reference_architectures
+from appliance.tools.plan import make_plan, reference_architectures
 
 GiB = 1024**3
 
@@ -134,15 +136,37 @@ def _meta_params(cfg: dict, tp: int) -> int:
 def test_plan_params_equal_the_real_models_shards(arch: str, tps: tuple[int, ...]) -> None:
     """The plan's arithmetic against the model the engine builds (on the meta device)."""
     cfg = json.loads(Path(reference_architectures()[arch]).read_text())
-    spec = ArchSpec.from_config_json(cfg)
+    spec = ModelArgs.from_config_json(cfg)
     for tp in tps:
         assert spec.params_per_rank(tp) == _meta_params(cfg, tp), (arch, tp)
+
+
+@pytest.mark.parametrize("arch", sorted(reference_architectures()))
+def test_a_config_json_reads_as_its_transformers_config(arch: str) -> None:
+    """The plan reads config.json as a plain dict (torch-free); the loader reads transformers'
+    config of the same file: one ModelArgs, the same shape either way."""
+    cfg = json.loads(Path(reference_architectures()[arch]).read_text())
+    from_json = dataclasses.replace(ModelArgs.from_config_json(cfg), name="")
+    from_hf = dataclasses.replace(ModelArgs.from_hf(LlamaConfig(**cfg)), name="")
+    assert from_json == from_hf
+
+
+def test_the_plan_refuses_an_architecture_the_engine_cannot_build(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "gpt2", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4,
+    }))  # fmt: skip
+    with pytest.raises(ConfigError, match="model_type 'gpt2' is not supported"):
+        make_plan(load_config(None, {"model.path": str(tmp_path)}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 100}))
+    with pytest.raises(ConfigError, match="lacks hidden_size, intermediate_size"):
+        make_plan(load_config(None, {"model.path": str(tmp_path)}))
 
 
 def test_plan_params_with_replicated_kv_heads(tiny_model_dir: Path) -> None:
     """Tiny (2 KV heads) at TP 4: each rank holds one replicated KV head."""
     cfg = json.loads((tiny_model_dir / "config.json").read_text())
-    spec = ArchSpec.from_config_json(cfg)
+    spec = ModelArgs.from_config_json(cfg)
     assert spec.kv_heads_per_rank(4) == 1
     assert spec.params_per_rank(4) == _meta_params(cfg, 4)
 
@@ -178,7 +202,7 @@ def test_plan_kv_bytes_equal_the_loaders(kv_dtype: str, keep: list[int], tp: int
     args = ModelArgs.from_hf(LlamaConfig(**cfg))
     storage = storage_dtypes(layer_kv_dtypes(config.cache, args.num_layers), torch.bfloat16)
     loader_bytes = kv_bytes_per_block(args, 16, storage, tp) // 16
-    tp_plan = plan_cmd.plan_tp(ArchSpec.from_config_json(cfg), config, tp, on_gpu=False)
+    tp_plan = plan_cmd.plan_tp(ModelArgs.from_config_json(cfg), config, tp, on_gpu=False)
     assert tp_plan.kv_bytes_per_token == loader_bytes
 
 

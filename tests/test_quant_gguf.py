@@ -115,6 +115,29 @@ def test_gguf_model_on_the_torch_path_matches_too(tokenizer_dir: Path, tmp_path:
         assert _engine_greedy(engine, prompts, 16) == expected
 
 
+def test_plan_reads_a_gguf_file_and_counts_what_the_engine_holds(
+    tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    """`appliance plan` on a .gguf path: the shape from the file's metadata, the weights at the
+    bytes the loaded engine really holds (packed tensors repacked, the rest in the model
+    dtype), to the byte."""
+    from appliance.tools.plan import make_plan
+
+    hf = random_llama(tokenizer_dir, seed=4)
+    path, _ = write_gguf(hf, tokenizer_dir, tmp_path / "q4", "Q4_0")
+    settings = {"model.path": str(path), "model.dtype": "float32", "hardware.device": "cpu"}
+    plan = make_plan(load_config(None, settings))
+    assert plan.weight_format == "gguf" and plan.weight_types == ["Q4_0"]
+    assert plan.config_source == str(path)
+    assert plan.total_params == sum(p.numel() for p in hf.parameters())
+    with _engine(path) as engine:
+        model = engine.loaded.model
+        packed = {id(m.quant): m.quant.nbytes() for m in model.modules()
+                  if getattr(m, "quant", None) is not None}  # fmt: skip
+        dense = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert plan.chosen.weights_bytes == sum(packed.values()) + dense
+
+
 def test_int8_quantizes_a_16bit_checkpoint_at_load(tiny_model_dir: Path) -> None:
     """model.quantization = "int8": every linear held as per-channel int8 (its dense weight
     never allocated), and the greedy tokens match transformers on the same int8 weights

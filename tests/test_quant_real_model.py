@@ -79,3 +79,34 @@ def test_q4_1_perplexity_matches_transformers_on_the_dequantized_weights(
         ref_logp = [torch.log_softmax(hf(torch.tensor([w])).logits[0].float(), -1) for w in windows]
     theirs = perplexity(ref_logp, windows)
     assert abs(ours / theirs - 1) < 0.01, (ours, theirs)
+
+
+def test_gguf_tokenizer_is_converted_once_then_read_from_the_cache(
+    smollm2_gguf: Path, smollm2_fp32_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """transformers' conversion from the GGUF metadata (~15 s here) runs once; later starts
+    read the saved tokenizer.json, which encodes like the tokenizer transformers saved beside
+    the HF conversion of the same file (tools/smollm2.py)."""
+    import transformers
+
+    from appliance.models.gguf_file import GgufCheckpoint
+
+    ckpt = GgufCheckpoint(smollm2_gguf)
+    ckpt.tokenizer()  # converts, unless an earlier start already did
+    assert (ckpt.tokenizer_cache_dir() / "tokenizer.json").is_file()
+    calls: list[dict[str, object]] = []
+    real = transformers.AutoTokenizer.from_pretrained
+
+    def spy(*args: object, **kwargs: object) -> object:
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", spy)
+    tok = GgufCheckpoint(smollm2_gguf).tokenizer()
+    monkeypatch.undo()
+    assert calls and not any("gguf_file" in c for c in calls), calls
+    reference = transformers.AutoTokenizer.from_pretrained(str(smollm2_fp32_dir))
+    text = "<|im_start|>user\nWhat is the capital of France? Ünïcödé, 12345 tabs\t<|im_end|>"
+    assert tok(text)["input_ids"] == reference(text)["input_ids"]
+    assert len(tok) == len(reference) and tok.eos_token_id == reference.eos_token_id
+    assert "<|im_start|>" in tok.chat_template

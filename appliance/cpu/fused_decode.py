@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from appliance.kernels import cpu_native
-from appliance.models.llama import LlamaForCausalLM, ModelArgs
+from appliance.models.args import ModelArgs
+from appliance.models.llama import LlamaForCausalLM
 
 # Inputs of the kernel that are a few KB a layer (norms, biases): a float32 forward keeps them
 # in float32, the kernel reads them in its weight dtype, so it holds its own copies of those.

@@ -23,9 +23,10 @@ from appliance.kernels import get_attention_backend
 from appliance.layers.linear import MatmulWeight
 from appliance.layers.parallel import tp_rank, tp_size
 from appliance.layers.rotary import RotaryEmbedding
+from appliance.models.args import ModelArgs
 from appliance.models.checkpoint import Checkpoint, has_checkpoint, open_checkpoint
 from appliance.models.hf_files import load_tokenizer  # noqa: F401 (re-exported for callers)
-from appliance.models.llama import LlamaForCausalLM, ModelArgs
+from appliance.models.llama import LlamaForCausalLM
 
 log = logging.getLogger("appliance.loader")
 

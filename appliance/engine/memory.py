@@ -19,7 +19,8 @@ from appliance.config import ApplianceConfig, ConfigError
 from appliance.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from appliance.engine.model_runner import KVCachePool, ModelRunner
 from appliance.layers.parallel import agree_min, tp_size
-from appliance.models.llama import LlamaForCausalLM, ModelArgs
+from appliance.models.args import ModelArgs
+from appliance.models.llama import LlamaForCausalLM
 from appliance.sampling_params import SamplingParams
 
 GiB = 1024**3
@@ -103,11 +104,11 @@ def check_weights_fit(
 
 
 def _suggest_tp(hf_config: Any, elem: int, available: int, tp: int) -> str:
-    from appliance.tools.plan import TP_SIZES, ArchSpec
+    from appliance.tools.plan import TP_SIZES
 
     try:
-        spec = ArchSpec.from_config_json(hf_config.to_dict())
-    except (KeyError, TypeError, AttributeError):
+        spec = ModelArgs.from_hf(hf_config)
+    except ValueError:
         return ""
     for n in TP_SIZES:
         if n > tp and not spec.tp_problem(n):

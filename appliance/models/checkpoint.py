@@ -18,7 +18,8 @@ import torch
 
 from appliance.layers.quant import QuantWeight, quantize_int8
 from appliance.models import hf_files
-from appliance.models.gguf_file import GgufCheckpoint, find_gguf
+from appliance.models.gguf_file import GgufCheckpoint
+from appliance.models.gguf_meta import find_gguf
 from appliance.quant_sizes import bits_per_weight
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -47,9 +48,9 @@ class Checkpoint:
     def packed_bytes_estimate(self, params: int) -> int:
         """Bytes `params` packed weights will take (before reading them): 4 bits plus a fp16
         scale and a float32 min per 128 for AWQ/GPTQ, 1 byte plus a per-row scale for INT8,
-        and for GGUF the file's size (its tensors are nearly all of it)."""
+        and for GGUF its quantized tensors repacked (appliance.models.gguf_meta.ENGINE_BITS)."""
         if self.gguf is not None:
-            return self.path.stat().st_size
+            return self.gguf.packed_size()[1]
         return int(params * bits_per_weight(self.kind if not self.int8 else "int8") / 8)
 
     def hf_config(self) -> Any:

@@ -9,7 +9,11 @@ back in rotate-half order here, by moving packed rows (quantization is per row).
 
 from __future__ import annotations
 
+import hashlib
+import os
 import re
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,9 +23,8 @@ import torch
 
 from appliance.layers.quant import QuantWeight
 from appliance.models.gguf_blocks import BLOCKS, convert
+from appliance.models.gguf_meta import GgufMeta
 
-SUFFIX = ".gguf"
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2"}
 _NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -34,22 +37,12 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }  # fmt: skip
 _LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+TOKENIZER_CACHE_ENV = "APPLIANCE_TOKENIZER_CACHE"
 
 
-def find_gguf(path: str | Path) -> Path | None:
-    """`path` itself when it is a .gguf file, or the one .gguf file of a directory that holds
-    no Hugging Face config.json; None otherwise."""
-    p = Path(path)
-    if p.is_file() and p.suffix == SUFFIX:
-        return p
-    if p.is_dir() and not (p / "config.json").is_file():
-        found = sorted(p.glob(f"*{SUFFIX}"))
-        if len(found) == 1:
-            return found[0]
-        if len(found) > 1:
-            names = ", ".join(f.name for f in found)
-            raise ValueError(f"model.path: {p} holds several GGUF files ({names}); name one")
-    return None
+def tokenizer_cache_root() -> Path:
+    default = Path.home() / ".cache" / "appliance" / "tokenizers"
+    return Path(os.environ.get(TOKENIZER_CACHE_ENV) or default)
 
 
 def unpermute_rows(rows: int, heads: int) -> torch.Tensor:
@@ -59,76 +52,71 @@ def unpermute_rows(rows: int, heads: int) -> torch.Tensor:
     return torch.arange(rows).reshape(heads, dim, 2).transpose(1, 2).reshape(rows)
 
 
-class GgufCheckpoint:
-    def __init__(self, path: Path) -> None:
-        try:
-            from gguf import GGUFReader
-        except ImportError:
-            raise ValueError("model.path: reading a GGUF file needs the gguf package") from None
-        self.path = path
-        self.reader = GGUFReader(str(path))
-        self.meta: dict[str, Any] = {k: f.contents() for k, f in self.reader.fields.items()
-                                     if not k.startswith("tokenizer.ggml.")}  # fmt: skip
-        arch = self.meta.get("general.architecture", "")
-        if arch not in ARCHITECTURES:
-            raise ValueError(f"GGUF {path.name}: architecture {arch!r} is not supported "
-                             f"(supported: {', '.join(ARCHITECTURES)})")  # fmt: skip
-        self.arch = arch
-        self.types = sorted({t.tensor_type.name for t in self.reader.tensors})
-
-    def _m(self, key: str, default: Any = None) -> Any:
-        return self.meta.get(f"{self.arch}.{key}", default)
-
-    def _token_field(self, key: str) -> Any:
-        field = self.reader.fields.get(f"tokenizer.ggml.{key}")
-        return field.contents() if field is not None else None
+class GgufCheckpoint(GgufMeta):
+    """A GGUF file read for loading: its config as transformers', its tokenizer, its tensors."""
 
     def hf_config(self) -> Any:
         """A transformers config built from the metadata (the fields ModelArgs reads)."""
         from transformers import LlamaConfig, Qwen2Config
 
-        heads = int(self._m("attention.head_count"))
-        hidden = int(self._m("embedding_length"))
-        names = {t.name for t in self.reader.tensors}
-        vocab = self._m("vocab_size") or len(self._token_field("tokens") or [])
-        embd = next(t for t in self.reader.tensors if t.name == "token_embd.weight")
-        vocab = int(vocab or embd.shape[1])
-        kwargs = dict(
-            vocab_size=vocab,
-            hidden_size=hidden,
-            intermediate_size=int(self._m("feed_forward_length")),
-            num_hidden_layers=int(self._m("block_count")),
-            num_attention_heads=heads,
-            num_key_value_heads=int(self._m("attention.head_count_kv", heads)),
-            head_dim=int(self._m("rope.dimension_count", hidden // heads)),
-            rms_norm_eps=float(self._m("attention.layer_norm_rms_epsilon", 1e-6)),
-            rope_theta=float(self._m("rope.freq_base", 10000.0)),
-            max_position_embeddings=int(self._m("context_length", 2048)),
-            tie_word_embeddings="output.weight" not in names,
-            bos_token_id=self._token_field("bos_token_id"),
-            eos_token_id=self._token_field("eos_token_id"),
-        )
         cls = Qwen2Config if self.arch == "qwen2" else LlamaConfig
+        kwargs = self.config_json()
+        kwargs.pop("model_type")
         return cls(**kwargs)
 
     def tokenizer(self) -> Any:
         """A tokenizer beside the file (tokenizer.json) wins; else transformers builds one from
-        the metadata. The chat template comes from the metadata when the tokenizer has none."""
+        the metadata (cached, see `_converted_tokenizer`). The chat template comes from the
+        metadata when the tokenizer has none."""
         from transformers import AutoTokenizer
 
         folder = self.path.parent
         if (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file():
             tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
         else:
-            tok = AutoTokenizer.from_pretrained(str(folder), gguf_file=self.path.name,
-                                                local_files_only=True)  # fmt: skip
+            tok = self._converted_tokenizer()
         template = self.meta.get("tokenizer.chat_template")
         if template and not getattr(tok, "chat_template", None):
             tok.chat_template = template
         return tok
 
-    def quantized_types(self) -> list[str]:
-        return [t for t in self.types if t in BLOCKS]
+    def tokenizer_cache_dir(self) -> Path:
+        """Where the converted tokenizer is kept: keyed by the bytes of every tokenizer.*
+        field (vocabulary, merges, special ids, template) and the converter's version."""
+        import transformers
+
+        digest = hashlib.sha256(transformers.__version__.encode())
+        for name, field in sorted(self.reader.fields.items()):
+            if name.startswith("tokenizer."):
+                digest.update(name.encode())
+                for part in field.parts:
+                    digest.update(np.ascontiguousarray(part).tobytes())
+        return tokenizer_cache_root() / digest.hexdigest()[:32]
+
+    def _converted_tokenizer(self) -> Any:
+        """transformers' conversion of the metadata's vocabulary and merges takes ~15 s for a
+        49k-token vocabulary, at every start of the engine and of the API process: the result
+        is saved once under the model cache, keyed by the tokenizer fields' bytes and the
+        transformers version, and read back from its tokenizer.json (well under a second)."""
+        from transformers import AutoTokenizer
+
+        cached = self.tokenizer_cache_dir()
+        if (cached / "tokenizer.json").is_file():
+            return AutoTokenizer.from_pretrained(str(cached), local_files_only=True)
+        tok = AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name,
+                                            local_files_only=True)  # fmt: skip
+        tmp = None
+        try:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            tmp = tempfile.mkdtemp(dir=cached.parent)
+            tok.save_pretrained(tmp)
+            os.replace(tmp, cached)  # atomic: a reader never sees half a folder
+        except OSError:
+            # A read-only or full cache, or another process that got there first: this only
+            # costs the next start its conversion.
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+        return tok
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
         """(Hugging Face name, dense tensor or packed QuantWeight) for every tensor."""

@@ -48,30 +48,13 @@ def load_tokenizer(model_dir: str | Path) -> Any:
     from beside it or its metadata, appliance.models.gguf_file)."""
     from transformers import AutoTokenizer
 
-    from appliance.models.gguf_file import GgufCheckpoint, find_gguf
+    from appliance.models.gguf_file import GgufCheckpoint
+    from appliance.models.gguf_meta import find_gguf
 
     gguf = find_gguf(model_dir)
     if gguf is not None:
         return GgufCheckpoint(gguf).tokenizer()
     return AutoTokenizer.from_pretrained(str(_dir(model_dir)), local_files_only=True)
-
-
-def rope_parameters(config: Any) -> dict[str, Any]:
-    """RoPE settings as one dict with at least rope_type and rope_theta.
-
-    transformers 5 keeps them in `config.rope_parameters` (theta included); 4.x configs have a
-    top-level `rope_theta` and an optional `rope_scaling` ("type" in older files).
-    """
-    params = getattr(config, "rope_parameters", None)
-    if params:
-        out = dict(params)
-    else:
-        out = dict(getattr(config, "rope_scaling", None) or {})
-    if "rope_type" not in out:
-        out["rope_type"] = out.pop("type", "default")
-    if "rope_theta" not in out:
-        out["rope_theta"] = float(getattr(config, "rope_theta", 10000.0))
-    return out
 
 
 def safetensors_files(model_dir: str | Path) -> list[Path]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,66 +18,7 @@ from appliance.layers.norm import RMSNorm
 from appliance.layers.ops import LayerOps
 from appliance.layers.parallel import divide, tp_rank, tp_size
 from appliance.layers.rotary import RotaryEmbedding
-from appliance.models.hf_files import rope_parameters
-
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-
-
-@dataclass
-class ModelArgs:
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict[str, Any] | None
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    qkv_bias: bool
-    hidden_act: str
-
-    @classmethod
-    def from_hf(cls, config: Any) -> ModelArgs:
-        model_type = getattr(config, "model_type", "")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"config.json model_type {model_type!r} is not supported "
-                f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
-            )
-        heads = config.num_attention_heads
-        rope: dict[str, Any] | None = rope_parameters(config)
-        theta = rope.pop("rope_theta")
-        if rope["rope_type"] == "default":
-            rope = None
-        act = getattr(config, "hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"config.json hidden_act {act!r} is not supported (silu only)")
-        return cls(
-            model_type=model_type,
-            vocab_size=config.vocab_size,
-            hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size,
-            num_layers=config.num_hidden_layers,
-            num_heads=heads,
-            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-            rms_norm_eps=config.rms_norm_eps,
-            rope_theta=float(theta),
-            rope_scaling=rope,
-            max_position_embeddings=config.max_position_embeddings,
-            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2" or bool(getattr(config, "attention_bias", False)),
-            hidden_act=act,
-        )
-
-    def kv_heads_per_rank(self, size: int) -> int:
-        """KV heads are split across ranks, or replicated when ranks outnumber them."""
-        return max(1, self.num_kv_heads // size)
+from appliance.models.args import ModelArgs
 
 
 class LlamaAttention(nn.Module):

@@ -330,7 +330,7 @@ def _check_model_path(config: ApplianceConfig) -> None:
     """Refuse before draining anything when the new model cannot be found."""
     if not config.model.path:
         raise ConfigError("model.path: no model directory given")
-    from appliance.models.gguf_file import find_gguf
+    from appliance.models.gguf_meta import find_gguf
 
     path = Path(os.path.expanduser(config.model.path))
     try:

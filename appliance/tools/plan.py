@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance.config import ApplianceConfig, ConfigError, load_config, shipped_template_dir
+from appliance.models.args import ModelArgs
 from appliance.quant_sizes import format_note, quantized_weight_bytes, weight_format
 
 GiB = 1024**3
@@ -36,92 +37,7 @@ ACTIVATION_METHOD = (
 )
 
 
-@dataclass(frozen=True)
-class ArchSpec:
-    """The shape numbers of a Llama-family config.json that memory depends on."""
-
-    name: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    tie_word_embeddings: bool
-    qkv_bias: bool
-    max_position_embeddings: int
-
-    @classmethod
-    def from_config_json(cls, cfg: dict[str, Any], name: str = "") -> ArchSpec:
-        heads = int(cfg["num_attention_heads"])
-        model_type = cfg.get("model_type", "llama")
-        return cls(
-            name=name or cfg.get("_name_or_path", "") or model_type,
-            vocab_size=int(cfg["vocab_size"]),
-            hidden_size=int(cfg["hidden_size"]),
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
-            num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-        )
-
-    # -- per-rank shapes: these mirror appliance.models.llama (checked by tests/test_plan.py) --
-    def tp_problem(self, tp: int) -> str:
-        """Why the model cannot be split `tp` ways, or '' when it can."""
-        if self.num_heads % tp:
-            return f"{self.num_heads} attention heads do not divide by {tp}"
-        if self.intermediate_size % tp:
-            return f"intermediate_size {self.intermediate_size} does not divide by {tp}"
-        kv = self.num_kv_heads
-        if (kv >= tp and kv % tp) or (kv < tp and tp % kv):
-            return f"{kv} KV heads can be neither split nor replicated {tp} ways"
-        return ""
-
-    def kv_heads_per_rank(self, tp: int) -> int:
-        # More ranks than KV heads: each rank keeps one (replicated) KV head.
-        return max(1, self.num_kv_heads // tp)
-
-    def params_per_rank(self, tp: int) -> int:
-        h, hd = self.hidden_size, self.head_dim
-        vocab_rows = -(-self.vocab_size // tp)  # vocab-parallel, last shard padded
-        embed = vocab_rows * h * (1 if self.tie_word_embeddings else 2)
-        q = self.num_heads // tp * hd
-        kv = self.kv_heads_per_rank(tp) * hd
-        qkv = h * (q + 2 * kv) + (q + 2 * kv if self.qkv_bias else 0)
-        o = self.num_heads * hd // tp * h
-        inter = self.intermediate_size // tp
-        mlp = 3 * inter * h
-        norms = 2 * h
-        return embed + self.num_layers * (qkv + o + mlp + norms) + h
-
-    def total_params(self) -> int:
-        return self.params_per_rank(1)
-
-    def lm_head_params_per_rank(self, tp: int) -> int:
-        """The LM head's matrix (the embedding's when tied): what the logits matmul reads."""
-        return -(-self.vocab_size // tp) * self.hidden_size
-
-    def linear_params_per_rank(self, tp: int) -> int:
-        """The layers' q|k|v, o, gate|up and down matrices (biases and norms excluded)."""
-        h, hd = self.hidden_size, self.head_dim
-        q = self.num_heads // tp * hd
-        kv = self.kv_heads_per_rank(tp) * hd
-        per_layer = h * (q + 2 * kv) + self.num_heads * hd // tp * h
-        return self.num_layers * (per_layer + 3 * self.intermediate_size // tp * h)
-
-    def kv_bytes_per_token(self, tp: int, elem: int | list[int]) -> int:
-        """K and V of every layer for one token on one rank; `elem` is bytes per element, one
-        for all layers or one per layer (kv_cache_keep_16bit keeps some layers 16-bit)."""
-        per_layer = [elem] * self.num_layers if isinstance(elem, int) else elem
-        return sum(2 * self.kv_heads_per_rank(tp) * self.head_dim * e for e in per_layer)
-
-
-def activation_bytes(spec: ArchSpec, tp: int, elem: int, tokens: int, max_num_seqs: int) -> int:
+def activation_bytes(spec: ModelArgs, tp: int, elem: int, tokens: int, max_num_seqs: int) -> int:
     """Peak activation of one forward, estimated (see ACTIVATION_METHOD)."""
     qkv = (spec.num_heads // tp + 2 * spec.kv_heads_per_rank(tp)) * spec.head_dim
     per_token = elem * (4 * spec.hidden_size + qkv + 3 * (spec.intermediate_size // tp))
@@ -183,6 +99,8 @@ class Plan:
     advice: str = ""
     # "awq", "gptq", "int8" (packed weights, counted at their packed size) or "" (16-bit).
     weight_format: str = ""
+    # GGUF: the file's quantized ggml types.
+    weight_types: list[str] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -212,6 +130,26 @@ def _demo_config(shape: str) -> dict[str, Any]:
     }
 
 
+def _gguf_config(path: Path) -> tuple[dict[str, Any], str, str] | None:
+    """A GGUF file's config from its metadata; its quantized tensors' packed size goes in as
+    a `quantization_config` (quant_method "gguf"), the way an AWQ config.json states its own."""
+    from appliance.models.gguf_meta import GgufMeta, find_gguf
+
+    try:
+        file = find_gguf(path)
+        if file is None:
+            return None
+        meta = GgufMeta(file)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    raw = meta.config_json()
+    elements, packed = meta.packed_size()
+    if elements:
+        raw["quantization_config"] = {"quant_method": "gguf", "types": meta.quantized_types(),
+                                      "packed_elements": elements, "packed_bytes": packed}  # fmt: skip
+    return raw, str(file), file.stem
+
+
 def find_model_config(config: ApplianceConfig) -> tuple[dict[str, Any], str, str]:
     """(config.json contents, where it came from, architecture name)."""
     m = config.model
@@ -219,6 +157,9 @@ def find_model_config(config: ApplianceConfig) -> tuple[dict[str, Any], str, str
         path = Path(os.path.expanduser(m.path)) / "config.json"
         if path.is_file():
             return json.loads(path.read_text()), str(path), m.name or path.parent.name
+        found = _gguf_config(Path(os.path.expanduser(m.path)))
+        if found is not None:
+            return found[0], found[1], m.name or found[2]
     if m.architecture:
         known = reference_architectures()
         if m.architecture not in known:
@@ -251,7 +192,7 @@ def _kv_elems(config: ApplianceConfig, dtype_bytes: int, num_layers: int) -> lis
     return [dtype_bytes if i in keep else quantized for i in range(num_layers)]
 
 
-def cpu_weight_bytes(spec: ArchSpec, config: ApplianceConfig, tp: int) -> tuple[int, int, str]:
+def cpu_weight_bytes(spec: ModelArgs, config: ApplianceConfig, tp: int) -> tuple[int, int, str]:
     """(stored weight bytes, matmul copy bytes, the path) of a CPU rank, as the CPU backend
     would lay them out on this machine (appliance.cpu.backend): the matmuls read a prepacked
     or float32 copy; the 16-bit linears stay beside it while the native decode reads them."""
@@ -276,7 +217,14 @@ def cpu_weight_bytes(spec: ArchSpec, config: ApplianceConfig, tp: int) -> tuple[
     return stored, copy, f"weights {cpu.weight}, compute {cpu.compute}, matmuls {layout} {cpu.compute}"
 
 
-def plan_tp(spec: ArchSpec, config: ApplianceConfig, tp: int, on_gpu: bool, fmt: str = "") -> TPPlan:
+def plan_tp(
+    spec: ModelArgs,
+    config: ApplianceConfig,
+    tp: int,
+    on_gpu: bool,
+    fmt: str = "",
+    qc: dict[str, Any] | None = None,
+) -> TPPlan:
     problem = spec.tp_problem(tp)
     if fmt and tp > 1:
         problem = f"{fmt} weights run at tensor_parallel_size 1"
@@ -287,7 +235,7 @@ def plan_tp(spec: ArchSpec, config: ApplianceConfig, tp: int, on_gpu: bool, fmt:
     kv_elem = _kv_elems(config, elem, spec.num_layers)
     max_len = config.model.max_model_len or spec.max_position_embeddings
     params = spec.params_per_rank(tp)
-    weights = params * elem if not fmt else quantized_weight_bytes(spec, tp, elem, fmt)
+    weights = params * elem if not fmt else quantized_weight_bytes(spec, tp, elem, fmt, qc)
     matmul_copy, cpu_path = 0, ""
     if fmt:
         cpu_path = f"weights {fmt} (packed; kernels read them as stored)"
@@ -348,7 +296,10 @@ def plan_tp(spec: ArchSpec, config: ApplianceConfig, tp: int, on_gpu: bool, fmt:
 
 def make_plan(config: ApplianceConfig, template: str = "") -> Plan:
     raw, source, arch = find_model_config(config)
-    spec = ArchSpec.from_config_json(raw, arch)
+    try:
+        spec = ModelArgs.from_config_json(raw, arch)
+    except ValueError as e:
+        raise ConfigError(f"{source}: {e}") from None
     hw = config.hardware
     on_gpu = hw.device == "cuda" or (hw.device == "auto" and hw.num_gpus > 0)
     if on_gpu and (hw.num_gpus < 1 or hw.gpu_memory_gib <= 0):
@@ -358,7 +309,8 @@ def make_plan(config: ApplianceConfig, template: str = "") -> Plan:
     elem = DTYPE_BYTES[config.model.dtype]
     tp = config.parallel.tensor_parallel_size
     fmt = weight_format(config, raw)
-    options = [plan_tp(spec, config, n, on_gpu, fmt) for n in TP_SIZES]
+    qc = raw.get("quantization_config") or {}
+    options = [plan_tp(spec, config, n, on_gpu, fmt, qc) for n in TP_SIZES]
     chosen = next(o for o in options if o.tensor_parallel_size == tp)
     plan = Plan(
         template=template,
@@ -383,6 +335,7 @@ def make_plan(config: ApplianceConfig, template: str = "") -> Plan:
         chosen=chosen,
         options=options,
         weight_format=fmt,
+        weight_types=list(qc.get("types", [])),
     )
     plan.advice = _advice(plan)
     return plan
@@ -437,7 +390,7 @@ def render(plan: Plan) -> str:
             ("weights", _gib(c.weights_bytes), f"{c.weight_params / 1e9:.3f}B parameters x {plan.dtype_bytes} bytes" + (" + the matmul copy" if c.matmul_copy_bytes else "")),
         ]
         if plan.weight_format:
-            rows[0] = ("weights", _gib(c.weights_bytes), format_note(plan.weight_format))
+            rows[0] = ("weights", _gib(c.weights_bytes), format_note(plan.weight_format, plan.weight_types))
         if c.matmul_copy_bytes:
             rows += [
                 ("  of which matmul copy", _gib(c.matmul_copy_bytes), c.cpu_path + " (this CPU)"),
