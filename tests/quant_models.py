@@ -57,13 +57,38 @@ _GGUF_NAMES = {
 }  # fmt: skip
 
 
+# K-quant super-block scales giving weights of about N(0, 0.08) from uniform random bytes: Q4_K
+# is d * sc * q - dmin * m (sc, m 6-bit, q 4-bit), Q6_K d * sc * (q - 32) (sc int8, q 6-bit).
+_K_SCALES = {"Q4_K": ((0, 4.4e-4), (2, 4.4e-4)), "Q6_K": ((208, 6e-5),)}
+_K_BLOCK = {"Q4_K": 144, "Q6_K": 210}
+
+
+def random_kquant(name: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Bytes of n rows of k columns of a K-quant: the gguf package cannot quantize to these
+    types, but every byte pattern of their sub-scales and values is a valid block, so random
+    bytes with fp16 super-block scales of a chosen size make a weight matrix."""
+    raw = rng.integers(0, 256, (n, k // 256, _K_BLOCK[name]), dtype=np.uint8)
+    for offset, scale in _K_SCALES[name]:
+        d = rng.uniform(0.5 * scale, 1.5 * scale, (n, k // 256)).astype(np.float16)
+        raw[..., offset : offset + 2] = d.view(np.uint8).reshape(n, k // 256, 2)
+    return raw.reshape(n, -1)
+
+
+def _tensor_type(qtype: str, gguf_name: str) -> str:
+    # "Q4_K_M" as llama.cpp mixes it: Q6_K for the FFN down projections and the output head.
+    if qtype == "Q4_K_M":
+        return "Q6_K" if gguf_name.endswith(("ffn_down.weight", "output.weight")) else "Q4_K"
+    return qtype
+
+
 def write_gguf(model, tokenizer_dir: Path, out_dir: Path, qtype: str):  # type: ignore[no-untyped-def]
-    """Write `model` as a GGUF file of ggml type `qtype` (norms F32) with the tokenizer beside
-    it; returns (the .gguf path, the fp32 HF model of the weights the file holds)."""
+    """Write `model` as a GGUF file of ggml type `qtype` (norms F32; "Q4_K_M" mixes Q4_K and
+    Q6_K, whose weights are random blocks rather than `model`'s) with the tokenizer beside it;
+    returns (the .gguf path, the fp32 HF model of the weights the file holds)."""
     import gguf
     from gguf.quants import dequantize, quantize
 
-    qt = getattr(gguf.GGMLQuantizationType, qtype)
+    rng = np.random.default_rng(0)
     cfg = model.config
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"model.{qtype}.gguf"
@@ -93,7 +118,12 @@ def write_gguf(model, tokenizer_dir: Path, out_dir: Path, qtype: str):  # type: 
         if heads is not None:
             t = llama_cpp_permute(t, heads)
         if t.dim() == 2:
-            raw = quantize(t.numpy(), qt)
+            kind = _tensor_type(qtype, _gguf_name(name))
+            qt = getattr(gguf.GGMLQuantizationType, kind)
+            if kind in _K_BLOCK:
+                raw = random_kquant(kind, t.shape[0], t.shape[1], rng)
+            else:
+                raw = quantize(t.numpy(), qt)
             back = torch.from_numpy(dequantize(raw, qt).copy()).reshape(t.shape)
             writer.add_tensor(_gguf_name(name), raw, raw_shape=raw.shape, raw_dtype=qt)
         else:

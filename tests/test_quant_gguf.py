@@ -103,6 +103,31 @@ def test_gguf_model_matches_transformers_on_its_weights(
     assert single == expected[:1]
 
 
+def test_k_quant_gguf_model_matches_transformers_on_its_weights(
+    tokenizer_dir: Path, tmp_path: Path, cpu_path: str
+) -> None:
+    """A Q4_K_M-style file (Q4_K linears and embedding, Q6_K FFN down and output head, as
+    llama.cpp mixes them) end to end: loaded packed, decoded through the packed kernels (q4 with
+    Q4_K's per-32 scales and mins, q8 in Q6_K's 16-column groups), the same greedy tokens as
+    transformers on the weights gguf dequantizes. The engine rounds Q4_K's d * sc and dmin * m
+    and Q6_K's d * sc to fp16 (relative 2^-11 of a group's scale); these seeded prompts' logits
+    are far enough apart for that not to flip a token."""
+    hf = random_llama(tokenizer_dir, seed=5, hidden=256, inter=512)
+    path, ref = write_gguf(hf, tokenizer_dir, tmp_path / "q4_k_m", "Q4_K_M")
+    prompts = random_prompts(hf.config.vocab_size, [1, 7, 40])
+    expected = greedy(ref, prompts, 16)
+    with _engine(path) as engine:
+        model = engine.loaded.model
+        sources = {m.quant.source for m in model.modules() if getattr(m, "quant", None) is not None}
+        assert sources == {"gguf:Q4_K", "gguf:Q6_K"}, sources
+        cpu = engine.loaded.cpu
+        assert cpu is not None and type(cpu.fused_decode).__name__ == "QuantFusedCpuDecode"
+        got = _engine_greedy(engine, prompts, 16)
+        single = _engine_greedy(engine, prompts[:1], 16)
+    assert got == expected
+    assert single == expected[:1]
+
+
 def test_gguf_model_on_the_torch_path_matches_too(tokenizer_dir: Path, tmp_path: Path) -> None:
     """Native kernels off: the torch reference matmul over the packed weights (the path a box
     without a C compiler takes) gives the same tokens."""
