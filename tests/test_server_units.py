@@ -244,3 +244,56 @@ def test_bench_audit_classifies_outcomes_and_late_answers() -> None:
     assert late(Outcome("realtime", 429, True, 10.0 + GRACE_S + 2.0), limits) == pytest.approx(2.0)
     assert late(Outcome("realtime", 200, False, 30.0), limits) == pytest.approx(20.0 - GRACE_S)
     assert late(Outcome("batch", 200, False, 999.0), limits) is None  # no limit for the class
+
+
+def test_bench_serve_max_concurrency_bounds_the_requests_in_flight() -> None:
+    """--max-concurrency 2: a burst of 6 reaches the server at most two at a time, and each
+    request's latency counts from when it was sent, not from the burst's start."""
+    import argparse
+    import asyncio
+
+    from appliance.bench.serve import _one
+    from appliance.bench.workload import make_workload
+
+    in_flight, peak = 0, 0
+
+    class Response:
+        status_code = 200
+        headers: dict[str, str] = {}
+
+        async def aiter_lines(self):  # type: ignore[no-untyped-def]
+            await asyncio.sleep(0.2)
+            yield 'data: {"choices": [{"text": "x"}]}'
+            yield 'data: {"choices": [], "usage": {"completion_tokens": 1}}'
+            yield "data: [DONE]"
+
+    class Stream:
+        async def __aenter__(self) -> Response:
+            nonlocal in_flight, peak
+            in_flight += 1
+            peak = max(peak, in_flight)
+            return Response()
+
+        async def __aexit__(self, *exc: object) -> None:
+            nonlocal in_flight
+            in_flight -= 1
+
+    class Client:
+        def stream(self, method: str, url: str, json: object) -> Stream:
+            return Stream()
+
+    ns = argparse.Namespace(model="m", prompt_format="tokens", allow_eos=False, no_priority=True)
+    items = make_workload("chat", 6, "burst", 1.0, seed=0, prompt_len=8, output_len=1)
+
+    async def run() -> list:  # type: ignore[type-arg]
+        import time
+
+        slots = asyncio.Semaphore(2)
+        t0 = time.perf_counter()
+        return await asyncio.gather(*(_one(Client(), "u", it, ns, t0, slots) for it in items))
+
+    results = asyncio.run(run())
+    assert peak == 2
+    assert all(r.status == 200 and r.output_tokens == 1 for r in results)
+    # Three waves of 0.2 s: counted from the burst, the last wave would show >= 0.6 s.
+    assert max(r.e2e_s for r in results) < 0.4

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -64,12 +65,23 @@ class SLO:
 
 
 # -- HTTP ----------------------------------------------------------------------------------------
-async def _one(client: Any, url: str, item: Item, ns: argparse.Namespace, t0: float) -> Result:
+async def _one(
+    client: Any, url: str, item: Item, ns: argparse.Namespace, t0: float,
+    slots: asyncio.Semaphore | None = None,
+) -> Result:  # fmt: skip
+    await asyncio.sleep(max(0.0, t0 + item.arrival_s - time.perf_counter()))
+    if slots is None:
+        return await _send(client, url, item, ns, t0 + item.arrival_s)
+    async with slots:
+        # --max-concurrency: the client holds the request back, so its latency counts from
+        # when it is sent (as vLLM's benchmark does), not from the scheduled arrival.
+        return await _send(client, url, item, ns, max(t0 + item.arrival_s, time.perf_counter()))
+
+
+async def _send(client: Any, url: str, item: Item, ns: argparse.Namespace, start: float) -> Result:
     # Without the priority extra the server picks the class (its default): say so in the rows.
     label = "(default)" if ns.no_priority else item.priority_class
     res = Result(item.index, label, len(item.prompt))
-    await asyncio.sleep(max(0.0, t0 + item.arrival_s - time.perf_counter()))
-    start = t0 + item.arrival_s  # latency counts from the scheduled arrival
     body: dict[str, Any] = {
         "model": ns.model,
         "prompt": item.prompt if ns.prompt_format == "tokens" else item.text,
@@ -128,7 +140,8 @@ async def run_http(
             audit = ServerAudit(ns.url.rstrip("/"), admin)
             await audit.start(client)
         t0 = time.perf_counter()
-        results = await asyncio.gather(*(_one(client, url, it, ns, t0) for it in items))
+        slots = asyncio.Semaphore(ns.max_concurrency) if ns.max_concurrency else None
+        results = await asyncio.gather(*(_one(client, url, it, ns, t0, slots) for it in items))
         seconds = time.perf_counter() - t0
         report = None
         if audit is not None:
@@ -286,6 +299,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--no-priority", action="store_true", help="do not send the priority extra")
     p.add_argument("--allow-eos", action="store_true", help="let requests stop at EOS")
     p.add_argument("--max-connections", type=int, default=1024)
+    p.add_argument("--max-concurrency", type=int, default=0,
+                   help="at most this many requests in flight (1: one at a time; 0: no limit)")
     p.add_argument("--timeout", type=float, default=3600.0)
     p.add_argument("--offline", action="store_true", help="replay in-process (no server)")
     p.add_argument("--template", default="cpu-demo", help="--offline: engine template")
@@ -301,6 +316,9 @@ def add_parser(sub: Any) -> None:
 
 
 def main(ns: argparse.Namespace) -> int:
+    if ns.max_concurrency < 0:
+        print(f"--max-concurrency must be >= 0 (0: no limit), got {ns.max_concurrency}", file=sys.stderr)
+        return 2
     items = make_workload(
         ns.profile, ns.num_requests, ns.arrival, ns.rate, ns.seed, ns.vocab,
         ns.prompt_len, ns.output_len,
@@ -323,6 +341,7 @@ def main(ns: argparse.Namespace) -> int:
         "num_requests": ns.num_requests, "seed": ns.seed, "slo": asdict(slo),
         "summary": asdict(overall), "per_class": {c: asdict(s) for c, s in per_class.items()},
         "errors": errors, "offline_cpu_s": cpu_s, "audit": audit,
+        "max_concurrency": ns.max_concurrency,
     })
     if ns.json_out:
         with open(ns.json_out, "w") as f:
@@ -331,6 +350,8 @@ def main(ns: argparse.Namespace) -> int:
         print(report)
         return 0
     arrival = "burst" if ns.arrival == "burst" else f"poisson {ns.rate:g} req/s"
+    if ns.max_concurrency and not ns.offline:
+        arrival += f", at most {ns.max_concurrency} in flight"
     print_table(f"bench serve: {source}, profile {ns.profile}, {ns.num_requests} requests, {arrival}",
                 overall, per_class, errors)
     if audit is not None:
