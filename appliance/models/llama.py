@@ -114,7 +114,7 @@ class LlamaAttention(nn.Module):
         rope: Any,
         hidden: torch.Tensor,
         meta: AttentionMetadata,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: tuple[torch.Tensor, ...],
     ) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
         tokens = hidden.shape[0]
@@ -151,7 +151,7 @@ class LlamaDecoderLayer(nn.Module):
         rope: Any,
         hidden: torch.Tensor,
         meta: AttentionMetadata,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: tuple[torch.Tensor, ...],
     ) -> torch.Tensor:
         # `hidden` is this forward's own tensor: it takes the residual adds in place.
         normed = ops.add_rms_norm(hidden, None, self.input_layernorm)
@@ -219,7 +219,7 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         meta: AttentionMetadata,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[tuple[torch.Tensor, ...]],
     ) -> torch.Tensor:
         ops = self.ops
         hidden = self.model.embed_tokens(input_ids)
