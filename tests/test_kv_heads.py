@@ -269,3 +269,17 @@ def test_swap_copies_the_side_caches_too() -> None:
         assert all(torch.equal(t[3], s) for t, s in zip(layer, saved[n:], strict=True))
     # Bytes per block: layer 0 one quantized head (1 byte) + one bf16 head, layer 1 bf16.
     assert pool.bytes_per_block() == 2 * 16 * 32 * (1 + 2) + 2 * 16 * 32 * 2 * 2
+
+
+def test_head_keep_list_proposal_takes_the_costliest_heads() -> None:
+    """budget_heads heads by KL (ties: lower layer, then head); a layer with all its heads
+    chosen becomes a whole layer."""
+    from appliance.tools.kv_eval import Score, keep_run, propose_head_keep_list
+
+    kl = {(0, 0): 5.0, (0, 1): 4.0, (1, 0): 1.0, (1, 1): 3.0, (2, 0): 3.0, (2, 1): 0.5}
+    scores = [Score(f"{i}:{h}", [i], v, 1.0, 0.0, 1, h) for (i, h), v in kl.items()]
+    assert propose_head_keep_list(scores, 3, 2) == ([0], ["1:1"])
+    assert propose_head_keep_list(scores, 4, 2) == ([0], ["1:1", "2:0"])
+    assert propose_head_keep_list(scores, 1, 2) == ([], ["0:0"])
+    run = keep_run("x", 4, [0], ["1:1", "2:0"])
+    assert run.quantized == {1, 2, 3} and run.kept == {1: {1}, 2: {0}}
