@@ -24,6 +24,11 @@ forced, flipped greedy tokens): int8 33 -> 16, fp8_e4m3 49 -> 46. It needs no st
 wrapper (`RotatedKV`) sits around whichever backend the device has (torch, Triton).
 A prefill attends to the chunk's fresh K/V on every backend (`key=`/`value=` of the shared
 attention signature): in the Triton prefill kernel on CUDA, the torch reference on the CPU.
+
+Kept heads (cache.kv_cache_keep_16bit_heads): a quantized layer may hold some KV heads in a
+16-bit side cache (appliance/kv_layout.py decides which, per rank); its scales then cover the
+other heads only, and `Attention.forward` runs the kept heads through the device's plain
+backend over the side cache (`apply_layer_spec`).
 """
 
 from __future__ import annotations
