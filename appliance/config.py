@@ -85,6 +85,11 @@ class CacheConfig(_Section):
     kv_cache_dtype: Literal["auto", "fp8_e4m3", "fp8_e5m2", "int8"] = "auto"
     # Layers whose KV stays 16-bit when kv_cache_dtype quantizes the rest.
     kv_cache_keep_16bit: list[NonNegInt] = []
+    # Single KV heads whose K/V stay 16-bit, as "layer:head" (both from 0, head = KV head):
+    # they are stored apart, in a 16-bit side cache of their layer (same blocks), while the
+    # layer's other heads stay quantized; each costs 1/num_kv_heads of a 16-bit layer.
+    # `appliance kv-eval --per-head --keep heads` measures each head and proposes this list.
+    kv_cache_keep_16bit_heads: list[str] = []
     # GPU: share of device memory the engine may take (weights + activations + KV).
     gpu_memory_utilization: Fraction = 0.90
     # CPU: GiB of host memory for the KV pool.
@@ -94,6 +99,20 @@ class CacheConfig(_Section):
     enable_prefix_caching: bool = True
     # GiB of host memory for blocks of swapped-out sequences.
     swap_space: NonNegFloat = 4.0
+
+    def kept_heads(self) -> list[tuple[int, int]]:
+        """kv_cache_keep_16bit_heads as (layer, KV head) pairs (checked by load_config)."""
+        return [_parse_head(entry) for entry in self.kv_cache_keep_16bit_heads]
+
+
+def _parse_head(entry: str) -> tuple[int, int]:
+    layer, sep, head = entry.partition(":")
+    if not (sep and layer.strip().isdigit() and head.strip().isdigit()):
+        raise ConfigError(
+            f'cache.kv_cache_keep_16bit_heads: {entry!r} is not "layer:head" (two indices '
+            'from 0, e.g. "3:1" for KV head 1 of layer 3)'
+        )
+    return int(layer), int(head)
 
 
 class SchedulerConfig(_Section):
@@ -359,8 +378,23 @@ def _check_consistency(cfg: ApplianceConfig, source: str) -> None:
             f"{source}: scheduler.default_priority_class {s.default_priority_class!r} is not a "
             f"class in [priority_classes] (known: {known})"
         )
-    if len(set(cfg.cache.kv_cache_keep_16bit)) != len(cfg.cache.kv_cache_keep_16bit):
+    cache = cfg.cache
+    if len(set(cache.kv_cache_keep_16bit)) != len(cache.kv_cache_keep_16bit):
         raise ConfigError(f"{source}: cache.kv_cache_keep_16bit lists a layer twice")
+    try:
+        heads = cache.kept_heads()
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+    for entry, (layer, head) in zip(cache.kv_cache_keep_16bit_heads, heads, strict=True):
+        if heads.count((layer, head)) > 1:
+            raise ConfigError(
+                f"{source}: cache.kv_cache_keep_16bit_heads lists {entry!r} twice"
+            )
+        if layer in cache.kv_cache_keep_16bit:
+            raise ConfigError(
+                f"{source}: cache.kv_cache_keep_16bit_heads: {entry!r} is in layer {layer}, "
+                "which cache.kv_cache_keep_16bit already keeps whole"
+            )
 
 
 def load_config(

@@ -179,14 +179,29 @@ def test_plan_is_an_appliance_subcommand(capsys: pytest.CaptureFixture[str]) -> 
 
 
 @pytest.mark.parametrize(
-    "kv_dtype, keep", [("auto", []), ("fp8_e4m3", []), ("fp8_e4m3", [0, 3]), ("int8", [1])]
+    "kv_dtype, keep, heads",
+    [
+        ("auto", [], []),
+        ("fp8_e4m3", [], []),
+        ("fp8_e4m3", [0, 3], []),
+        ("int8", [1], []),
+        # Single KV heads kept apart (tiny: 4 layers of 2 KV heads): one head of layer 0 and
+        # one of layer 2; and both heads of layer 1, which makes it a 16-bit layer.
+        ("fp8_e4m3", [], ["0:1", "2:0"]),
+        ("int8", [3], ["1:0", "1:1", "2:1"]),
+    ],
 )
 @pytest.mark.parametrize("tp", [1, 2, 4])
-def test_plan_kv_bytes_equal_the_loaders(kv_dtype: str, keep: list[int], tp: int) -> None:
-    """KV bytes per token as the plan counts them = what the loader allocates per block / 16,
-    including 16-bit layers kept beside quantized ones."""
-    from appliance.engine.kv_quant import layer_kv_dtypes, storage_dtypes
+def test_plan_kv_bytes_equal_the_loaders(
+    kv_dtype: str, keep: list[int], heads: list[str], tp: int
+) -> None:
+    """KV bytes per token as the plan counts them = the bytes a block of the pool the loader
+    allocates takes / 16 (the real tensors, side caches of kept heads included), on the
+    largest rank: at TP 2 each rank holds one of the 2 KV heads, at TP 4 a replica, so a kept
+    head costs 16-bit bytes on the ranks that hold it only."""
+    from appliance.engine.kv_quant import kv_storage, layer_layout
     from appliance.engine.loader import kv_bytes_per_block
+    from appliance.engine.model_runner import KVCachePool
     from appliance.tools.demo_spec import DEMO_SHAPES
 
     s = DEMO_SHAPES["tiny"]
@@ -198,12 +213,30 @@ def test_plan_kv_bytes_equal_the_loaders(kv_dtype: str, keep: list[int], tp: int
         "num_attention_heads": s.num_attention_heads,
         "num_key_value_heads": s.num_key_value_heads,
     }
-    config = load_config(None, {"cache.kv_cache_dtype": kv_dtype, "cache.kv_cache_keep_16bit": keep})
+    config = load_config(None, {
+        "cache.kv_cache_dtype": kv_dtype, "cache.kv_cache_keep_16bit": keep,
+        "cache.kv_cache_keep_16bit_heads": heads,
+    })  # fmt: skip
     args = ModelArgs.from_hf(LlamaConfig(**cfg))
-    storage = storage_dtypes(layer_kv_dtypes(config.cache, args.num_layers), torch.bfloat16)
-    loader_bytes = kv_bytes_per_block(args, 16, storage, tp) // 16
+    per_rank = []
+    for rank in range(tp):
+        with tensor_parallel(rank, tp):
+            layers = layer_layout(config.cache, args.num_layers, args.num_kv_heads)
+            storage = kv_storage(layers, torch.bfloat16)
+            pool = KVCachePool(args.num_layers, 1, 0, 16, args.kv_heads_per_rank(tp),
+                               args.head_dim, storage, torch.device("cpu"))  # fmt: skip
+            per_rank.append(pool.bytes_per_block())
     tp_plan = plan_cmd.plan_tp(ModelArgs.from_config_json(cfg), config, tp, on_gpu=False)
-    assert tp_plan.kv_bytes_per_token == loader_bytes
+    assert tp_plan.kv_bytes_per_token * 16 == max(per_rank)
+    assert kv_bytes_per_block(args, 16, config.cache, torch.bfloat16, tp) == max(per_rank)
+    # By hand at TP 1 (4 layers, 2 KV heads of head_dim): elements a token per layer 2 x 2 x D.
+    if tp == 1 and heads:
+        d = args.head_dim
+        expected = {
+            ("fp8_e4m3", ()): 2 * d * (1 * 2 + 1 * 1) * 2 + 2 * d * 2 * 1 * 2,  # 0,2: 1 kept
+            ("int8", (3,)): 2 * d * 2 * 2 * 2 + 2 * d * (2 + 1) + 2 * d * 2,  # 1,3 whole; 2: 1 kept; 0
+        }[(kv_dtype, tuple(keep))]
+        assert tp_plan.kv_bytes_per_token == expected
 
 
 def test_cpu_plan_counts_the_float32_matmul_copy(

@@ -223,3 +223,20 @@ def test_tp_engine_in_a_daemonic_process_and_no_orphans(tiny_model_dir: Path) ->
     while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(_alive(pid) for pid in pids), "workers outlived their killed driver"
+
+
+def test_tp2_matches_tp1_with_a_kept_kv_head(tiny_model_dir: Path) -> None:
+    """FP8 KV with KV head 1 of layer 0 kept 16-bit: at TP 1 layer 0 splits its heads over
+    the FP8 cache and a side cache; at TP 2 rank 1 holds that head alone (layer 0 is 16-bit
+    there) and rank 0 quantizes its own. The ranks size their pools with the larger rank's
+    block, so they agree on the block count, and the answers are TP 1's."""
+    kv = {"cache__kv_cache_dtype": "fp8_e4m3", "cache__kv_cache_keep_16bit_heads": ["0:1"]}
+    answers = {}
+    for tp in (1, 2):
+        with engine_for(tiny_model_dir, tp, **kv) as engine:
+            # Four of the lengths (one block to several) keep the test short.
+            prompts = prompts_for(engine.loaded.args.vocab_size)[2:6]
+            answers[tp] = [r.token_ids for r in engine.generate(prompts, greedy())]
+            if tp == 1:
+                assert [len(c) for c in engine.runner.kv.device_caches] == [4, 2, 2, 2]
+    assert answers[2] == answers[1]

@@ -202,6 +202,7 @@ def kv_summary(loaded: LoadedModel, config: Any, seq_len: int) -> dict[str, Any]
     return {
         "kv_cache_dtype": config.cache.kv_cache_dtype,
         "kv_cache_keep_16bit": list(config.cache.kv_cache_keep_16bit),
+        "kv_cache_keep_16bit_heads": list(config.cache.kv_cache_keep_16bit_heads),
         "num_blocks": loaded.num_blocks,
         "bytes_per_block": loaded.bytes_per_block,
         "seqs_that_fit": loaded.num_blocks // blocks_per_seq,
@@ -311,6 +312,8 @@ def main(ns: argparse.Namespace) -> int:
         print(loaded.cpu.plan.summary())
     kv = kv_summary(loaded, config, ns.prompt_len + ns.output_len)
     keep = f", 16-bit layers {kv['kv_cache_keep_16bit']}" if kv["kv_cache_keep_16bit"] else ""
+    if kv["kv_cache_keep_16bit_heads"]:
+        keep += f", 16-bit heads {kv['kv_cache_keep_16bit_heads']}"
     print(
         f"KV cache {kv['kv_cache_dtype']}{keep}: {kv['num_blocks']} blocks of "
         f"{kv['bytes_per_block'] / 1024:.0f} KiB, room for {kv['seqs_that_fit']} requests of "

@@ -276,10 +276,15 @@ class CpuBackend:
     def wire(
         self,
         model: torch.nn.Module,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[tuple[torch.Tensor, ...]],
         block_size: int,
     ) -> None:
         """With the KV cache allocated: the fused decode over it (when the plan has it)."""
+        if any(len(cache) != 2 for cache in kv_caches):
+            # Heads kept apart live in quantized layers, and the plan has no fused decode for
+            # a quantized cache (choice.py): this only guards the kernels' one-cache layout.
+            log.info("native fused decode off: some layers keep KV heads in a side cache")
+            return
         if self.plan.native_decode and _is_quantized(model):
             from appliance.cpu.quant_decode import QuantFusedCpuDecode
             from appliance.kernels import cpu_quant

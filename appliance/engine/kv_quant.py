@@ -24,6 +24,11 @@ forced, flipped greedy tokens): int8 33 -> 16, fp8_e4m3 49 -> 46. It needs no st
 wrapper (`RotatedKV`) sits around whichever backend the device has (torch, Triton).
 A prefill attends to the chunk's fresh K/V on every backend (`key=`/`value=` of the shared
 attention signature): in the Triton prefill kernel on CUDA, the torch reference on the CPU.
+
+Kept heads (cache.kv_cache_keep_16bit_heads): a quantized layer may hold some KV heads in a
+16-bit side cache (appliance/kv_layout.py decides which, per rank); its scales then cover the
+other heads only, and `Attention.forward` runs the kept heads through the device's plain
+backend over the side cache (`apply_layer_spec`).
 """
 
 from __future__ import annotations
@@ -33,11 +38,14 @@ from collections.abc import Sequence
 
 import torch
 
-from appliance.config import CacheConfig, ConfigError
+from appliance.config import CacheConfig
 from appliance.core.scheduler_output import ScheduledRequest, SchedulerOutput
-from appliance.engine.model_runner import KVCachePool, ModelRunner
+from appliance.engine.model_runner import KVCachePool, KVStorage, ModelRunner
 from appliance.kernels.paged_attention import cache_storage_dtype
+from appliance.kv_layout import LayerKV
+from appliance.kv_layout import layer_layout as kv_layer_layout
 from appliance.layers.attention import Attention, KVCacheSpec
+from appliance.layers.parallel import tp_rank, tp_size
 from appliance.models.llama import LlamaForCausalLM
 from appliance.sampling_params import SamplingParams
 
@@ -106,20 +114,24 @@ def base_backend(attn: Attention) -> tuple[object, object]:
     return attn.write_kv, attn.paged_attention
 
 
-def layer_kv_dtypes(cache: CacheConfig, num_layers: int) -> list[str]:
-    """kv_cache_dtype of each layer: "auto" (model dtype) for kv_cache_keep_16bit layers."""
-    for index in cache.kv_cache_keep_16bit:
-        if index >= num_layers:
-            raise ConfigError(
-                f"cache.kv_cache_keep_16bit: layer {index} does not exist: the model has "
-                f"{num_layers} layers (valid indices 0..{num_layers - 1})"
-            )
-    keep = set(cache.kv_cache_keep_16bit)
-    return ["auto" if i in keep else cache.kv_cache_dtype for i in range(num_layers)]
+def layer_layout(cache: CacheConfig, num_layers: int, num_kv_heads: int) -> list[LayerKV]:
+    """This rank's format and kept KV heads per layer (appliance/kv_layout.py; the keep-lists
+    checked against the model with messages naming the field and the entry)."""
+    return kv_layer_layout(cache, num_layers, num_kv_heads, tp_size(), tp_rank())
 
 
-def storage_dtypes(kinds: Sequence[str], model_dtype: torch.dtype) -> list[torch.dtype]:
-    return [cache_storage_dtype(kind, model_dtype) for kind in kinds]
+def _as_layer(layer: LayerKV | str) -> LayerKV:
+    return LayerKV(layer) if isinstance(layer, str) else layer
+
+
+def kv_storage(layers: Sequence[LayerKV | str], model_dtype: torch.dtype) -> KVStorage:
+    """What the pool allocates for `layers`: each cache's dtype and its 16-bit side heads."""
+    specs = [_as_layer(x) for x in layers]
+    return KVStorage(
+        [cache_storage_dtype(x.kind, model_dtype) for x in specs],
+        [len(x.kept_heads) for x in specs],
+        cache_storage_dtype("auto", model_dtype),
+    )
 
 
 def calibration_windows(tokenizer: object, max_len: int) -> list[list[int]]:
@@ -198,24 +210,40 @@ def scales_from_absmax(absmax: torch.Tensor, kind: str) -> torch.Tensor:
 
 def apply_kv_specs(
     model: LlamaForCausalLM,
-    kinds: Sequence[str],
+    layers: Sequence[LayerKV | str],
     absmax: Sequence[tuple[torch.Tensor, torch.Tensor]] | None,
 ) -> None:
-    """Give each attention layer its format, scales and backend (16-bit layers need no scales
-    and attend through the device's backend as it is; quantized ones through RotatedKV)."""
-    for i, (attn, kind) in enumerate(zip(model.attention_layers(), kinds, strict=True)):
-        write, attend = base_backend(attn)
-        if kind == "auto":
-            attn.spec = KVCacheSpec()
-            attn.set_backend(write, attend)  # type: ignore[arg-type]
-            continue
-        assert absmax is not None, "quantized layers need calibrated absmax values"
-        k_max, v_max = absmax[i]
-        attn.spec = KVCacheSpec(
-            kind, scales_from_absmax(k_max, kind), scales_from_absmax(v_max, kind)
-        )
-        rotated = RotatedKV(write, attend, attn.head_dim, k_max.device)
-        attn.set_backend(rotated.write_kv, rotated.paged_attention)
+    """Give each attention layer its format, scales and backend (`apply_layer_spec`)."""
+    for i, (attn, layer) in enumerate(zip(model.attention_layers(), layers, strict=True)):
+        apply_layer_spec(attn, _as_layer(layer), absmax[i] if absmax is not None else None)
+
+
+def apply_layer_spec(
+    attn: Attention, layer: LayerKV, absmax: tuple[torch.Tensor, torch.Tensor] | None
+) -> None:
+    """16-bit layers need no scales and attend through the device's backend as it is;
+    quantized ones through RotatedKV, and their kept heads through the device's backend over
+    the 16-bit side cache (Attention.forward splits the heads)."""
+    write, attend = base_backend(attn)
+    if layer.kind == "auto":
+        attn.spec = KVCacheSpec()
+        attn.set_backend(write, attend)  # type: ignore[arg-type]
+        attn.set_side(None)
+        return
+    assert absmax is not None, "quantized layers need calibrated absmax values"
+    # The quantized cache holds the heads not kept, in order: their scales alone.
+    quant = [h for h in range(attn.num_kv_heads) if h not in layer.kept_heads]
+    assert quant, "a layer keeping every head is a 16-bit layer (kv_layout.layer_layout)"
+    k_max, v_max = absmax[0][quant], absmax[1][quant]
+    attn.spec = KVCacheSpec(
+        layer.kind,
+        scales_from_absmax(k_max, layer.kind),
+        scales_from_absmax(v_max, layer.kind),
+        tuple(sorted(layer.kept_heads)),
+    )
+    rotated = RotatedKV(write, attend, attn.head_dim, k_max.device)
+    attn.set_backend(rotated.write_kv, rotated.paged_attention)
+    attn.set_side((write, attend) if layer.kept_heads else None, k_max.device)  # type: ignore[arg-type]
 
 
 def configure_kv_cache(
@@ -225,16 +253,17 @@ def configure_kv_cache(
     model_dtype: torch.dtype,
     device: torch.device,
     max_len: int,
-) -> tuple[list[torch.dtype], list[tuple[torch.Tensor, torch.Tensor]] | None]:
-    """Validate the keep-list, calibrate when any layer is quantized, set every layer's spec.
+) -> tuple[KVStorage, list[tuple[torch.Tensor, torch.Tensor]] | None]:
+    """Validate the keep-lists, calibrate when any layer is quantized, set every layer's spec.
 
-    Returns the per-layer storage dtypes (for the pool) and the calibration absmax (None when
-    nothing is quantized), which `appliance kv-eval` reuses to try other keep-lists.
+    Returns what the pool allocates and the calibration absmax (None when nothing is
+    quantized), which `appliance kv-eval` reuses to try other keep-lists.
     """
-    kinds = layer_kv_dtypes(cache, model.args.num_layers)
+    args = model.args
+    layers = layer_layout(cache, args.num_layers, args.num_kv_heads)
     absmax = None
-    if any(kind != "auto" for kind in kinds):
+    if any(layer.kind != "auto" for layer in layers):
         windows = calibration_windows(tokenizer, max_len)
         absmax = calibrate_absmax(model, windows, cache.block_size, device, model_dtype)
-    apply_kv_specs(model, kinds, absmax)
-    return storage_dtypes(kinds, model_dtype), absmax
+    apply_kv_specs(model, layers, absmax)
+    return kv_storage(layers, model_dtype), absmax

@@ -6,20 +6,21 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from appliance.config import ApplianceConfig, ConfigError, served_model_name
+from appliance.config import ApplianceConfig, CacheConfig, ConfigError, served_model_name
 from appliance.cpu.backend import CpuBackend
 from appliance.engine import memory
 from appliance.engine.guided import GuidedDecoder
 from appliance.engine.kv_quant import configure_kv_cache
-from appliance.engine.model_runner import KVCachePool, ModelRunner
+from appliance.engine.model_runner import KVCachePool, KVStorage, ModelRunner
 from appliance.kernels import get_attention_backend
+from appliance.kv_layout import kv_bytes_per_token as kv_layout_bytes_per_token
 from appliance.layers.linear import MatmulWeight
 from appliance.layers.parallel import tp_rank, tp_size
 from appliance.layers.rotary import RotaryEmbedding
@@ -107,13 +108,15 @@ def resolve_model_dir(config: ApplianceConfig, progress: Callable[[str], None]) 
 
 
 def kv_bytes_per_block(
-    args: ModelArgs, block_size: int, storage: torch.dtype | Sequence[torch.dtype], tp: int
+    args: ModelArgs, block_size: int, cache: CacheConfig, kv_dtype: torch.dtype, tp: int
 ) -> int:
-    """Bytes of one block over all layers; `storage` is one dtype or one per layer (mixed
-    precision), so FP8 layers count 1 byte an element and 16-bit layers 2."""
-    per_layer = [storage] * args.num_layers if isinstance(storage, torch.dtype) else list(storage)
-    elems = block_size * args.kv_heads_per_rank(tp) * args.head_dim
-    return sum(2 * elems * dt.itemsize for dt in per_layer)
+    """Bytes of one block over all layers on the largest rank (every rank sizes its pool
+    with it, so they agree on the block count): quantized elements 1 byte, 16-bit layers and
+    heads kept apart 2 (appliance/kv_layout.py, which `appliance plan` counts with too)."""
+    per_token = kv_layout_bytes_per_token(
+        cache, args.num_layers, args.num_kv_heads, args.head_dim, kv_dtype.itemsize, tp
+    )
+    return block_size * per_token
 
 
 def _eos_ids(hf_config: Any, tokenizer: Any) -> frozenset[int]:
@@ -144,7 +147,7 @@ class _Weights:
 class _KVLayout:
     """Step 2's result: the pool's shape and storage."""
 
-    storage: list[torch.dtype]
+    storage: KVStorage
     per_block: int
     num_blocks: int
     num_swap: int
@@ -289,13 +292,13 @@ def move_packed(model: LlamaForCausalLM, device: torch.device) -> None:
 def size_kv_cache(
     config: ApplianceConfig, w: _Weights, device: torch.device, say: Callable[[str], None]
 ) -> _KVLayout:
-    """Step 2: per-layer KV storage (kv_cache_keep_16bit layers stay 16-bit; quantized layers
-    get per-head scales from a calibration forward, engine/kv_quant.py), then the number of
-    blocks the memory settings allow."""
+    """Step 2: per-layer KV storage (kv_cache_keep_16bit layers and kv_cache_keep_16bit_heads
+    heads stay 16-bit; quantized layers get per-head scales from a calibration forward,
+    engine/kv_quant.py), then the number of blocks the memory settings allow."""
     kv_dtype = w.cpu.plan.kv_dtype if w.cpu is not None else w.model.lm_head.weight.dtype
     storage, _ = configure_kv_cache(w.model, w.tokenizer, config.cache, kv_dtype, device, w.max_len)
     cache = config.cache
-    per_block = kv_bytes_per_block(w.args, cache.block_size, storage, tp_size())
+    per_block = kv_bytes_per_block(w.args, cache.block_size, cache, kv_dtype, tp_size())
     gpu_plan: memory.GpuMemoryPlan | None = None
     if cache.num_blocks:
         num_blocks = cache.num_blocks
@@ -317,7 +320,7 @@ def size_kv_cache(
             + (f" [{gpu_plan.describe()}]" if gpu_plan is not None else "")
         )
     num_swap = int(cache.swap_space * GiB // per_block)
-    return _KVLayout(list(storage), per_block, num_blocks, num_swap)
+    return _KVLayout(storage, per_block, num_blocks, num_swap)
 
 
 def wire_backend(

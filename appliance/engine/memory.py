@@ -17,7 +17,7 @@ import torch
 
 from appliance.config import ApplianceConfig, ConfigError
 from appliance.core.scheduler_output import ScheduledRequest, SchedulerOutput
-from appliance.engine.model_runner import KVCachePool, ModelRunner
+from appliance.engine.model_runner import KVCachePool, KVStorage, ModelRunner
 from appliance.layers.parallel import agree_min, tp_size
 from appliance.models.args import ModelArgs
 from appliance.models.llama import LlamaForCausalLM
@@ -152,7 +152,7 @@ def run_profile(
     args: ModelArgs,
     config: ApplianceConfig,
     device: torch.device,
-    storage: torch.dtype | Sequence[torch.dtype],
+    storage: torch.dtype | Sequence[torch.dtype] | KVStorage,
     max_model_len: int,
 ) -> None:
     """Run the profiling steps through a real runner over a one-block KV pool."""
@@ -171,7 +171,7 @@ def profile_activation_peak(
     args: ModelArgs,
     config: ApplianceConfig,
     device: torch.device,
-    storage: torch.dtype | Sequence[torch.dtype],
+    storage: torch.dtype | Sequence[torch.dtype] | KVStorage,
     max_model_len: int,
 ) -> int:
     """Peak bytes allocated above the weights by the profiling steps (its one-block pool, a few
@@ -191,7 +191,7 @@ def plan_gpu_kv(
     args: ModelArgs,
     config: ApplianceConfig,
     device: torch.device,
-    storage: torch.dtype | Sequence[torch.dtype],
+    storage: torch.dtype | Sequence[torch.dtype] | KVStorage,
     max_model_len: int,
     block_bytes: int,
     used_before: int,

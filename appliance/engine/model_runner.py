@@ -6,7 +6,7 @@ then prefill chunks, so attention runs as at most two batched calls per layer.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -31,8 +31,27 @@ class RunnerOutput:
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
 
 
+@dataclass
+class KVStorage:
+    """What the pool allocates per layer: the cache's dtype, and how many of the layer's KV
+    heads sit apart in a 16-bit side cache of `side_dtype` (cache.kv_cache_keep_16bit_heads;
+    the layer's own cache then holds only the other heads)."""
+
+    dtypes: list[torch.dtype]
+    side_heads: list[int]
+    side_dtype: torch.dtype
+
+    @classmethod
+    def of(cls, dtype: torch.dtype | Sequence[torch.dtype] | KVStorage, num_layers: int) -> KVStorage:
+        if isinstance(dtype, KVStorage):
+            return dtype
+        dtypes = [dtype] * num_layers if isinstance(dtype, torch.dtype) else list(dtype)
+        return cls(dtypes, [0] * len(dtypes), dtypes[0] if dtypes else torch.bfloat16)
+
+
 class KVCachePool:
-    """Per-layer K/V tensors of the device pool and the host swap pool."""
+    """Per-layer K/V tensors of the device pool and the host swap pool: (k, v), or
+    (k, v, side_k, side_v) for a layer that keeps heads apart in 16-bit."""
 
     def __init__(
         self,
@@ -42,32 +61,42 @@ class KVCachePool:
         block_size: int,
         num_kv_heads: int,
         head_dim: int,
-        dtype: torch.dtype | Sequence[torch.dtype],
+        dtype: torch.dtype | Sequence[torch.dtype] | KVStorage,
         device: torch.device,
     ) -> None:
         # One storage dtype per layer (or one for all): with kv_cache_keep_16bit some layers keep
         # the model dtype while the rest store FP8/INT8 bytes. Zeros, never empty: the torch
         # attention multiplies masked-out V rows by zero weights, and 0 * NaN garbage is NaN.
-        dtypes = [dtype] * num_layers if isinstance(dtype, torch.dtype) else list(dtype)
-        if len(dtypes) != num_layers:
-            raise ValueError(f"KVCachePool: {len(dtypes)} dtypes for {num_layers} layers")
-        self.dtypes = dtypes
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        storage = KVStorage.of(dtype, num_layers)
+        if len(storage.dtypes) != num_layers or len(storage.side_heads) != num_layers:
+            raise ValueError(f"KVCachePool: {len(storage.dtypes)} dtypes for {num_layers} layers")
+        self.dtypes = storage.dtypes
+        self.storage = storage
+
+        def layer(blocks: int, i: int, alloc: Callable[..., torch.Tensor]) -> tuple[torch.Tensor, ...]:
+            side = storage.side_heads[i]
+            main = (blocks, block_size, num_kv_heads - side, head_dim)
+            out = (alloc(main, storage.dtypes[i]), alloc(main, storage.dtypes[i]))
+            if side:
+                apart = (blocks, block_size, side, head_dim)
+                out += (alloc(apart, storage.side_dtype), alloc(apart, storage.side_dtype))
+            return out
+
         self.device_caches = [
-            (torch.zeros(shape, dtype=dt, device=device), torch.zeros(shape, dtype=dt, device=device))
-            for dt in dtypes
+            layer(num_blocks, i, lambda s, dt: torch.zeros(s, dtype=dt, device=device))
+            for i in range(num_layers)
         ]
-        swap_shape = (num_swap_blocks, block_size, num_kv_heads, head_dim)
         pin = device.type == "cuda"
         # Empty, not zeros: a swap block is only read after a whole device block was copied
         # into it, and untouched pages cost nothing (zero-filling took ~1 s per GiB at start).
         self.host_caches = [
-            (
-                torch.empty(swap_shape, dtype=dt, pin_memory=pin),
-                torch.empty(swap_shape, dtype=dt, pin_memory=pin),
-            )
-            for dt in (dtypes if num_swap_blocks else [])
+            layer(num_swap_blocks, i, lambda s, dt: torch.empty(s, dtype=dt, pin_memory=pin))
+            for i in (range(num_layers) if num_swap_blocks else [])
         ]
+
+    def bytes_per_block(self) -> int:
+        """Bytes one block takes over every layer's tensors (side caches included)."""
+        return sum(t[0].numel() * t.element_size() for layer in self.device_caches for t in layer)
 
     def swap_out(self, mapping: list[tuple[int, int]]) -> None:
         self._copy(mapping, self.device_caches, self.host_caches)
@@ -78,16 +107,17 @@ class KVCachePool:
     @staticmethod
     def _copy(
         mapping: list[tuple[int, int]],
-        src: list[tuple[torch.Tensor, torch.Tensor]],
-        dst: list[tuple[torch.Tensor, torch.Tensor]],
+        src: list[tuple[torch.Tensor, ...]],
+        dst: list[tuple[torch.Tensor, ...]],
     ) -> None:
         if not mapping:
             return
         src_ids = torch.tensor([a for a, _ in mapping])
         dst_ids = torch.tensor([b for _, b in mapping])
-        for (sk, sv), (dk, dv) in zip(src, dst, strict=True):
-            dk[dst_ids.to(dk.device)] = sk[src_ids.to(sk.device)].to(dk.device)
-            dv[dst_ids.to(dv.device)] = sv[src_ids.to(sv.device)].to(dv.device)
+        # Every tensor of a layer, side caches included: a swapped block holds all its heads.
+        for s_layer, d_layer in zip(src, dst, strict=True):
+            for s, d in zip(s_layer, d_layer, strict=True):
+                d[dst_ids.to(d.device)] = s[src_ids.to(s.device)].to(d.device)
 
 
 class ModelRunner:

@@ -36,12 +36,41 @@ class AttentionMetadata:
 @dataclass
 class KVCacheSpec:
     kv_cache_dtype: str = "auto"
+    # One float32 per KV head of the (quantized) cache: the layer's heads, or with kept_heads
+    # only the others, in their order.
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
+    # Local KV heads stored apart in a 16-bit side cache (cache.kv_cache_keep_16bit_heads): the
+    # layer's cache entry is then (k, v, side_k, side_v).
+    kept_heads: tuple[int, ...] = ()
 
 
 WriteKV = Callable[..., None]
 PagedAttention = Callable[..., torch.Tensor]
+
+
+class HeadSplit:
+    """Index tensors that split a layer's heads into the quantized cache's and the side
+    cache's: KV heads, and their query heads (query head j reads KV head j // group, the GQA
+    grouping of every backend), and the permutation that puts the outputs back in order."""
+
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, kept: tuple[int, ...], device: torch.device
+    ) -> None:
+        group = num_heads // num_kv_heads
+        quant = [h for h in range(num_kv_heads) if h not in kept]
+        kept_l = sorted(kept)
+
+        def q_of(heads: list[int]) -> list[int]:
+            return [h * group + j for h in heads for j in range(group)]
+
+        def t(x: list[int]) -> torch.Tensor:
+            return torch.tensor(x, dtype=torch.long, device=device)
+
+        self.kv_quant, self.kv_kept = t(quant), t(kept_l)
+        self.q_quant, self.q_kept = t(q_of(quant)), t(q_of(kept_l))
+        order = q_of(quant) + q_of(kept_l)
+        self.inverse = t(sorted(range(num_heads), key=order.__getitem__))
 
 
 class Attention(nn.Module):
@@ -54,10 +83,24 @@ class Attention(nn.Module):
         self.write_kv: WriteKV = torch_backend.write_kv
         self.paged_attention: PagedAttention = torch_backend.paged_attention
         self.spec = KVCacheSpec()
+        # The 16-bit side cache's pair (the device's own backend) and the head split, set with
+        # a spec that keeps heads (set_side).
+        self.side_backend: tuple[WriteKV, PagedAttention] | None = None
+        self.split: HeadSplit | None = None
 
     def set_backend(self, write_kv: WriteKV, paged_attention: PagedAttention) -> None:
         self.write_kv = write_kv
         self.paged_attention = paged_attention
+
+    def set_side(
+        self, backend: tuple[WriteKV, PagedAttention] | None, device: torch.device | None = None
+    ) -> None:
+        """The side cache's backend for spec.kept_heads (None: the layer keeps no heads)."""
+        self.side_backend = backend
+        self.split = None
+        if backend is not None:
+            assert device is not None and self.spec.kept_heads
+            self.split = HeadSplit(self.num_heads, self.num_kv_heads, self.spec.kept_heads, device)
 
     def forward(
         self,
@@ -65,11 +108,42 @@ class Attention(nn.Module):
         k: torch.Tensor,
         v: torch.Tensor,
         meta: AttentionMetadata,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: tuple[torch.Tensor, ...],
     ) -> torch.Tensor:
-        k_cache, v_cache = kv_cache
         spec = self.spec
-        self.write_kv(
+        if len(kv_cache) == 2:
+            assert not spec.kept_heads, "a layer that keeps heads needs its side cache"
+            return self._attend(q, k, v, meta, kv_cache, spec, self.write_kv, self.paged_attention)
+        # Heads stored apart: the quantized heads over the layer's cache (its backend, rotated),
+        # the kept heads over the 16-bit side cache (the device's plain backend: on the CPU the
+        # native decode attention), each with its own query heads; outputs back in head order.
+        split, side = self.split, self.side_backend
+        assert split is not None and side is not None, "side cache without kept heads"
+        out_q = self._attend(
+            q.index_select(1, split.q_quant), k.index_select(1, split.kv_quant),
+            v.index_select(1, split.kv_quant), meta, kv_cache[:2], spec, self.write_kv,
+            self.paged_attention,
+        )  # fmt: skip
+        out_kept = self._attend(
+            q.index_select(1, split.q_kept), k.index_select(1, split.kv_kept),
+            v.index_select(1, split.kv_kept), meta, kv_cache[2:], KVCacheSpec(), *side,
+        )  # fmt: skip
+        return torch.cat([out_q, out_kept], dim=1).index_select(1, split.inverse)
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: tuple[torch.Tensor, ...],
+        spec: KVCacheSpec,
+        write_kv: WriteKV,
+        paged_attention: PagedAttention,
+    ) -> torch.Tensor:
+        """Write this step's K/V into one cache and attend over it (decodes, then prefills)."""
+        k_cache, v_cache = kv_cache
+        write_kv(
             k,
             v,
             k_cache,
@@ -92,7 +166,7 @@ class Attention(nn.Module):
                 else {}
             )
             outputs.append(
-                self.paged_attention(
+                paged_attention(
                     q[rows],
                     k_cache,
                     v_cache,

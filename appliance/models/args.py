@@ -144,9 +144,3 @@ class ModelArgs:
         kv = self.kv_heads_per_rank(tp) * hd
         per_layer = h * (q + 2 * kv) + self.num_heads * hd // tp * h
         return self.num_layers * (per_layer + 3 * self.intermediate_size // tp * h)
-
-    def kv_bytes_per_token(self, tp: int, elem: int | list[int]) -> int:
-        """K and V of every layer for one token on one rank; `elem` is bytes per element, one
-        for all layers or one per layer (kv_cache_keep_16bit keeps some layers 16-bit)."""
-        per_layer = [elem] * self.num_layers if isinstance(elem, int) else elem
-        return sum(2 * self.kv_heads_per_rank(tp) * self.head_dim * e for e in per_layer)

@@ -54,7 +54,7 @@ class LlamaAttention(nn.Module):
         rope: Any,
         hidden: torch.Tensor,
         meta: AttentionMetadata,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: tuple[torch.Tensor, ...],
     ) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
         tokens = hidden.shape[0]
@@ -91,7 +91,7 @@ class LlamaDecoderLayer(nn.Module):
         rope: Any,
         hidden: torch.Tensor,
         meta: AttentionMetadata,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: tuple[torch.Tensor, ...],
     ) -> torch.Tensor:
         # `hidden` is this forward's own tensor: it takes the residual adds in place.
         normed = ops.add_rms_norm(hidden, None, self.input_layernorm)
@@ -159,7 +159,7 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         meta: AttentionMetadata,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[tuple[torch.Tensor, ...]],
     ) -> torch.Tensor:
         ops = self.ops
         hidden = self.model.embed_tokens(input_ids)

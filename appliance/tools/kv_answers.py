@@ -104,14 +104,15 @@ def heldout_windows(tokenizer: Any, tokens: int = 512, window: int = 256) -> lis
 
 def kv_perplexities(
     config: ApplianceConfig,
-    formats: Sequence[tuple[str, Sequence[int]]],
+    formats: Sequence[tuple[str, Sequence[int]] | tuple[str, Sequence[int], Sequence[str]]],
     tokens: int = 512,
     window: int = 256,
     chunk: int = 64,
 ) -> dict[str, float]:
     """Perplexity of the held-out text (teacher forced in prefill chunks through the serving
     path, as `appliance kv-eval` reads text) with the 16-bit cache ("auto") and with each
-    (format, 16-bit layers) of `formats`, keyed "auto" / "FORMAT keep [..]"."""
+    (format, 16-bit layers[, 16-bit "layer:head" entries]) of `formats`, keyed "auto" /
+    `run_name(...)`."""
     import math
 
     import msgspec
@@ -119,11 +120,12 @@ def kv_perplexities(
 
     from appliance.engine.executor import load_model
     from appliance.engine.kv_quant import calibrate_absmax, calibration_windows
-    from appliance.tools.kv_eval import TeacherForcer
+    from appliance.tools.kv_eval import TeacherForcer, keep_run
 
     # A 16-bit engine; each run below builds its own pool in the format it measures.
     cache = msgspec.structs.replace(
-        config.cache, kv_cache_dtype="auto", kv_cache_keep_16bit=[], swap_space=0.0
+        config.cache, kv_cache_dtype="auto", kv_cache_keep_16bit=[], kv_cache_keep_16bit_heads=[],
+        swap_space=0.0,
     )
     loaded = load_model(msgspec.structs.replace(config, cache=cache))
     try:
@@ -134,58 +136,80 @@ def kv_perplexities(
         )  # fmt: skip
         layers = loaded.args.num_layers
 
-        def ppl(kind: str, quantized: set[int]) -> float:
+        def ppl(kind: str, quantized: set[int], kept: dict[int, set[int]] | None = None) -> float:
             forcer = TeacherForcer(loaded, kind, absmax, chunk)
             nll, n = 0.0, 0
             for w in windows:
-                logp = forcer.log_probs(w, quantized)
+                logp = forcer.log_probs(w, quantized, kept)
                 targets = torch.tensor(w[1:])
                 nll -= float(logp[torch.arange(len(targets)), targets].sum())
                 n += len(targets)
             return math.exp(nll / n)
 
         out = {"auto": ppl("fp8_e4m3", set())}  # no layer quantized: the format is unused
-        for kind, keep in formats:
-            out[f"{kind} keep {sorted(keep)}"] = ppl(kind, set(range(layers)) - set(keep))
+        for kind, keep, *heads in formats:
+            entries = list(heads[0]) if heads else []
+            run = keep_run("", layers, keep, entries)
+            out[run_name(kind, keep, entries)] = ppl(kind, run.quantized, run.kept)
         return out
     finally:
         loaded.close()
 
 
-def table(model: str, keep: list[int], max_tokens: int = 64) -> str:
+def run_name(kind: str, keep: Sequence[int], heads: Sequence[str] = ()) -> str:
+    """The result key of a run: FORMAT keep [layers], plus heads [..] when heads are kept."""
+    return f"{kind} keep {sorted(keep)}" + (f" heads {list(heads)}" if heads else "")
+
+
+KeepList = tuple[list[int], list[str]]  # (16-bit layers, 16-bit "layer:head" entries)
+
+
+def table(
+    model: str,
+    keep_lists: Sequence[KeepList],
+    max_tokens: int = 64,
+    formats: Sequence[str] = ("fp8_e4m3", "fp8_e5m2", "int8"),
+) -> str:
     """The README's table: format x keep-list -> identical answers, matched prefix, held-out
     perplexity (fp32 compute), KV bytes per token and sequences of max_model_len that fit in
     the cpu-demo template's pool (bf16, 1 GiB; as `appliance plan` counts them)."""
     from appliance.config import load_config
     from appliance.tools.plan import make_plan
 
-    def config(fmt: str, kept: list[int]) -> ApplianceConfig:
+    def config(fmt: str, kept: list[int], heads: list[str]) -> ApplianceConfig:
         return load_config(None, {
             "model.path": model, "model.dtype": "float32", "model.max_model_len": 1024,
             "model.cpu_prepack_weights": False, "cache.kv_cache_dtype": fmt,
-            "cache.kv_cache_keep_16bit": kept, "cache.kv_cache_memory": 0.25,
-            "cache.swap_space": 0.0, "hardware.device": "cpu",
+            "cache.kv_cache_keep_16bit": kept, "cache.kv_cache_keep_16bit_heads": heads,
+            "cache.kv_cache_memory": 0.25, "cache.swap_space": 0.0, "hardware.device": "cpu",
         })  # fmt: skip
 
-    runs = [("auto", [])] + [(f, k) for f in ("fp8_e4m3", "fp8_e5m2", "int8") for k in ([], keep)]
-    reference = greedy_answers(config("auto", []), max_tokens=max_tokens)
-    ppl = kv_perplexities(config("auto", []), [r for r in runs if r[0] != "auto"])
+    lists: list[KeepList] = [([], []), *keep_lists]
+    runs = [("auto", [], [])] + [(f, k, h) for f in formats for k, h in lists]
+    reference = greedy_answers(config("auto", [], []), max_tokens=max_tokens)
+    ppl = kv_perplexities(config("auto", [], []), [r for r in runs if r[0] != "auto"])
     rows = [
-        "| KV format | 16-bit layers | identical answers | matched prefix | perplexity "
+        "| KV format | kept 16-bit | identical answers | matched prefix | perplexity "
         "| KV bytes/token | sequences of 2048 in cpu-demo's 1 GiB |",
         "|---|---|---|---|---|---|---|",
     ]
-    for fmt, kept in runs:
+    for fmt, kept, heads in runs:
         answers = (
-            reference if fmt == "auto" else greedy_answers(config(fmt, kept), max_tokens=max_tokens)
+            reference
+            if fmt == "auto"
+            else greedy_answers(config(fmt, kept, heads), max_tokens=max_tokens)
         )
         score = score_answers(fmt, reference, answers)
         plan = make_plan(load_config("cpu-demo", {
             "model.path": model, "cache.kv_cache_dtype": fmt, "cache.kv_cache_keep_16bit": kept,
+            "cache.kv_cache_keep_16bit_heads": heads,
         })).chosen  # fmt: skip
-        name = "auto" if fmt == "auto" else f"{fmt} keep {sorted(kept)}"
+        name = "auto" if fmt == "auto" else run_name(fmt, kept, heads)
+        parts = [f"layers {kept}"] if kept else []
+        parts += [f"{len(heads)} heads {heads}"] if heads else []
+        what = ", ".join(parts)
         rows.append(
-            f"| {fmt} | {kept or '-'} | {round(score.identical * score.answers)}/{score.answers} "
+            f"| {fmt} | {what or '-'} | {round(score.identical * score.answers)}/{score.answers} "
             f"| {100 * score.matched_prefix:.1f}% | {ppl[name]:.3f} | {plan.kv_bytes_per_token} "
             f"| {plan.seqs_at_max_model_len} |"
         )
@@ -199,7 +223,12 @@ if __name__ == "__main__":
         description="KV formats on SmolLM2-135M-Instruct: the README table"
     )
     parser.add_argument("--model", help="HF directory (default: build SmolLM2 from its wheel)")
-    parser.add_argument("--keep", default="17,20,23", help="the keep-list (kv-eval's)")
+    parser.add_argument("--keep", default="17,20,23", help="a layer keep-list (kv-eval's)")
+    parser.add_argument(
+        "--keep-heads", action="append", default=[], metavar="L:H,...",
+        help='a keep-list of single KV heads, e.g. "1:0,1:1" (repeatable; kv-eval --per-head\'s)',
+    )  # fmt: skip
+    parser.add_argument("--formats", default="fp8_e4m3,fp8_e5m2,int8")
     parser.add_argument("--max-tokens", type=int, default=64)
     ns = parser.parse_args()
     if ns.model is None:
@@ -209,5 +238,8 @@ if __name__ == "__main__":
     import torch
 
     torch.set_num_threads(1)
-    keep_list = [int(x) for x in ns.keep.split(",") if x]
-    print(table(ns.model, keep_list, ns.max_tokens))
+    keep_lists: list[KeepList] = []
+    if ns.keep:
+        keep_lists.append(([int(x) for x in ns.keep.split(",") if x], []))
+    keep_lists += [([], [x for x in h.split(",") if x]) for h in ns.keep_heads]
+    print(table(ns.model, keep_lists, ns.max_tokens, ns.formats.split(",")))

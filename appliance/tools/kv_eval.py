@@ -10,11 +10,10 @@ layers whose quantization alone moved the next-token distribution most, kept in 
 Per configuration: mean KL(p_16bit || p_quantized) of the next-token distributions, top-1
 agreement of their argmax, and the change of the text's mean negative log-likelihood.
 
-`--per-head` also quantizes each KV head of each layer alone, to show whether a layer's cost
-sits in one head. The keep-list itself names layers: the cache holds one format per layer, so
-a head is measured in a 16-bit layer that stores it quantized, and its prefill chunks read it
-back quantized (a quantized layer attends to the fresh K/V): the per-head figures compare heads
-with each other, not with the per-layer rows (on SmolLM2 they overstate the early layers).
+`--per-head` also quantizes each KV head of each layer alone (the layer's other heads stored
+apart in its 16-bit side cache, as serving stores `kv_cache_keep_16bit_heads`), to show whether a
+layer's cost sits in one head, and proposes a keep-list of single heads at the layer keep-list's
+memory (budget x KV heads heads); `--keep heads` writes that one with `--write-template`.
 """
 
 from __future__ import annotations
@@ -36,13 +35,11 @@ from appliance.engine.kv_quant import (
     apply_kv_specs,
     calibrate_absmax,
     calibration_windows,
-    rotation_matrix,
-    scales_from_absmax,
-    storage_dtypes,
+    kv_storage,
 )
 from appliance.engine.loader import LoadedModel
 from appliance.engine.model_runner import KVCachePool, ModelRunner
-from appliance.kernels.paged_attention import dequantize, quantize
+from appliance.kv_layout import LayerKV
 from appliance.sampling_params import SamplingParams
 from appliance.tools.kv_template import write_keep_list
 
@@ -77,6 +74,11 @@ class Report:
     keep_16bit: list[int]
     with_keep_list: Score
     per_head: list[Score] = field(default_factory=list)  # with --per-head, most sensitive first
+    # With --per-head: the keep-list of budget x KV heads heads (the layer keep-list's memory),
+    # as whole layers (every head chosen) and "layer:head" entries, and its score.
+    head_keep_layers: list[int] = field(default_factory=list)
+    head_keep_heads: list[str] = field(default_factory=list)
+    with_head_keep_list: Score | None = None
 
 
 class _Accumulator:
@@ -125,37 +127,26 @@ class TeacherForcer:
         attn = self.model.attention_layers()[0]
         self.heads, self.head_dim = attn.num_kv_heads, attn.head_dim
 
-    def _one_head(self, layer: int, head: int) -> None:
-        """Layer `layer` (16-bit storage) stores KV head `head` as the format would: rotated,
-        quantized with its calibrated scale and read back (the other heads exact). The cache
-        layout holds one format per layer, so this measures a head without storing it mixed;
-        unlike a quantized layer, the prefill chunk reads that head back quantized too."""
-        attn = self.model.attention_layers()[layer]
-        write = self._saved_write = attn.write_kv
-        rot = rotation_matrix(self.head_dim, self.loaded.device)
-        scales = [scales_from_absmax(m, self.kind) for m in self.absmax[layer]]
-
-        def fake(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-            y = x.float() @ rot
-            stored = quantize(y[:, head : head + 1], self.kind, scale[head : head + 1])
-            y[:, head : head + 1] = dequantize(stored, self.kind, scale[head : head + 1], y.dtype)
-            return (y @ rot.T).to(x.dtype)
-
-        def write_kv(key: torch.Tensor, value: torch.Tensor, *rest: object) -> None:
-            write(fake(key, scales[0]), fake(value, scales[1]), *rest)
-
-        attn.set_backend(write_kv, attn.paged_attention)
+    def layers(self, quantized: set[int], kept: dict[int, set[int]] | None = None) -> list[LayerKV]:
+        """Per layer: quantized or 16-bit, and a quantized layer's KV heads kept apart (a
+        layer keeping every head is a 16-bit layer, as kv_layout.layer_layout makes it)."""
+        kept = kept or {}
+        out = []
+        for i in range(self.num_layers):
+            heads = tuple(sorted(kept.get(i, ())))
+            whole = i not in quantized or len(heads) == self.heads
+            out.append(LayerKV("auto") if whole else LayerKV(self.kind, heads))
+        return out
 
     @torch.inference_mode()
     def log_probs(
-        self, window: list[int], quantized: set[int], head: tuple[int, int] | None = None
+        self, window: list[int], quantized: set[int], kept: dict[int, set[int]] | None = None
     ) -> torch.Tensor:
-        """Next-token log-probs [len(window), vocab] (float32, on the CPU); `head` = (layer,
-        KV head) quantizes that one head alone (`_one_head`)."""
-        kinds = [self.kind if i in quantized else "auto" for i in range(self.num_layers)]
-        apply_kv_specs(self.model, kinds, self.absmax)
-        if head is not None:
-            self._one_head(*head)
+        """Next-token log-probs [len(window), vocab] (float32, on the CPU); `kept`: per
+        quantized layer, the KV heads stored apart in its 16-bit side cache (as serving stores
+        kv_cache_keep_16bit_heads)."""
+        layers = self.layers(quantized, kept)
+        apply_kv_specs(self.model, layers, self.absmax)
         bs, device = self.loaded.block_size, self.loaded.device
         num_blocks = math.ceil(len(window) / bs)
         # A fresh, zeroed pool per run: nothing of an earlier configuration can leak in.
@@ -166,7 +157,7 @@ class TeacherForcer:
             bs,
             self.heads,
             self.head_dim,
-            storage_dtypes(kinds, self.loaded.dtype),
+            kv_storage(layers, self.loaded.dtype),
             device,
         )
         runner = ModelRunner(self.model, pool, bs, device)
@@ -174,46 +165,42 @@ class TeacherForcer:
         # Scattered block ids: the block table must be honoured, not assumed contiguous.
         block_ids = list(reversed(range(num_blocks)))
         out = []
-        try:
-            for start in range(0, len(window), self.chunk):
-                ids = window[start : start + self.chunk]
-                req = ScheduledRequest("kv-eval", ids, start, block_ids, False, greedy, 0)
-                # The runner's own step preparation (positions, slot mapping, block tables) and
-                # forward; logits of every row instead of only the last one. The runner keeps
-                # block tables from what each step changed; this request's table is all of it.
-                runner.block_tables[req.request_id] = block_ids
-                input_ids, positions, meta, _ = runner._prepare([req])
-                hidden = self.model(input_ids, positions, meta, pool.device_caches)
-                logits = self.model.compute_logits(hidden)
-                out.append(torch.log_softmax(logits.float(), dim=-1).cpu())
-        finally:
-            if head is not None:
-                # The device's writer back (apply_kv_specs would keep the one-head one).
-                attn = self.model.attention_layers()[head[0]]
-                attn.set_backend(self._saved_write, attn.paged_attention)
+        for start in range(0, len(window), self.chunk):
+            ids = window[start : start + self.chunk]
+            req = ScheduledRequest("kv-eval", ids, start, block_ids, False, greedy, 0)
+            # The runner's own step preparation (positions, slot mapping, block tables) and
+            # forward; logits of every row instead of only the last one. The runner keeps
+            # block tables from what each step changed; this request's table is all of it.
+            runner.block_tables[req.request_id] = block_ids
+            input_ids, positions, meta, _ = runner._prepare([req])
+            hidden = self.model(input_ids, positions, meta, pool.device_caches)
+            logits = self.model.compute_logits(hidden)
+            out.append(torch.log_softmax(logits.float(), dim=-1).cpu())
         return torch.cat(out)
 
 
-def evaluate(
-    forcer: TeacherForcer,
-    windows: list[list[int]],
-    configs: Sequence[tuple[str, set[int]] | tuple[str, set[int], int]],
-) -> tuple[list[Score], float]:
-    """Scores of each (name, quantized layers[, the one KV head of that single layer]) against
-    the 16-bit run, and the 16-bit NLL."""
-    accs = [_Accumulator(c[0], c[1], c[2] if len(c) > 2 else None) for c in configs]
+@dataclass
+class Run:
+    """One configuration: the quantized layers, and per quantized layer the KV heads kept
+    apart in 16-bit; `head` marks a per-head run (that one head of its layer quantized)."""
+
+    name: str
+    quantized: set[int]
+    kept: dict[int, set[int]] = field(default_factory=dict)
+    head: int | None = None
+
+
+def evaluate(forcer: TeacherForcer, windows: list[list[int]], runs: Sequence[Run]) -> tuple[list[Score], float]:
+    """Scores of each run against the 16-bit run, and the 16-bit NLL."""
+    accs = [_Accumulator(r.name, r.quantized, r.head) for r in runs]
     ref_nll, ref_n = 0.0, 0
     for window in windows:
         ref = forcer.log_probs(window, set())
         targets = torch.tensor(window[1:])
         ref_nll -= float(ref[torch.arange(len(targets)), targets].sum())
         ref_n += len(targets)
-        for acc in accs:
-            if acc.head is None:
-                quant = forcer.log_probs(window, set(acc.layers))
-            else:
-                quant = forcer.log_probs(window, set(), (acc.layers[0], acc.head))
-            acc.add(ref, quant, targets)
+        for acc, run in zip(accs, runs, strict=True):
+            acc.add(ref, forcer.log_probs(window, run.quantized, run.kept), targets)
     return [a.score() for a in accs], ref_nll / max(1, ref_n)
 
 
@@ -221,6 +208,33 @@ def propose_keep_list(per_layer: list[Score], budget: int) -> list[int]:
     """The `budget` layers whose quantization alone costs the most KL (ties: lower index)."""
     ranked = sorted(per_layer, key=lambda s: (-s.kl, s.quantized_layers[0]))
     return sorted(s.quantized_layers[0] for s in ranked[:budget])
+
+
+def propose_head_keep_list(
+    per_head: list[Score], budget_heads: int, heads: int
+) -> tuple[list[int], list[str]]:
+    """The `budget_heads` KV heads whose quantization alone (stored apart from the rest of
+    their layer) costs the most KL, as (whole layers, "layer:head" entries): a layer with
+    every head chosen is kept whole (one cache instead of an empty one and a side cache)."""
+    ranked = sorted(per_head, key=lambda s: (-s.kl, s.quantized_layers[0], s.head))
+    chosen: dict[int, set[int]] = {}
+    for s in ranked[:budget_heads]:
+        assert s.head is not None
+        chosen.setdefault(s.quantized_layers[0], set()).add(s.head)
+    whole = sorted(layer for layer, hs in chosen.items() if len(hs) == heads)
+    entries = [
+        f"{layer}:{h}" for layer in sorted(chosen) if layer not in whole for h in sorted(chosen[layer])
+    ]
+    return whole, entries
+
+
+def keep_run(name: str, num_layers: int, whole: Sequence[int], entries: Sequence[str]) -> Run:
+    """The run of a keep-list: every layer quantized but `whole`, with `entries` kept apart."""
+    kept: dict[int, set[int]] = {}
+    for entry in entries:
+        layer, head = (int(x) for x in entry.split(":"))
+        kept.setdefault(layer, set()).add(head)
+    return Run(name, set(range(num_layers)) - set(whole), kept)
 
 
 def read_windows(tokenizer: Any, files: list[str], max_tokens: int, window: int) -> list[list[int]]:
@@ -268,6 +282,7 @@ def run_kv_eval(
         {
             "cache.kv_cache_dtype": "auto",
             "cache.kv_cache_keep_16bit": [],
+            "cache.kv_cache_keep_16bit_heads": [],
             "cache.swap_space": 0,
             "model.max_model_len": window,
             "cache.num_blocks": math.ceil(window / config.cache.block_size),
@@ -291,26 +306,34 @@ def run_kv_eval(
         )
         windows = read_windows(loaded.tokenizer, data, max_tokens, window)
         forcer = TeacherForcer(loaded, kind, absmax, chunk)
-        configs = [(f"layer {i}", {i}) for i in range(args.num_layers)]
-        configs.append((f"all {kind}", set(range(args.num_layers))))
-        scores, ref_nll = evaluate(forcer, windows, configs)
+        n = args.num_layers
+        runs = [Run(f"layer {i}", {i}) for i in range(n)] + [Run(f"all {kind}", set(range(n)))]
+        scores, ref_nll = evaluate(forcer, windows, runs)
         per_layer, all_q = scores[:-1], scores[-1]
         keep = propose_keep_list(per_layer, budget)
-        rest = set(range(args.num_layers)) - set(keep)
         if keep:
-            [with_keep], _ = evaluate(forcer, windows, [(f"keep {keep}", rest)])
+            [with_keep], _ = evaluate(forcer, windows, [keep_run(f"keep {keep}", n, keep, [])])
         else:
             with_keep = all_q
         head_scores: list[Score] = []
+        head_keep: tuple[list[int], list[str]] = ([], [])
+        with_heads = None
         if per_head:
-            heads = loaded.model.attention_layers()[0].num_kv_heads
-            head_configs = [
-                (f"layer {i} head {h}", {i}, h)
-                for i in range(args.num_layers)
+            heads = forcer.heads
+            # One head quantized, the layer's other heads in its 16-bit side cache: the head's
+            # own effect, stored as serving would store a keep-list of the others.
+            head_runs = [
+                Run(f"layer {i} head {h}", {i}, {i: set(range(heads)) - {h}}, h)
+                for i in range(n)
                 for h in range(heads)
             ]
-            head_scores, _ = evaluate(forcer, windows, head_configs)
+            head_scores, _ = evaluate(forcer, windows, head_runs)
             head_scores.sort(key=lambda s: (-s.kl, s.quantized_layers[0], s.head))
+            # At the layer keep-list's memory: budget layers = budget x heads KV heads.
+            head_keep = propose_head_keep_list(head_scores, budget * heads, heads)
+            if budget:
+                name = f"keep {[*head_keep[0], *head_keep[1]]}"
+                [with_heads], _ = evaluate(forcer, windows, [keep_run(name, n, *head_keep)])
         return Report(
             model=str(loaded.model_dir),
             kv_cache_dtype=kind,
@@ -325,6 +348,9 @@ def run_kv_eval(
             keep_16bit=keep,
             with_keep_list=with_keep,
             per_head=head_scores,
+            head_keep_layers=head_keep[0],
+            head_keep_heads=head_keep[1],
+            with_head_keep_list=with_heads,
         )
     finally:
         loaded.close()
@@ -354,12 +380,20 @@ def format_report(r: Report) -> str:
     if r.per_head:
         total = sum(s.kl for s in r.per_head) or 1.0
         lines.append(
-            f"per KV head (one head quantized alone, its prefill reading it back quantized), "
+            "per KV head (one head quantized, its layer's other heads in a 16-bit side cache), "
             f"the 10 most sensitive of {len(r.per_head)}:"
         )
         lines += [
             f"{row(s)}  ({100 * s.kl / total:.1f}% of the heads' KL)" for s in r.per_head[:10]
         ]
+        if r.with_head_keep_list is not None:
+            lines.append(row(r.with_head_keep_list))
+            gain = r.all_quantized.kl / r.with_head_keep_list.kl if r.with_head_keep_list.kl > 0 else math.inf
+            lines.append(
+                f"proposed kv_cache_keep_16bit = {r.head_keep_layers}, kv_cache_keep_16bit_heads = "
+                f"{r.head_keep_heads} (the layer keep-list's memory): KL {gain:.1f}x lower than "
+                f"all {r.kv_cache_dtype}"
+            )
     return "\n".join(lines)
 
 
@@ -396,6 +430,13 @@ def add_parser(sub: Any) -> None:
         action="store_true",
         help="also quantize each KV head alone (layers x KV heads more runs)",
     )
+    p.add_argument(
+        "--keep",
+        choices=("layers", "heads"),
+        default="layers",
+        help="the keep-list --write-template writes: whole layers, or (implies --per-head) "
+        "single KV heads, as many as the layer budget holds (budget x KV heads)",
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=main)
 
@@ -412,14 +453,16 @@ def main(ns: argparse.Namespace) -> int:
         ns.max_tokens,
         ns.window,
         ns.chunk,
-        ns.per_head,
+        ns.per_head or ns.keep == "heads",
     )
     if ns.write_template:
+        heads = ns.keep == "heads"
         write_keep_list(
             resolve_template(ns.template),
             Path(ns.write_template),
             report.kv_cache_dtype,
-            report.keep_16bit,
+            report.head_keep_layers if heads else report.keep_16bit,
+            report.head_keep_heads if heads else [],
         )
     if ns.json:
         print(json.dumps(asdict(report)))

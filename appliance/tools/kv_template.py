@@ -14,12 +14,12 @@ from pathlib import Path
 from appliance.config import ConfigError, load_config
 
 _TABLE = re.compile(r"^\s*\[\[?\s*([^\]]+?)\s*\]\]?\s*(#.*)?$")
-_KEYS = ("kv_cache_dtype", "kv_cache_keep_16bit")
+_KEYS = ("kv_cache_dtype", "kv_cache_keep_16bit", "kv_cache_keep_16bit_heads")
 
 
 def _drop_keys(lines: list[str], start: int, end: int) -> list[str]:
-    """Lines [start, end) of a table without its kv_cache_dtype / kv_cache_keep_16bit entries
-    (a multi-line array included)."""
+    """Lines [start, end) of a table without its kv_cache_dtype / kv_cache_keep_16bit[_heads]
+    entries (a multi-line array included)."""
     kept, skipping = [], False
     for line in lines[start:end]:
         stripped = line.strip()
@@ -35,13 +35,20 @@ def _drop_keys(lines: list[str], start: int, end: int) -> list[str]:
     return kept
 
 
-def write_keep_list(template: Path, out: Path, kv_cache_dtype: str, keep: list[int]) -> None:
-    """Copy `template` to `out` with `[cache] kv_cache_dtype` and `kv_cache_keep_16bit` set."""
+def write_keep_list(
+    template: Path, out: Path, kv_cache_dtype: str, keep: list[int], heads: list[str] | None = None
+) -> None:
+    """Copy `template` to `out` with `[cache] kv_cache_dtype`, `kv_cache_keep_16bit` and (when
+    given) `kv_cache_keep_16bit_heads` set."""
+    heads = heads or []
     lines = template.read_text("utf-8").splitlines()
     entries = [
         f'kv_cache_dtype = "{kv_cache_dtype}"',
         f"kv_cache_keep_16bit = {keep}   # proposed by appliance kv-eval",
     ]
+    if heads:
+        quoted = ", ".join(f'"{h}"' for h in heads)
+        entries.append(f"kv_cache_keep_16bit_heads = [{quoted}]   # proposed by appliance kv-eval")
     tables = [(i, m.group(1)) for i, line in enumerate(lines) if (m := _TABLE.match(line))]
     cache_at = next((i for i, name in tables if name == "cache"), None)
     if cache_at is None:
@@ -57,5 +64,8 @@ def write_keep_list(template: Path, out: Path, kv_cache_dtype: str, keep: list[i
         raise ConfigError(f"--write-template: could not edit {template} cleanly: {exc}") from None
     out.write_text(text, "utf-8")
     cfg = load_config(out)
-    if cfg.cache.kv_cache_dtype != kv_cache_dtype or cfg.cache.kv_cache_keep_16bit != keep:
+    c = cfg.cache
+    if (c.kv_cache_dtype, c.kv_cache_keep_16bit, c.kv_cache_keep_16bit_heads) != (
+        kv_cache_dtype, keep, heads
+    ):
         raise ConfigError(f"--write-template: {out} does not read back as written")

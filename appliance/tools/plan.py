@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance.config import ApplianceConfig, ConfigError, load_config, shipped_template_dir
+from appliance.kv_layout import kv_bytes_per_token as kv_layout_bytes_per_token
 from appliance.models.args import ModelArgs
 from appliance.quant_sizes import format_note, quantized_weight_bytes, weight_format
 
@@ -86,7 +87,8 @@ class Plan:
     kv_cache_memory_gib: float
     dtype_bytes: int
     kv_elem_bytes: int
-    kv_keep_16bit: list[int]
+    # kv_cache_keep_16bit's layers, then kv_cache_keep_16bit_heads' "layer:head" entries.
+    kv_keep_16bit: list[int | str]
     block_size: int
     max_model_len: int
     typical_seq_len: int
@@ -185,13 +187,6 @@ def _kv_elem(config: ApplianceConfig, dtype_bytes: int) -> int:
     return dtype_bytes if config.cache.kv_cache_dtype == "auto" else 1
 
 
-def _kv_elems(config: ApplianceConfig, dtype_bytes: int, num_layers: int) -> list[int]:
-    """Bytes per KV element of each layer, as the loader stores them (engine/kv_quant.py)."""
-    keep = set(config.cache.kv_cache_keep_16bit)
-    quantized = _kv_elem(config, dtype_bytes)
-    return [dtype_bytes if i in keep else quantized for i in range(num_layers)]
-
-
 def cpu_weight_bytes(spec: ModelArgs, config: ApplianceConfig, tp: int) -> tuple[int, int, str]:
     """(stored weight bytes, matmul copy bytes, the path) of a CPU rank, as the CPU backend
     would lay them out on this machine (appliance.cpu.backend): the matmuls read a prepacked
@@ -232,7 +227,6 @@ def plan_tp(
         return TPPlan(tp, False, f"cannot split: {problem}")
     hw, cache, sched = config.hardware, config.cache, config.scheduler
     elem = DTYPE_BYTES[config.model.dtype]
-    kv_elem = _kv_elems(config, elem, spec.num_layers)
     max_len = config.model.max_model_len or spec.max_position_embeddings
     params = spec.params_per_rank(tp)
     weights = params * elem if not fmt else quantized_weight_bytes(spec, tp, elem, fmt, qc)
@@ -242,7 +236,11 @@ def plan_tp(
     elif not on_gpu:
         stored, matmul_copy, cpu_path = cpu_weight_bytes(spec, config, tp)
         weights = stored + matmul_copy
-    per_token = spec.kv_bytes_per_token(tp, kv_elem)
+    # Per layer as the loader stores it: 16-bit layers and kept heads (kv_cache_keep_16bit[_heads])
+    # at `elem` bytes, the rest 1; the largest rank's (appliance/kv_layout.py).
+    per_token = kv_layout_bytes_per_token(
+        config.cache, spec.num_layers, spec.num_kv_heads, spec.head_dim, elem, tp
+    )
     block = per_token * cache.block_size
     p = TPPlan(
         tp,
@@ -324,7 +322,7 @@ def make_plan(config: ApplianceConfig, template: str = "") -> Plan:
         kv_cache_memory_gib=config.cache.kv_cache_memory,
         dtype_bytes=elem,
         kv_elem_bytes=_kv_elem(config, elem),
-        kv_keep_16bit=list(config.cache.kv_cache_keep_16bit),
+        kv_keep_16bit=[*config.cache.kv_cache_keep_16bit, *config.cache.kv_cache_keep_16bit_heads],
         block_size=config.cache.block_size,
         max_model_len=config.model.max_model_len or spec.max_position_embeddings,
         typical_seq_len=hw.typical_seq_len,
@@ -402,7 +400,7 @@ def render(plan: Plan) -> str:
             ]
         rows += [
             ("KV cache", _gib(c.kv_cache_bytes), "what is left" if plan.device == "cuda" else "cache.kv_cache_memory"),
-            ("KV bytes per token", f"{c.kv_bytes_per_token / KiB:.1f} KiB", f"K+V x layers x KV heads on this rank x head_dim x {plan.kv_elem_bytes} byte(s)" + (" (16-bit layers: cache.kv_cache_keep_16bit)" if plan.kv_keep_16bit else "")),
+            ("KV bytes per token", f"{c.kv_bytes_per_token / KiB:.1f} KiB", f"K+V x layers x KV heads on this rank x head_dim x {plan.kv_elem_bytes} byte(s)" + (" (16-bit layers/heads: cache.kv_cache_keep_16bit[_heads])" if plan.kv_keep_16bit else "")),
             ("KV blocks", str(c.kv_blocks), f"{plan.block_size} tokens, {c.block_bytes / MiB:.2f} MiB each: {c.kv_tokens} tokens"),
             (f"seqs at {plan.max_model_len} tokens", str(c.seqs_at_max_model_len), "model.max_model_len"),
             (f"seqs at {plan.typical_seq_len} tokens", str(c.seqs_at_typical_seq_len), "hardware.typical_seq_len"),

@@ -61,8 +61,10 @@ def teacher_forced_logprobs(
     out = []
     for window in windows:
         blocks = math.ceil(len(window) / bs)
-        pool = KVCachePool(n_layers, blocks, 0, bs, loaded.runner.kv.device_caches[0][0].shape[2],
-                           loaded.args.head_dim, loaded.runner.kv.dtypes, loaded.device)  # fmt: skip
+        # The serving pool's layout (side caches of kept KV heads included).
+        heads = loaded.model.attention_layers()[0].num_kv_heads
+        pool = KVCachePool(n_layers, blocks, 0, bs, heads, loaded.args.head_dim,
+                           loaded.runner.kv.storage, loaded.device)  # fmt: skip
         runner = ModelRunner(loaded.model, pool, bs, loaded.device)
         block_ids = list(range(blocks))
         rows = []
