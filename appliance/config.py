@@ -194,6 +194,16 @@ class HardwareConfig(_Section):
     # all but one, the load generator on the same 2-core box: 138.7 vs 96.1 output tok/s), or
     # torch's own choice when OMP_NUM_THREADS is set.
     engine_threads: NonNegInt = 0
+    # CPU: entries of oneDNN's and ideep's caches of matmul primitives (appliance.cpu.
+    # primitive_cache). Each distinct matmul shape keeps ~0.57 MiB there (Zen 3, fp32), and the
+    # libraries' default of 1024 let the core's RSS grow by hundreds of MiB under mixed load;
+    # 64 holds a dozen steps' shapes and is filled at load. Below 8 a step's own shapes evict
+    # each other (and ideep crashes on 0). The environment's ONEDNN_PRIMITIVE_CACHE_CAPACITY /
+    # LRU_CACHE_CAPACITY win.
+    onednn_cache_capacity: Annotated[int, Meta(ge=8, le=4096)] = 64
+    # Seconds between returns of freed heap to the OS (malloc_trim) while the engine core is
+    # busy; it also returns it each time it goes idle (appliance.engine.heap). 0: never.
+    heap_trim_interval_s: NonNegFloat = 30.0
 
 
 class ServerConfig(_Section):

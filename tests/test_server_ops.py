@@ -5,6 +5,7 @@ engine when a new one fails to start."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -161,6 +162,10 @@ def test_admin_stats_decodes_into_its_schema(server: ServerProcess) -> None:
     # What the CPU backend detected and picked (appliance.cpu.backend), and why.
     assert stats.backend["cpu"]["isa"] in ("avx2", "avx512", "avx512-bf16", "amx", "sse")
     assert stats.backend["compute_dtype"] in ("float32", "bfloat16") and stats.backend["matmul"]
+    # oneDNN's primitive caches bounded in the core and filled at load (cpu/primitive_cache).
+    caches = stats.backend["primitive_caches"]
+    assert caches["LRU_CACHE_CAPACITY"] == os.environ.get("LRU_CACHE_CAPACITY", "64")
+    assert "core.warm_matmuls" in stats.server.startup_phases
     assert stats.engine is not None and stats.engine.num_blocks > 0
     live = stats.requests[0]
     assert live.priority_class == "batch" and live.priority == 10

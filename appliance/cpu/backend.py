@@ -30,6 +30,7 @@ from appliance.config import ApplianceConfig
 from appliance.cpu.choice import CpuChoice, choose
 from appliance.cpu.features import CpuFeatures, detect
 from appliance.cpu.fused_decode import FusedCpuDecode
+from appliance.cpu.primitive_cache import bound_primitive_caches, warm_primitive_caches
 from appliance.kernels import cpu_native, get_attention_backend
 from appliance.layers.linear import MatmulWeight
 from appliance.layers.norm import RMSNorm
@@ -204,16 +205,24 @@ class CpuBackend:
         # Packed weights' native dot products take int8 activations (cpu_quant_activations).
         self.act8 = act8
         self.fused_decode: FusedCpuDecode | None = None
+        # oneDNN's and ideep's primitive cache capacities in force, and the load-time warm-up.
+        self.primitive_caches: dict[str, str] = {}
+        self.warm_matmuls = 0
 
     @classmethod
     def create(cls, config: ApplianceConfig, num_heads: int, num_kv_heads: int) -> CpuBackend:
+        # Before any oneDNN primitive exists (the weights' reorder is the first): both caches
+        # read their capacity once, at their first use.
+        caches = bound_primitive_caches(config.hardware.onednn_cache_capacity)
         plan = plan_cpu(config, num_heads, num_kv_heads)
         log.info(plan.summary())
         for note in plan.notes:
             log.info("CPU backend: %s", note)
         if plan.warning:
             log.warning("%s", plan.warning)
-        return cls(plan, act8=config.model.cpu_quant_activations == "int8")
+        backend = cls(plan, act8=config.model.cpu_quant_activations == "int8")
+        backend.primitive_caches = caches
+        return backend
 
     def prepare_model(self, model: torch.nn.Module, batch_hint: int) -> None:
         """After the weights are loaded in plan.weight_dtype: the compute dtype of the small
@@ -313,6 +322,15 @@ class CpuBackend:
                 lib,
             )
 
+    def warm(self, model: torch.nn.Module) -> None:
+        """Fill the bounded primitive caches now (appliance.cpu.primitive_cache), with the row
+        counts just above what the native decode and ATen's GEMV take: the core's RSS after
+        start-up then already holds them. After `wire` (the native decode's limit is known)."""
+        first = max(self.fused_max_batch(), BF16_GEMV_MAX_ROWS) + 1
+        self.warm_matmuls = warm_primitive_caches(model.modules(), first)
+        log.info("matmul primitive caches %s, filled with %d matmuls", self.primitive_caches,
+                 self.warm_matmuls)
+
     def fused_max_batch(self) -> int:
         return self.plan.fused_max_batch if self.fused_decode is not None else 0
 
@@ -334,4 +352,6 @@ class CpuBackend:
     def describe(self) -> dict[str, Any]:
         info = self.plan.describe()
         info["native_decode_active"] = self.fused_decode is not None
+        info["primitive_caches"] = dict(self.primitive_caches)
+        info["warm_matmuls"] = self.warm_matmuls
         return info

@@ -21,6 +21,7 @@ import msgspec
 
 from appliance.core.request import FinishReason
 from appliance.engine import ipc
+from appliance.engine.heap import HeapTrimmer
 
 if TYPE_CHECKING:
     from appliance.config import ApplianceConfig
@@ -116,6 +117,9 @@ class _Core:
         # Set by the operator (/admin/pause): no steps run until /admin/resume.
         self.paused = False
         engine.on_started = self._send_started
+        # What steps freed goes back to the OS when idle and every few busy seconds: without
+        # it glibc keeps the heap a mix of step sizes leaves behind (appliance.engine.heap).
+        self.heap = HeapTrimmer(config.hardware.heap_trim_interval_s)
         delay = float(os.environ.get(STEP_DELAY_ENV, "0") or 0)
         if delay > 0:
             _slow_forward(engine, delay)
@@ -170,6 +174,8 @@ class _Core:
         while self.running:
             out = ipc.Frame()
             busy = not self.paused and (engine.has_unfinished() or bool(engine.scheduler.finished))
+            if not busy:
+                self.heap.idle()
             # Block only when idle; while busy, take what has arrived and step.
             if self.conn.poll(0 if busy else IDLE_POLL_S):
                 while True:
@@ -178,13 +184,16 @@ class _Core:
                         break
             if not self.running:
                 break
-            if not self.paused and (engine.has_unfinished() or engine.scheduler.finished):
+            stepped = not self.paused and bool(engine.has_unfinished() or engine.scheduler.finished)
+            if stepped:
                 self._step(out)
             if out.added or out.outputs or out.steps:
                 out.waiting_by_class = self._waiting_by_class()
                 out.num_running = len(engine.scheduler.running)
                 out.departure_rate = engine.departures.rate
                 _send(self.conn, out)
+            if stepped:  # after the send: a trim never delays a step's tokens
+                self.heap.stepped()
 
     def _send_started(self, request_ids: list[str]) -> None:
         _send(self.conn, ipc.Frame(started=request_ids))

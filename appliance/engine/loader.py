@@ -346,6 +346,9 @@ def wire_backend(
     eos = _eos_ids(w.hf_config, w.tokenizer)
     if w.cpu is not None:
         w.cpu.wire(w.model, pool.device_caches, config.cache.block_size)
+        t = time.perf_counter()
+        w.cpu.warm(w.model)
+        times["warm_matmuls"] = time.perf_counter() - t
     runner = ModelRunner(w.model, pool, config.cache.block_size, device, cpu=w.cpu)
     # The driver samples, so it holds the grammar matchers (lazy: nothing is built until a
     # constrained request arrives).
