@@ -415,7 +415,8 @@ def add_parser(sub: Any) -> None:
         "--budget",
         type=int,
         default=None,
-        help="layers the keep-list may hold in 16-bit (default: num_layers // 8, >= 1)",
+        help="layers the keep-list may hold in 16-bit (default: num_layers // 8, >= 1); the "
+        "head keep-list of --per-head takes as many KV heads (budget x KV heads)",
     )
     p.add_argument("--max-tokens", type=int, default=2048)
     p.add_argument("--window", type=int, default=256, help="tokens per teacher-forced sequence")
