@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from appliance.cpu.features import CpuFeatures, detect
-from appliance.layers.quant import QuantWeight
+from appliance.layers.quant import QuantWeight, tile_rows_of, tileable, untile_rows
 
 from . import cpu_native
 
@@ -29,7 +29,11 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_quant.c")
 # What it #includes (part of the build's cache key).
-INCLUDES = (cpu_native.SOURCE, Path(__file__).with_name("cpu_quant_act8.h"))
+INCLUDES = (
+    cpu_native.SOURCE,
+    Path(__file__).with_name("cpu_quant_act8.h"),
+    Path(__file__).with_name("cpu_quant_tiles.h"),
+)
 # Order of the per-layer pointer row of the quantized decode (the Q_ enum in the C file).
 QLAYER_FIELDS = ("ln1", "wqkv", "bqkv", "wo", "ln2", "wgu", "wdown", "k_cache", "v_cache")
 # Passes wider than this dequantize a transient tile and use torch's GEMM. On a Zen 3 (AVX2,
@@ -53,7 +57,8 @@ def load(features: CpuFeatures | None = None) -> ctypes.CDLL | None:
             lib, error = None, str(exc)
             log.warning("packed-weight CPU kernels unavailable, using the torch path: %s", exc)
         if lib is not None:
-            for name in ("quant_matmul", "qdecode_forward_bf16", "qdecode_forward_f32"):
+            for name in ("quant_matmul", "qdecode_forward_bf16", "qdecode_forward_f32",
+                         "quant_tiles_supported"):  # fmt: skip
                 getattr(lib, name).restype = ctypes.c_int
         _loaded[key] = (lib, error)
     return _loaded[key][0]
@@ -71,7 +76,8 @@ def forget_builds() -> None:
 def descriptor(w: QuantWeight, act8: bool = False) -> torch.Tensor:
     """The C side's QW struct (int64 fields; pointers into w's tensors, which must outlive
     every call that gets it). `act8`: int8 activations where the shape allows (K and group
-    in whole 32-column blocks; other weights keep the float32 dot)."""
+    in whole 32-column blocks; other weights keep the float32 dot). Row-tiled weights
+    (tile_rows 8) always take int8 activations: only their kernels read that order."""
     assert w.qweight.is_contiguous() and w.scales.dtype == torch.float16 and w.scales.is_contiguous()
     mins, mins_f32 = 0, 0
     if w.fmt == "q4":
@@ -80,9 +86,23 @@ def descriptor(w: QuantWeight, act8: bool = False) -> torch.Tensor:
     bits = 4 if w.fmt == "q4" else 8
     return torch.tensor(
         [bits, w.out_features, w.in_features, w.group, w.qweight.data_ptr(),
-         w.scales.data_ptr(), mins, mins_f32, int(act8)],
+         w.scales.data_ptr(), mins, mins_f32, int(act8), w.tile_rows if w.tile_rows > 1 else 0],
         dtype=torch.int64,
     )  # fmt: skip
+
+
+def tiles_supported(features: CpuFeatures | None = None) -> bool:
+    """Whether the library built for `features` has the row-tile kernels (AVX2 and up)."""
+    lib = load(features)
+    return lib is not None and bool(lib.quant_tiles_supported())
+
+
+def tiled_for_int8(w: QuantWeight, features: CpuFeatures | None = None) -> QuantWeight:
+    """w in the row-tile order where the kernels and its shape take it, else w: what the CPU
+    backend holds under model.cpu_quant_activations = "int8" (the same bytes, reordered)."""
+    if w.tile_rows == 1 and tileable(w) and tiles_supported(features):
+        return tile_rows_of(w)
+    return w
 
 
 def _lib() -> ctypes.CDLL:
@@ -134,6 +154,8 @@ def quant_matmul_act8(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None
 def act8_reference(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     """What the int8-activation kernels compute, in torch: x rounded to int8 per 32 columns
     (scale max|x| / 127) meets q * scale, the min term meets x itself."""
+    if w.tile_rows != 1:
+        w = untile_rows(w)
     rows, k = x.shape
     blocks = x.float().reshape(rows, k // 32, 32)
     amax = blocks.abs().amax(-1, keepdim=True)

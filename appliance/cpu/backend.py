@@ -31,7 +31,7 @@ from appliance.cpu.choice import CpuChoice, choose
 from appliance.cpu.features import CpuFeatures, detect
 from appliance.cpu.fused_decode import FusedCpuDecode
 from appliance.kernels import cpu_native, get_attention_backend
-from appliance.layers.linear import MatmulWeight
+from appliance.layers.linear import MatmulWeight, reference_quant_matmul
 from appliance.layers.norm import RMSNorm
 from appliance.layers.ops import LayerOps
 from appliance.layers.rotary import RotaryEmbedding
@@ -235,6 +235,8 @@ class CpuBackend:
                 module.quant_matmul = self._quant_matmul()
             elif isinstance(module, MatmulWeight):
                 self._set_matmul_weight(module, batch_hint)
+        if self.act8 and self._quant_matmul() is not reference_quant_matmul:
+            self._tile_packed(model)
         model.model.embed_tokens.quant_out_dtype = plan.compute_dtype  # type: ignore[union-attr]
         rotary = model.model.rotary  # type: ignore[union-attr]
         model.set_ops(  # type: ignore[operator]
@@ -246,9 +248,23 @@ class CpuBackend:
         for attn in model.attention_layers():  # type: ignore[operator]
             attn.set_backend(write_kv, attend)
 
+    def _tile_packed(self, model: torch.nn.Module) -> None:
+        """int8 activations: every packed matrix whose shape allows it in the row-tile order
+        (appliance.layers.quant), which the int8 kernels read 8 rows per instruction. The
+        bytes are reordered, not copied: the row-major tensors are released."""
+        from appliance.kernels import cpu_quant
+        from appliance.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+
+        for module in model.modules():
+            # A tied or own LM head reads its embedding's table (tiled as an embedding).
+            owns = isinstance(module, VocabParallelEmbedding) or (
+                isinstance(module, MatmulWeight) and not isinstance(module, ParallelLMHead)
+            )
+            if owns and module.quant is not None:
+                module.quant = cpu_quant.tiled_for_int8(module.quant, self.plan.features)
+
     def _quant_matmul(self) -> Any:
         from appliance.kernels import cpu_quant
-        from appliance.layers.linear import reference_quant_matmul
 
         if self.plan.native_ops and cpu_quant.load(self.plan.features) is not None:
             if self.act8:
