@@ -6,6 +6,8 @@ ctypes on the packed tensors of an appliance.layers.quant.QuantWeight.
   rows it reads the packed bytes (GEMV-like, bound by the weight read); wider passes
   (prefills) dequantize the matrix into a transient float32 tile and hand it to torch's GEMM,
   where the dequantization is amortized over the rows and the GEMM is compute-bound anyway.
+  Row-tiled weights (int8 activations) take their packed kernel at every width: its integer
+  products (32 per maddubs) beat dequantizing plus a float32 GEMM at any row count.
 - `dequant_rows(w, rows)`: float32 rows (embedding lookups, the tiles above).
 - `qdecode_forward_*`: the whole decode forward over packed linears (appliance.cpu.quant_decode).
 """
@@ -38,7 +40,9 @@ INCLUDES = (
 QLAYER_FIELDS = ("ln1", "wqkv", "bqkv", "wo", "ln2", "wgu", "wdown", "k_cache", "v_cache")
 # Passes wider than this dequantize a transient tile and use torch's GEMM. On a Zen 3 (AVX2,
 # 2 threads) the packed kernel re-reads each weight row per 4 rows of x and stops gaining
-# from batching at about this many rows; a float32 GEMM does ~120 GFLOP/s there.
+# from batching at about this many rows; a float32 GEMM does ~120 GFLOP/s there. Row-tiled
+# weights never take the tile: SmolLM2's gate_up (3072 x 576) at 128 rows, 1 thread, took
+# 5.2 ms packed vs 8.0 ms dequantized + GEMM (16 rows: 0.64 vs 1.45; row-major int8: 13.5).
 DENSE_TILE_ROWS = 16
 
 _loaded: dict[tuple[str, ...], tuple[ctypes.CDLL | None, str | None]] = {}
@@ -132,7 +136,7 @@ def quant_matmul(
     x2 = x.reshape(-1, x.shape[-1])
     rows = x2.shape[0]
     fbias = None if bias is None else bias.float().contiguous()
-    if rows > DENSE_TILE_ROWS:
+    if rows > DENSE_TILE_ROWS and w.tile_rows == 1:
         out = F.linear(x2.float(), dequant_rows(w), fbias)
     else:
         xf = x2.float().contiguous()
