@@ -156,6 +156,7 @@ def test_int8_activations_hold_row_tiles_and_compute_as_the_row_major_kernels(
     boundary, so the comparison is one decode step, and perplexity over a window."""
     from appliance.kernels import cpu_quant
 
+    from appliance.cpu.backend import TILED_FUSED_MAX
     from appliance.cpu.quant_decode import QuantFusedCpuDecode
     from appliance.engine.executor import load_model
     from appliance.layers.embedding import ParallelLMHead
@@ -173,7 +174,8 @@ def test_int8_activations_hold_row_tiles_and_compute_as_the_row_major_kernels(
         owners = [m for m in model.modules() if isinstance(m, MatmulWeight) and m.quant is not None
                   and not isinstance(m, ParallelLMHead)] + [model.model.embed_tokens]  # fmt: skip
         assert all(m.quant.tile_rows == 8 for m in owners)  # type: ignore[union-attr]
-        assert isinstance(fused, QuantFusedCpuDecode)
+        assert isinstance(fused, QuantFusedCpuDecode) and fused.tiled
+        assert loaded.runner.fused_max_batch == TILED_FUSED_MAX  # wider steps stay fused
         # Three first tokens, each in a fresh block (10-12) of the KV pool.
         blocks = torch.tensor([[10], [11], [12]], dtype=torch.int32)
         step = (torch.tensor([5, 77, 1200]), torch.zeros(3, dtype=torch.int64),
