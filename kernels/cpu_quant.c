@@ -26,6 +26,7 @@ typedef struct {
     const void *mins;        /* [n, groups], q4 only: fp16, or float32 when mins_f32 */
     int64_t mins_f32;        /* AWQ/GPTQ: -zero * scale is exact in float32, not in fp16 */
     int64_t act8;            /* x quantized to int8 per 32 columns: integer dot products */
+    int64_t tiles;           /* 8: the row-tile order (cpu_quant_tiles.h), int8 x always */
 } QW;
 
 typedef uint8_t vb __attribute__((vector_size(VW)));
@@ -261,6 +262,11 @@ static inline void h2f_row(const uint16_t *h, int64_t n, float *out) {
 
 /* The int8-activation dot products (AVX2 / AVX-VNNI / AVX-512-VNNI), or ACT8 0. */
 #include "cpu_quant_act8.h"
+/* The int8-activation dot over row tiles (TILES 1 where built, with ACT8). */
+#include "cpu_quant_tiles.h"
+
+/* Whether this build has the row-tile kernels (cpu_quant.py tiles weights only then). */
+int quant_tiles_supported(void) { return TILES; }
 
 /* Row n of w against nb <= 4 rows of x. */
 static inline void qdot(const QW *w, int64_t n, const float *x, const float *xs, int64_t nb,
@@ -293,7 +299,7 @@ static inline void qdot(const QW *w, int64_t n, const float *x, const float *xs,
 /* Whether w takes the int8-activation dot (asked for, built, and K and group in whole
  * 32-column blocks). */
 static inline int use_act8(const QW *w) {
-    return ACT8 && w->act8 && w->k % 32 == 0 && w->group % 32 == 0;
+    return ACT8 && (w->act8 || w->tiles) && w->k % 32 == 0 && w->group % 32 == 0;
 }
 
 /* Floats of scratch qmatvec needs for `batch` rows of x of length k. */
@@ -332,6 +338,12 @@ static void qmatvec(const float *x, const QW *w, const float *bias, float *y, in
         }
     }
     _Pragma("omp barrier")
+#if TILES
+    if (w->tiles) {
+        qmatvec_tiles(w, xq, dx, xs, bias, y, batch, accumulate);
+        return;
+    }
+#endif
     _Pragma("omp for schedule(static)")
     for (int64_t n = 0; n < n_out; n++) {
         float d[4];
@@ -364,6 +376,33 @@ int quant_matmul(const int64_t *qw, const float *x, const float *bias, float *y,
     return 0;
 }
 
+/* Row n of a row-tiled w (quant.py's tile order) in float32: lane n % 8 of tile n / 8, whose
+ * 4-byte pieces sit 32 bytes apart in each block (the wide passes dequantize every row). */
+static void dequant_tiled_row(const QW *w, int64_t n, float *o) {
+    const int64_t k = w->k, ng = groups_of(w), lane = n % 8, nblk = k / 32;
+    const int q4 = w->bits == 4;
+    const uint8_t *tq = w->q + (n / 8) * 8 * (q4 ? k / 2 : k) + lane * 4;
+    const uint16_t *sc = w->scales + (n / 8) * 8 * ng + lane;
+    const void *tm = q4 ? min_row(w, n - lane) : NULL;
+    for (int64_t blk = 0; blk < nblk; blk++) {
+        const int64_t g = blk * 32 / w->group;
+        const float s = h2f(sc[g * 8]);
+        float *ob = o + blk * 32;
+        if (q4) {
+            const float m = min_at(w, tm, g * 8 + lane);
+            const uint8_t *tb = tq + blk * 128;
+            for (int i = 0; i < 16; i++) { /* byte i of the ggml block: chunk i / 4 */
+                uint8_t byte = tb[(i / 4) * 32 + i % 4];
+                ob[i] = (float)(byte & 0x0F) * s + m;
+                ob[i + 16] = (float)(byte >> 4) * s + m;
+            }
+        } else {
+            const int8_t *tb = (const int8_t *)tq + blk * 256;
+            for (int c = 0; c < 32; c++) ob[c] = (float)tb[(c / 4) * 32 + c % 4] * s;
+        }
+    }
+}
+
 /* out [nrows, k] = float32 rows `rows` of w (all n rows when rows is NULL): the embedding
  * lookup of a packed table and the transient tiles of wide (prefill) matmuls. */
 void quant_dequant_rows(const int64_t *qw, const int64_t *rows, int64_t nrows, float *out,
@@ -374,6 +413,10 @@ void quant_dequant_rows(const int64_t *qw, const int64_t *rows, int64_t nrows, f
     for (int64_t r = 0; r < nrows; r++) {
         int64_t n = rows ? rows[r] : r;
         float *o = out + r * k;
+        if (w->tiles) {
+            dequant_tiled_row(w, n, o);
+            continue;
+        }
         const uint16_t *srow = w->scales + n * ng;
         if (w->bits == 4) {
             const uint8_t *q = w->q + n * (k / 2);

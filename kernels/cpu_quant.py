@@ -6,6 +6,8 @@ ctypes on the packed tensors of an appliance.layers.quant.QuantWeight.
   rows it reads the packed bytes (GEMV-like, bound by the weight read); wider passes
   (prefills) dequantize the matrix into a transient float32 tile and hand it to torch's GEMM,
   where the dequantization is amortized over the rows and the GEMM is compute-bound anyway.
+  Row-tiled weights (int8 activations) take their packed kernel at every width: its integer
+  products (32 per maddubs) beat dequantizing plus a float32 GEMM at any row count.
 - `dequant_rows(w, rows)`: float32 rows (embedding lookups, the tiles above).
 - `qdecode_forward_*`: the whole decode forward over packed linears (appliance.cpu.quant_decode).
 """
@@ -21,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from appliance.cpu.features import CpuFeatures, detect
-from appliance.layers.quant import QuantWeight
+from appliance.layers.quant import QuantWeight, tile_rows_of, tileable, untile_rows
 
 from . import cpu_native
 
@@ -29,12 +31,18 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_quant.c")
 # What it #includes (part of the build's cache key).
-INCLUDES = (cpu_native.SOURCE, Path(__file__).with_name("cpu_quant_act8.h"))
+INCLUDES = (
+    cpu_native.SOURCE,
+    Path(__file__).with_name("cpu_quant_act8.h"),
+    Path(__file__).with_name("cpu_quant_tiles.h"),
+)
 # Order of the per-layer pointer row of the quantized decode (the Q_ enum in the C file).
 QLAYER_FIELDS = ("ln1", "wqkv", "bqkv", "wo", "ln2", "wgu", "wdown", "k_cache", "v_cache")
 # Passes wider than this dequantize a transient tile and use torch's GEMM. On a Zen 3 (AVX2,
 # 2 threads) the packed kernel re-reads each weight row per 4 rows of x and stops gaining
-# from batching at about this many rows; a float32 GEMM does ~120 GFLOP/s there.
+# from batching at about this many rows; a float32 GEMM does ~120 GFLOP/s there. Row-tiled
+# weights never take the tile: SmolLM2's gate_up (3072 x 576) at 128 rows, 1 thread, took
+# 5.2 ms packed vs 8.0 ms dequantized + GEMM (16 rows: 0.64 vs 1.45; row-major int8: 13.5).
 DENSE_TILE_ROWS = 16
 
 _loaded: dict[tuple[str, ...], tuple[ctypes.CDLL | None, str | None]] = {}
@@ -53,7 +61,8 @@ def load(features: CpuFeatures | None = None) -> ctypes.CDLL | None:
             lib, error = None, str(exc)
             log.warning("packed-weight CPU kernels unavailable, using the torch path: %s", exc)
         if lib is not None:
-            for name in ("quant_matmul", "qdecode_forward_bf16", "qdecode_forward_f32"):
+            for name in ("quant_matmul", "qdecode_forward_bf16", "qdecode_forward_f32",
+                         "quant_tiles_supported"):  # fmt: skip
                 getattr(lib, name).restype = ctypes.c_int
         _loaded[key] = (lib, error)
     return _loaded[key][0]
@@ -71,7 +80,8 @@ def forget_builds() -> None:
 def descriptor(w: QuantWeight, act8: bool = False) -> torch.Tensor:
     """The C side's QW struct (int64 fields; pointers into w's tensors, which must outlive
     every call that gets it). `act8`: int8 activations where the shape allows (K and group
-    in whole 32-column blocks; other weights keep the float32 dot)."""
+    in whole 32-column blocks; other weights keep the float32 dot). Row-tiled weights
+    (tile_rows 8) always take int8 activations: only their kernels read that order."""
     assert w.qweight.is_contiguous() and w.scales.dtype == torch.float16 and w.scales.is_contiguous()
     mins, mins_f32 = 0, 0
     if w.fmt == "q4":
@@ -80,9 +90,23 @@ def descriptor(w: QuantWeight, act8: bool = False) -> torch.Tensor:
     bits = 4 if w.fmt == "q4" else 8
     return torch.tensor(
         [bits, w.out_features, w.in_features, w.group, w.qweight.data_ptr(),
-         w.scales.data_ptr(), mins, mins_f32, int(act8)],
+         w.scales.data_ptr(), mins, mins_f32, int(act8), w.tile_rows if w.tile_rows > 1 else 0],
         dtype=torch.int64,
     )  # fmt: skip
+
+
+def tiles_supported(features: CpuFeatures | None = None) -> bool:
+    """Whether the library built for `features` has the row-tile kernels (AVX2 and up)."""
+    lib = load(features)
+    return lib is not None and bool(lib.quant_tiles_supported())
+
+
+def tiled_for_int8(w: QuantWeight, features: CpuFeatures | None = None) -> QuantWeight:
+    """w in the row-tile order where the kernels and its shape take it, else w: what the CPU
+    backend holds under model.cpu_quant_activations = "int8" (the same bytes, reordered)."""
+    if w.tile_rows == 1 and tileable(w) and tiles_supported(features):
+        return tile_rows_of(w)
+    return w
 
 
 def _lib() -> ctypes.CDLL:
@@ -112,7 +136,7 @@ def quant_matmul(
     x2 = x.reshape(-1, x.shape[-1])
     rows = x2.shape[0]
     fbias = None if bias is None else bias.float().contiguous()
-    if rows > DENSE_TILE_ROWS:
+    if rows > DENSE_TILE_ROWS and w.tile_rows == 1:
         out = F.linear(x2.float(), dequant_rows(w), fbias)
     else:
         xf = x2.float().contiguous()
@@ -134,6 +158,8 @@ def quant_matmul_act8(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None
 def act8_reference(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     """What the int8-activation kernels compute, in torch: x rounded to int8 per 32 columns
     (scale max|x| / 127) meets q * scale, the min term meets x itself."""
+    if w.tile_rows != 1:
+        w = untile_rows(w)
     rows, k = x.shape
     blocks = x.float().reshape(rows, k // 32, 32)
     amax = blocks.abs().amax(-1, keepdim=True)

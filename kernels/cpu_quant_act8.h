@@ -58,7 +58,8 @@ static inline float hsum256(__m256 v) {
             for (int64_t g = g0; g < g0 + gn; g++) {                                           \
                 __m256 ag[NB];                                                                 \
                 for (int b = 0; b < NB; b++) ag[b] = _mm256_setzero_ps();                      \
-                for (int64_t c = g * group; c < (g + 1) * group; c += 32) {                    \
+                /* q8's last group may end short of K (K a multiple of 32, not of group). */ \
+                for (int64_t c = g * group; c < (g + 1) * group && c < k; c += 32) {           \
                     __m256i wv, sx = _mm256_setzero_si256();                                   \
                     if (q4) {                                                                  \
                         __m128i raw = _mm_loadu_si128((const __m128i *)(qrow + c / 2));        \

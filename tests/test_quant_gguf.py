@@ -191,3 +191,53 @@ def test_int8_refuses_an_already_quantized_checkpoint(tokenizer_dir: Path, tmp_p
     path, _ = write_gguf(hf, tokenizer_dir, tmp_path / "q4", "Q4_0")
     with pytest.raises(ConfigError, match="model.quantization"):
         _engine(path, **{"model.quantization": "int8"})
+
+
+
+def test_int8_activations_hold_row_tiles_and_compute_as_the_row_major_kernels(
+    tokenizer_dir: Path, tmp_path: Path, cpu_path: str
+) -> None:
+    """model.cpu_quant_activations = "int8": the backend reorders every packed matrix it can
+    into row tiles (the tied embedding / LM head too); the fused decode and the teacher-forced
+    narrow passes over them compute what the row-major int8 kernels compute. Not token for
+    token: a float32 rounding apart upstream can move an activation across an int8 rounding
+    boundary, so the comparison is one decode step, and perplexity over a window."""
+    from appliance.kernels import cpu_quant
+
+    from appliance.cpu.backend import TILED_FUSED_MAX
+    from appliance.cpu.quant_decode import QuantFusedCpuDecode
+    from appliance.engine.executor import load_model
+    from appliance.layers.embedding import ParallelLMHead
+    from appliance.layers.quant import untile_rows
+    from appliance.tools.quant_eval import config_for, perplexity, teacher_forced_logprobs
+
+    hf = random_llama(tokenizer_dir, seed=4, tied=True)
+    path, _ = write_gguf(hf, tokenizer_dir, tmp_path / "q4", "Q4_0")
+    windows = random_prompts(hf.config.vocab_size, [40])
+    loaded = load_model(config_for(str(path), {
+        "model.cpu_quant_activations": "int8", "model.dtype": "float32", "model.max_model_len": 256,
+    }))  # fmt: skip
+    try:
+        model, fused = loaded.model, loaded.cpu.fused_decode  # type: ignore[union-attr]
+        owners = [m for m in model.modules() if isinstance(m, MatmulWeight) and m.quant is not None
+                  and not isinstance(m, ParallelLMHead)] + [model.model.embed_tokens]  # fmt: skip
+        assert all(m.quant.tile_rows == 8 for m in owners)  # type: ignore[union-attr]
+        assert isinstance(fused, QuantFusedCpuDecode) and fused.tiled
+        assert loaded.runner.fused_max_batch == TILED_FUSED_MAX  # wider steps stay fused
+        # Three first tokens, each in a fresh block (10-12) of the KV pool.
+        blocks = torch.tensor([[10], [11], [12]], dtype=torch.int32)
+        step = (torch.tensor([5, 77, 1200]), torch.zeros(3, dtype=torch.int64),
+                blocks[:, 0].to(torch.int64) * fused.block_size, blocks,
+                torch.ones(3, dtype=torch.int32))  # fmt: skip
+        tiled_step = fused(*step)
+        tiled_ppl = perplexity(teacher_forced_logprobs(loaded, windows), windows)
+        for m in owners:
+            m.quant = untile_rows(m.quant)  # type: ignore[union-attr]
+        plain = QuantFusedCpuDecode(model, loaded.runner.kv.device_caches, fused.block_size,
+                                    fused.dtype, cpu_quant.load(), act8=True)  # fmt: skip
+        torch.testing.assert_close(tiled_step, plain(*step), rtol=0,
+                                   atol=1e-3 * tiled_step.abs().max().item())  # fmt: skip
+        plain_ppl = perplexity(teacher_forced_logprobs(loaded, windows), windows)
+        assert abs(tiled_ppl / plain_ppl - 1) < 0.01, (tiled_ppl, plain_ppl)
+    finally:
+        loaded.close()

@@ -57,6 +57,13 @@ class QuantFusedCpuDecode:
         self.final_norm = self._small(model.model.norm.weight)
         head = model.lm_head.quant
         self.lm_head_desc = cpu_quant.descriptor(self._need(head, "lm_head"), act8)
+        # Every matrix in row tiles (int8 activations): the backend lets wider steps in.
+        self.tiled = head.tile_rows != 1 and all(  # type: ignore[union-attr]
+            lin.quant.tile_rows != 1  # type: ignore[union-attr]
+            for layer in layers
+            for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                        layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        )  # fmt: skip
         self.vocab = self._need(head, "lm_head").out_features
         self.embedding = model.model.embed_tokens
         self.cos = model.model.rotary.cos.float().contiguous()

@@ -16,6 +16,13 @@ CPU, Triton, the torch reference here) has two cases, not one per format:
 
 Quantization is per output row, so rows can be concatenated (q|k|v) and permuted (GGUF's q/k
 order) on the packed bytes.
+
+``tile_rows = 8`` (set by the CPU backend for int8-activation kernels, `tile_rows_of`) holds
+the same bytes in row tiles: every 8 rows x 32 columns are contiguous, as chunks of 4 columns
+of each of the 8 rows (q4: 4 bytes of ggml's block order; q8: 4 int8), and the scales and mins
+of a tile's 8 rows sit side by side per group ([N/8, groups, 8]). One 32-byte load then holds
+8 output rows, so a dot product sums 8 rows per instruction and the per-group scales are
+applied as one vector (kernels/cpu_quant_tiles.h). Tensor shapes do not change.
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ from dataclasses import dataclass
 import torch
 
 FORMATS = ("q4", "q8")
+# Rows of a tile in the row-tile order (QuantWeight.tile_rows).
+TILE_ROWS = 8
 
 
 @dataclass
@@ -39,6 +48,8 @@ class QuantWeight:
     in_features: int
     # Which checkpoint format it came from, for logs and the plan ("gguf:Q4_1", "awq", "int8").
     source: str = ""
+    # 1: row-major as above; TILE_ROWS: the row-tile order (tile_rows_of).
+    tile_rows: int = 1
 
     def __post_init__(self) -> None:
         if self.fmt not in FORMATS:
@@ -54,6 +65,8 @@ class QuantWeight:
         else:
             assert self.qweight.dtype == torch.int8 and self.qweight.shape == (n, k)
         assert self.scales.shape == (n, -(-k // self.group)), (self.scales.shape, n, k, self.group)
+        if self.tile_rows != 1:
+            assert self.tile_rows == TILE_ROWS and tileable(self), (self.tile_rows, n, k, self.group)
 
     @property
     def out_features(self) -> int:
@@ -70,6 +83,7 @@ class QuantWeight:
 
     def take_rows(self, index: torch.Tensor) -> QuantWeight:
         """The rows `index` (a permutation or a shard), still packed."""
+        assert self.tile_rows == 1, "take_rows on row tiles"
         mins = self.mins[index].contiguous() if self.mins is not None else None
         return QuantWeight(self.fmt, self.qweight[index].contiguous(),
                            self.scales[index].contiguous(), mins, self.group, self.in_features,
@@ -78,12 +92,13 @@ class QuantWeight:
     def to(self, device: torch.device | str) -> QuantWeight:
         mins = self.mins.to(device) if self.mins is not None else None
         return QuantWeight(self.fmt, self.qweight.to(device), self.scales.to(device), mins,
-                           self.group, self.in_features, self.source)  # fmt: skip
+                           self.group, self.in_features, self.source, self.tile_rows)  # fmt: skip
 
     @staticmethod
     def cat_rows(parts: list[QuantWeight]) -> QuantWeight:
         """Row-wise concatenation (merged q|k|v, gate|up); all parts in one layout."""
         first = parts[0]
+        assert all(p.tile_rows == 1 for p in parts), "cat_rows on row tiles"
         for p in parts[1:]:
             if (p.fmt, p.group, p.in_features) != (first.fmt, first.group, first.in_features):
                 raise ValueError(
@@ -119,6 +134,8 @@ def pack_q4(values: torch.Tensor) -> torch.Tensor:
 def dequantize_rows(w: QuantWeight, rows: torch.Tensor | None) -> torch.Tensor:
     """float32 [len(rows) or N, K]: the embedding lookup of a quantized table, and the
     reference every kernel is tested against."""
+    if w.tile_rows != 1:
+        w, rows = untile_rows(w, rows), None
     q = w.qweight if rows is None else w.qweight[rows]
     scales = (w.scales if rows is None else w.scales[rows]).float()
     k = w.in_features
@@ -139,3 +156,48 @@ def quantize_int8(weight: torch.Tensor) -> QuantWeight:
     scale = (amax / 127.0).to(torch.float16)
     q = torch.round(w / scale.float()).clamp_(-127, 127).to(torch.int8)
     return QuantWeight("q8", q.contiguous(), scale.contiguous(), None, w.shape[1], w.shape[1], "int8")
+
+
+def tileable(w: QuantWeight) -> bool:
+    """Whether w's shape has a row-tile order: whole tiles of rows, K and the groups in whole
+    32-column blocks (the int8-activation kernels' blocks)."""
+    return w.out_features % TILE_ROWS == 0 and w.in_features % 32 == 0 and w.group % 32 == 0
+
+
+def _chunks(w: QuantWeight) -> tuple[int, int]:
+    """(32-column blocks a row, 4-byte chunks a block) of w's packed values."""
+    return w.in_features // 32, 4 if w.fmt == "q4" else 8
+
+
+def tile_rows_of(w: QuantWeight) -> QuantWeight:
+    """w in the row-tile order (a permutation of its bytes; w itself is left as it was)."""
+    assert w.tile_rows == 1 and tileable(w), (w.shape, w.group)
+    n, t = w.out_features, TILE_ROWS
+    blocks, chunks = _chunks(w)
+    # [tile, row, block, chunk, byte] -> [tile, block, chunk, row, byte]
+    q = w.qweight.view(n // t, t, blocks, chunks, 4).permute(0, 2, 3, 1, 4)
+
+    def side(a: torch.Tensor) -> torch.Tensor:  # [tile, row, group] -> [tile, group, row]
+        return a.view(n // t, t, -1).permute(0, 2, 1).reshape(a.shape).contiguous()
+
+    mins = side(w.mins) if w.mins is not None else None
+    return QuantWeight(w.fmt, q.reshape(w.qweight.shape).contiguous(), side(w.scales), mins,
+                       w.group, w.in_features, w.source, TILE_ROWS)  # fmt: skip
+
+
+def untile_rows(w: QuantWeight, rows: torch.Tensor | None = None) -> QuantWeight:
+    """Rows `rows` (all when None) of a row-tiled w, back in the row-major order."""
+    n, t = w.out_features, w.tile_rows
+    blocks, chunks = _chunks(w)
+    idx = torch.arange(n) if rows is None else rows.to(torch.int64).reshape(-1)
+    tile, lane = idx // t, idx % t
+    # Advanced indices split by slices come first: [len(idx), block, chunk, byte].
+    q = w.qweight.view(n // t, blocks, chunks, t, 4)[tile, :, :, lane]
+
+    def side(a: torch.Tensor) -> torch.Tensor:
+        return a.view(n // t, -1, t)[tile, :, lane]
+
+    mins = side(w.mins) if w.mins is not None else None
+    return QuantWeight(w.fmt, q.reshape(len(idx), -1).contiguous(), side(w.scales).contiguous(),
+                       None if mins is None else mins.contiguous(), w.group, w.in_features,
+                       w.source)  # fmt: skip

@@ -1,0 +1,153 @@
+/* Part of cpu_quant.c (included after cpu_quant_act8.h, where ACT8 is 1): the int8-activation
+ * dot products over row tiles (QuantWeight.tile_rows = 8, appliance/layers/quant.py).
+ *
+ * Why tiles: in the row-major layout every 32 weights of a row need their own reduction
+ * (maddubs, madd, convert, scale FMA) and every row a horizontal sum, ~8 vector instructions
+ * per 32 weights, more work than reading the 16 bytes costs. In a tile one 32-byte load holds
+ * 4 columns of each of 8 rows, so each instruction serves 8 output rows: x is broadcast 4
+ * bytes at a time, a block's 8 products (q4) add up in int16 lanes without overflow
+ * (8 x 2 x 15 x 127 = 30480), the block's reduction and its 8 rows' scales (one fp16 vector
+ * load) cost 5 instructions per 256 weights, and lane r of the accumulator is row r's result:
+ * no horizontal sums. About 4 instructions per 32 weights in all, where the read is the bound.
+ *
+ * Tile t, block b (32 columns): q4 128 bytes at (t * blocks + b) * 128, chunk j (32 bytes)
+ * holding bytes 4j..4j+3 of each row's ggml block (columns 4j.. low, 16 + 4j.. high nibbles);
+ * q8 256 bytes, chunk j holding columns 4j..4j+3. Scales and mins [tiles, groups, 8]. */
+#if ACT8
+#define TILE 8
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define TILE_DP(acc, w, x) _mm256_dpbusd_epi32((acc), (w), (x))
+#elif defined(__AVXVNNI__)
+#define TILE_DP(acc, w, x) _mm256_dpbusd_avx_epi32((acc), (w), (x))
+#endif
+
+#ifdef TILE_DP
+/* VNNI: one instruction multiplies and sums into int32 lanes. */
+#define Q4_ACC(acc, w, x) ((acc) = TILE_DP((acc), (w), (x)))
+#define Q4_FINISH(acc) (acc)
+#define Q8_ACC(acc, w, x) ((acc) = TILE_DP((acc), (w), (x)))
+#else
+/* AVX2: q4 products summed in int16 for the whole block, widened once; q8 products
+ * (|w| x 127 x 2 = 32258) leave no room in int16, so each is widened to int32. */
+#define Q4_ACC(acc, w, x) ((acc) = _mm256_add_epi16((acc), _mm256_maddubs_epi16((w), (x))))
+#define Q4_FINISH(acc) _mm256_madd_epi16((acc), _mm256_set1_epi16(1))
+#define Q8_ACC(acc, w, x)                                                                      \
+    ((acc) = _mm256_add_epi32(                                                                 \
+         (acc), _mm256_madd_epi16(_mm256_maddubs_epi16((w), (x)), _mm256_set1_epi16(1))))
+#endif
+
+/* 4 int8 of x, broadcast to every 32-bit lane (one load uop). */
+static inline __m256i bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* Tiles ahead of the one being summed that are asked for (a tile is 1-6 KB at K 576-1536;
+ * the hardware prefetcher alone left loads waiting on DRAM at tile starts). */
+#define TILE_PREFETCH_BYTES 2048
+
+/* Tile t of w against NB rows of int8 x: out[b * 8 + r] = row 8t + r . x[b]. */
+#define TILE_DOT(NB)                                                                           \
+    do {                                                                                       \
+        __m256 acc[NB];                                                                        \
+        for (int b = 0; b < NB; b++) acc[b] = _mm256_setzero_ps();                             \
+        for (int64_t g = 0; g < ng; g++) {                                                     \
+            const __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + g * TILE))); \
+            const int64_t end = (g + 1) * gb < nblk ? (g + 1) * gb : nblk;                    \
+            for (int64_t blk = g * gb; blk < end; blk++) {                                     \
+                __m256i is[NB];                                                                \
+                for (int b = 0; b < NB; b++) is[b] = _mm256_setzero_si256();                   \
+                if (q4) {                                                                      \
+                    const uint8_t *tb = tq + blk * 128;                                        \
+                    __builtin_prefetch(tb + TILE_PREFETCH_BYTES);                              \
+                    __builtin_prefetch(tb + TILE_PREFETCH_BYTES + 64);                         \
+                    for (int j = 0; j < 4; j++) {                                              \
+                        __m256i raw = _mm256_loadu_si256((const __m256i *)(tb + 32 * j));      \
+                        __m256i lo = _mm256_and_si256(raw, mask);                              \
+                        __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);        \
+                        for (int b = 0; b < NB; b++) {                                         \
+                            const int8_t *xb = xq + b * k + blk * 32 + 4 * j;                  \
+                            Q4_ACC(is[b], lo, bcast4(xb));                                     \
+                            Q4_ACC(is[b], hi, bcast4(xb + 16));                                \
+                        }                                                                      \
+                    }                                                                          \
+                    for (int b = 0; b < NB; b++) is[b] = Q4_FINISH(is[b]);                     \
+                } else {                                                                       \
+                    const uint8_t *tb = tq + blk * 256;                                        \
+                    __builtin_prefetch(tb + TILE_PREFETCH_BYTES);                              \
+                    __builtin_prefetch(tb + TILE_PREFETCH_BYTES + 64);                         \
+                    __builtin_prefetch(tb + TILE_PREFETCH_BYTES + 128);                        \
+                    __builtin_prefetch(tb + TILE_PREFETCH_BYTES + 192);                        \
+                    for (int j = 0; j < 8; j++) {                                              \
+                        __m256i raw = _mm256_loadu_si256((const __m256i *)(tb + 32 * j));      \
+                        /* maddubs takes unsigned x signed: |w|, and w's sign moved to x. */   \
+                        __m256i wa = _mm256_abs_epi8(raw);                                     \
+                        for (int b = 0; b < NB; b++) {                                         \
+                            const int8_t *xb = xq + b * k + blk * 32 + 4 * j;                  \
+                            Q8_ACC(is[b], wa, _mm256_sign_epi8(bcast4(xb), raw));              \
+                        }                                                                      \
+                    }                                                                          \
+                }                                                                              \
+                for (int b = 0; b < NB; b++) {                                                 \
+                    __m256 d = _mm256_mul_ps(sv, _mm256_broadcast_ss(dx + b * nblk + blk));    \
+                    acc[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[b]), d, acc[b]);            \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+        /* q4's min term: sum over groups of the 8 rows' mins times x's float32 group sum. */  \
+        if (q4)                                                                                \
+            for (int64_t g = 0; g < ng; g++) {                                                 \
+                __m256 mv = w->mins_f32                                                        \
+                    ? _mm256_loadu_ps((const float *)tm + g * TILE)                            \
+                    : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)tm + g * TILE))); \
+                for (int b = 0; b < NB; b++)                                                   \
+                    acc[b] = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(xs + b * ng + g), acc[b]); \
+            }                                                                                  \
+        for (int b = 0; b < NB; b++) _mm256_storeu_ps(out + b * TILE, acc[b]);                 \
+    } while (0)
+
+/* Tile t of w (tile_rows 8) against nb <= 4 rows of int8 x (dx: their block scales, xs: q4's
+ * float32 group sums of x): out [nb, 8]. */
+static inline void qtile_act8(const QW *w, int64_t t, const int8_t *xq, const float *dx,
+                              const float *xs, int64_t nb, float *out) {
+    const int64_t k = w->k, ng = groups_of(w), nblk = k / 32, gb = w->group / 32;
+    const int q4 = w->bits == 4;
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    const uint8_t *tq = w->q + t * TILE * (q4 ? k / 2 : k);
+    const uint16_t *sc = w->scales + t * TILE * ng;
+    const void *tm = q4 ? min_row(w, t * TILE) : NULL; /* [groups, 8] from row 8t on */
+    (void)mask;
+    switch (nb) {
+    case 1: TILE_DOT(1); break;
+    case 2: TILE_DOT(2); break;
+    case 3: TILE_DOT(3); break;
+    default: TILE_DOT(4); break;
+    }
+}
+
+/* Inside qmatvec's parallel region, x already quantized: y[b, n] (+)= ... over row tiles. */
+static void qmatvec_tiles(const QW *w, const int8_t *xq, const float *dx, const float *xs,
+                          const float *bias, float *y, int64_t batch, int accumulate) {
+    const int64_t k = w->k, n_out = w->n, ng = groups_of(w), nblk = k / 32;
+    _Pragma("omp for schedule(static)")
+    for (int64_t t = 0; t < n_out / TILE; t++) {
+        float d[4 * TILE];
+        for (int64_t b0 = 0; b0 < batch; b0 += 4) {
+            int64_t nb = batch - b0 < 4 ? batch - b0 : 4;
+            qtile_act8(w, t, xq + b0 * k, dx + b0 * nblk, xs + b0 * ng, nb, d);
+            for (int64_t i = 0; i < nb; i++) {
+                float *dst = y + (b0 + i) * n_out + t * TILE;
+                __m256 v = _mm256_loadu_ps(d + i * TILE);
+                if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + t * TILE));
+                if (accumulate) v = _mm256_add_ps(v, _mm256_loadu_ps(dst));
+                _mm256_storeu_ps(dst, v);
+            }
+        }
+    }
+}
+#define TILES 1
+#else
+#define TILES 0
+#endif
