@@ -183,7 +183,11 @@ async def _watchdog(state: ServerState) -> None:
     while True:
         client = state.client
         try:
-            if client is not None and not client.dead:
+            # A deliberate drain or reload stops the engine on purpose, bounded by
+            # drain_timeout_s and TimeoutStopSec: an engine busy shutting down (seconds on a
+            # loaded box) is not a wedged one, and systemd would kill the unit mid-stop.
+            stopping = state.phase in ("draining", "stopped", "reloading")
+            if client is not None and not client.dead and not stopping:
                 await client.ping(timeout_s=interval)
             sdnotify.watchdog_ping()
         except (TimeoutError, EngineError):
