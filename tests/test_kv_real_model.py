@@ -16,7 +16,13 @@ import pytest
 import torch
 
 from appliance.config import ApplianceConfig, load_config
-from appliance.tools.kv_answers import AnswerScore, greedy_answers, kv_perplexities, score_answers
+from appliance.tools.kv_answers import (
+    AnswerScore,
+    cache_settings,
+    greedy_answers,
+    kv_perplexities,
+    score_answers,
+)
 from appliance.tools.smollm2 import ModelUnavailable, build_smollm2
 
 ANSWER_TOKENS = 64
@@ -68,7 +74,7 @@ def real_config(model: Path, fmt: str = "auto", keep: list[int] | tuple[int, ...
         "model.max_model_len": 1024,
         # bf16 prepacking aside, fp32 runs the plain torch linears on every CPU.
         "model.cpu_prepack_weights": False,
-        "cache.kv_cache_dtype": fmt,
+        **cache_settings(fmt),  # fmt "int8_token": INT8 with per-token scales
         "cache.kv_cache_keep_16bit": list(keep),
         "cache.kv_cache_keep_16bit_heads": list(heads),
         "cache.kv_cache_memory": 0.25,

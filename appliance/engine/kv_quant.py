@@ -4,9 +4,15 @@ Scales: one float32 per layer, per KV head, for K and for V (``stored = x / scal
 start-up by a calibration forward with 16-bit KV over text the package ships
 (`appliance/tools/data/corpus.txt`): ``scale = absmax * MARGIN / format_max``.
 
-Why calibrated at start-up and not at write time:
-- The cache layout has no room for per-token scales, and a per-head scale that changed while a
-  sequence runs would silently re-scale every value already stored under the old one.
+Or, for INT8 with cache.kv_cache_scales = "per_token", one float16 scale per token and KV head,
+the token's own absmax / 127, computed when the token is written and stored in scale caches of
+the pool beside K/V (kernels/paged_attention.py; no calibration): INT8's step is uniform, so a
+range fitted to each token keeps far more of it (SmolLM2: README "KV-cache accuracy"). CPU
+only so far: the Triton kernels do not read scale caches, and load refuses it on CUDA.
+
+Why per-head scales are calibrated at start-up and not at write time:
+- A per-head scale that changed while a sequence runs would silently re-scale every value
+  already stored under the old one.
 - A static scale is known before the first request, costs nothing per step, and makes the
   quantization deterministic: the same prompt gives the same bytes in every batch, so
   `appliance kv-eval` measures what serving does.
