@@ -4,6 +4,8 @@ scale caches (bytes, swap) and the config's refusals."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import msgspec
 import pytest
 import torch
@@ -183,3 +185,27 @@ def test_per_token_is_refused_off_the_cpu() -> None:
     model = type("M", (), {"args": type("A", (), {"num_layers": 2, "num_kv_heads": 2})()})()
     with pytest.raises(ConfigError, match=r'cache\.kv_cache_scales = "per_token".*CPU'):
         configure_kv_cache(model, None, config.cache, torch.float16, torch.device("meta"), 64)  # type: ignore[arg-type]
+
+
+def test_swapped_sequences_keep_their_scales(tiny_model_dir: Path) -> None:
+    """The engine with per-token INT8 (tiny model): outputs under swap preemption equal the
+    same requests run one at a time, with the host swap pool poisoned (NaN scales, full-range
+    bytes), so a scale that was not swapped with its block would show in the outputs."""
+    from tests.test_preemption import engine_for, workload
+
+    per_token = {"cache__kv_cache_dtype": "int8", "cache__kv_cache_scales": "per_token"}
+    alone_engine = engine_for(tiny_model_dir, cache__kv_cache_memory=0.1, **per_token)
+    jobs = workload(alone_engine.loaded.args.vocab_size)
+    alone = [alone_engine.generate([p], sp)[0].token_ids for p, sp in jobs]
+    alone_engine.close()
+    engine = engine_for(tiny_model_dir, cache__num_blocks=16, cache__swap_space=0.05,
+                        scheduler__preemption_mode="swap", model__max_model_len=256,
+                        **per_token)  # fmt: skip
+    for layer in engine.runner.kv.host_caches:
+        assert len(layer) == 4  # k, v, k_scales, v_scales
+        for t in layer:
+            t.fill_(float("nan") if t.is_floating_point() else 127)
+    results = engine.generate([p for p, _ in jobs], [sp for _, sp in jobs])
+    assert [r.token_ids for r in results] == alone
+    assert engine.stats().counters.blocks_swapped_in > 0
+    engine.close()
