@@ -83,6 +83,11 @@ class CacheConfig(_Section):
     # Tokens per KV block. 16 keeps PagedAttention's waste under 4% of slots.
     block_size: Annotated[int, Meta(ge=1, le=256)] = 16
     kv_cache_dtype: Literal["auto", "fp8_e4m3", "fp8_e5m2", "int8"] = "auto"
+    # INT8 scales: "per_head" (one per KV head, calibrated at start-up) or "per_token" (one per
+    # token and KV head, the token's own absmax, stored beside the cache: +2 bytes per token and
+    # head for K and V; INT8 only, its uniform step gains from a tight range, FP8's relative
+    # step does not; CPU only so far).
+    kv_cache_scales: Literal["per_head", "per_token"] = "per_head"
     # Layers whose KV stays 16-bit when kv_cache_dtype quantizes the rest.
     kv_cache_keep_16bit: list[NonNegInt] = []
     # Single KV heads whose K/V stay 16-bit, as "layer:head" (both from 0, head = KV head):
@@ -389,6 +394,12 @@ def _check_consistency(cfg: ApplianceConfig, source: str) -> None:
             f"class in [priority_classes] (known: {known})"
         )
     cache = cfg.cache
+    if cache.kv_cache_scales == "per_token" and cache.kv_cache_dtype != "int8":
+        raise ConfigError(
+            f'{source}: cache.kv_cache_scales = "per_token" needs cache.kv_cache_dtype = "int8" '
+            f"(not {cache.kv_cache_dtype!r}): FP8's error is relative, per-token scales do not "
+            "help it, and a 16-bit cache has no scales"
+        )
     if len(set(cache.kv_cache_keep_16bit)) != len(cache.kv_cache_keep_16bit):
         raise ConfigError(f"{source}: cache.kv_cache_keep_16bit lists a layer twice")
     try:

@@ -18,7 +18,13 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from appliance.config import CacheConfig
 
-QUANTIZED_BYTES = 1  # FP8 and INT8: one byte an element (scales are per head, not per token)
+QUANTIZED_BYTES = 1  # FP8 and INT8: one byte an element
+# cache.kv_cache_scales = "per_token": an INT8 layer whose scales are per token and KV head,
+# stored in float16 tensors of the pool beside the cache (same block table, so they are counted
+# in each block's bytes and swapped with it). Its own kind, so that every backend dispatches on
+# it explicitly (a backend that does not know it fails instead of misreading the bytes).
+PER_TOKEN_KIND = "int8_token"
+TOKEN_SCALE_BYTES = 2
 
 
 @dataclass(frozen=True)
@@ -81,7 +87,8 @@ def layer_layout(
         if len(kept) == len(held):
             out.append(LayerKV("auto"))
         else:
-            out.append(LayerKV(cache.kv_cache_dtype, kept))
+            kind = PER_TOKEN_KIND if cache.kv_cache_scales == "per_token" else cache.kv_cache_dtype
+            out.append(LayerKV(kind, kept))
     return out
 
 
@@ -90,7 +97,8 @@ def layer_bytes_per_token(layer: LayerKV, heads: int, head_dim: int, dtype_bytes
     if layer.kind == "auto":
         return 2 * heads * head_dim * dtype_bytes
     kept = len(layer.kept_heads)
-    return 2 * head_dim * (kept * dtype_bytes + (heads - kept) * QUANTIZED_BYTES)
+    per_head = head_dim * QUANTIZED_BYTES + (TOKEN_SCALE_BYTES if layer.kind == PER_TOKEN_KIND else 0)
+    return 2 * (kept * head_dim * dtype_bytes + (heads - kept) * per_head)
 
 
 def kv_bytes_per_token(

@@ -3,7 +3,10 @@
 Cache layout (one pair per layer): ``k_cache``/``v_cache`` of shape
 ``[num_blocks, block_size, num_kv_heads, head_dim]``. A token's slot is
 ``block_id * block_size + offset``. Quantized caches store bytes (``torch.uint8`` for FP8,
-``torch.int8`` for INT8) with one float32 scale per KV head: ``stored = x / scale``.
+``torch.int8`` for INT8) with one float32 scale per KV head: ``stored = x / scale``; or, for
+INT8 with per-token scales (kind ``int8_token``), one float16 scale per token and KV head in a
+scale cache ``[num_blocks, block_size, num_kv_heads]`` of the same block table, passed as
+``k_scale``/``v_scale``: the token's own absmax / 127, computed when it is written.
 
 A step's tokens are laid out sequence by sequence: sequence ``i`` owns query rows
 ``query_start_loc[i]:query_start_loc[i+1]``, which are its *last* ``q_len`` positions out of
@@ -15,9 +18,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from appliance.kv_layout import PER_TOKEN_KIND
+
 FP8_FORMATS = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
 INT8_MAX = 127.0
+# The smallest normal float16: a per-token scale below it would lose precision (an all-zero
+# head still gets a usable scale, and stores zeros).
+MIN_TOKEN_SCALE = 2.0**-14
 
 
 def cache_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -25,7 +33,7 @@ def cache_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.
         return model_dtype
     if kv_cache_dtype in FP8_FORMATS:
         return torch.uint8
-    if kv_cache_dtype == "int8":
+    if kv_cache_dtype in ("int8", PER_TOKEN_KIND):
         return torch.int8
     raise ValueError(f"kv_cache_dtype: unknown value {kv_cache_dtype!r}")
 
@@ -40,6 +48,16 @@ def quantize(x: torch.Tensor, kv_cache_dtype: str, scale: torch.Tensor | None) -
         limit = FP8_MAX[kv_cache_dtype]
         return scaled.clamp(-limit, limit).to(FP8_FORMATS[kv_cache_dtype]).view(torch.uint8)
     return scaled.round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [..., num_kv_heads, head_dim] -> (int8 of the same shape, float16 scales [..., heads]).
+    The scale is rounded to float16 before dividing, so that stored * scale is what was meant
+    (the rounding only moves the step, by up to 2^-11, clamped at +-127)."""
+    xf = x.float()
+    scale = (xf.abs().amax(-1) / INT8_MAX).clamp_min(MIN_TOKEN_SCALE).to(torch.float16)
+    stored = (xf / scale.float().unsqueeze(-1)).round().clamp(-INT8_MAX, INT8_MAX)
+    return stored.to(torch.int8), scale
 
 
 def dequantize(
@@ -91,6 +109,13 @@ def write_kv(
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
     flat_k = k_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
     flat_v = v_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
+    if kv_cache_dtype == PER_TOKEN_KIND:
+        assert k_scale is not None and v_scale is not None, "per-token INT8 needs scale caches"
+        for x, flat, scales in ((key, flat_k, k_scale), (value, flat_v, v_scale)):
+            stored, scale = quantize_per_token(x)
+            flat.index_copy_(0, slot_mapping, stored)
+            scales.view(num_blocks * block_size, num_kv_heads).index_copy_(0, slot_mapping, scale)
+        return
     flat_k.index_copy_(0, slot_mapping, quantize(key, kv_cache_dtype, k_scale).to(k_cache.dtype))
     flat_v.index_copy_(0, slot_mapping, quantize(value, kv_cache_dtype, v_scale).to(v_cache.dtype))
 
@@ -112,7 +137,13 @@ def gather_kv(
     flat_ids = block_tables[:, :blocks_needed].reshape(-1)
     gathered = cache.view(cache.shape[0], -1).index_select(0, flat_ids)  # [B * nb, bs*Hkv*D]
     gathered = gathered.view(batch, blocks_needed * block_size, *cache.shape[2:])[:, :max_len]
-    if kv_cache_dtype != "auto":
+    if kv_cache_dtype == PER_TOKEN_KIND:
+        # The token's scales through the same block ids: [B, L, Hkv], one per row of D values.
+        assert scale is not None, "per-token INT8 needs its scale cache"
+        scales = scale.view(scale.shape[0], -1).index_select(0, flat_ids)
+        scales = scales.view(batch, blocks_needed * block_size, scale.shape[2])[:, :max_len]
+        gathered = (gathered.float() * scales.float().unsqueeze(-1)).to(out_dtype)
+    elif kv_cache_dtype != "auto":
         gathered = dequantize(gathered, kv_cache_dtype, scale, out_dtype)
     values = gathered.transpose(1, 2)
     # Contiguous [B, Hkv, L, D] so the matmuls take K^T and V as they are. Left strided, matmul

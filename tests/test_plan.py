@@ -179,21 +179,24 @@ def test_plan_is_an_appliance_subcommand(capsys: pytest.CaptureFixture[str]) -> 
 
 
 @pytest.mark.parametrize(
-    "kv_dtype, keep, heads",
+    "kv_dtype, keep, heads, scales",
     [
-        ("auto", [], []),
-        ("fp8_e4m3", [], []),
-        ("fp8_e4m3", [0, 3], []),
-        ("int8", [1], []),
+        ("auto", [], [], "per_head"),
+        ("fp8_e4m3", [], [], "per_head"),
+        ("fp8_e4m3", [0, 3], [], "per_head"),
+        ("int8", [1], [], "per_head"),
         # Single KV heads kept apart (tiny: 4 layers of 2 KV heads): one head of layer 0 and
         # one of layer 2; and both heads of layer 1, which makes it a 16-bit layer.
-        ("fp8_e4m3", [], ["0:1", "2:0"]),
-        ("int8", [3], ["1:0", "1:1", "2:1"]),
+        ("fp8_e4m3", [], ["0:1", "2:0"], "per_head"),
+        ("int8", [3], ["1:0", "1:1", "2:1"], "per_head"),
+        # Per-token INT8 scales: float16 scale caches of the quantized heads in every block.
+        ("int8", [], [], "per_token"),
+        ("int8", [3], ["1:0", "1:1", "2:1"], "per_token"),
     ],
 )
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_plan_kv_bytes_equal_the_loaders(
-    kv_dtype: str, keep: list[int], heads: list[str], tp: int
+    kv_dtype: str, keep: list[int], heads: list[str], scales: str, tp: int
 ) -> None:
     """KV bytes per token as the plan counts them = the bytes a block of the pool the loader
     allocates takes / 16 (the real tensors, side caches of kept heads included), on the
@@ -215,7 +218,7 @@ def test_plan_kv_bytes_equal_the_loaders(
     }
     config = load_config(None, {
         "cache.kv_cache_dtype": kv_dtype, "cache.kv_cache_keep_16bit": keep,
-        "cache.kv_cache_keep_16bit_heads": heads,
+        "cache.kv_cache_keep_16bit_heads": heads, "cache.kv_cache_scales": scales,
     })  # fmt: skip
     args = ModelArgs.from_hf(LlamaConfig(**cfg))
     per_rank = []
@@ -230,12 +233,16 @@ def test_plan_kv_bytes_equal_the_loaders(
     assert tp_plan.kv_bytes_per_token * 16 == max(per_rank)
     assert kv_bytes_per_block(args, 16, config.cache, torch.bfloat16, tp) == max(per_rank)
     # By hand at TP 1 (4 layers, 2 KV heads of head_dim): elements a token per layer 2 x 2 x D.
-    if tp == 1 and heads:
+    if tp == 1 and (heads or scales == "per_token"):
         d = args.head_dim
         expected = {
-            ("fp8_e4m3", ()): 2 * d * (1 * 2 + 1 * 1) * 2 + 2 * d * 2 * 1 * 2,  # 0,2: 1 kept
-            ("int8", (3,)): 2 * d * 2 * 2 * 2 + 2 * d * (2 + 1) + 2 * d * 2,  # 1,3 whole; 2: 1 kept; 0
-        }[(kv_dtype, tuple(keep))]
+            ("fp8_e4m3", (), "per_head"): 2 * d * (1 * 2 + 1 * 1) * 2 + 2 * d * 2 * 1 * 2,  # 0,2: 1 kept
+            ("int8", (3,), "per_head"): 2 * d * 2 * 2 * 2 + 2 * d * (2 + 1) + 2 * d * 2,  # 1,3 whole; 2: 1 kept; 0
+            # 4 layers x K,V x 2 heads x (D bytes + a 2-byte scale)
+            ("int8", (), "per_token"): 4 * 2 * 2 * (d + 2),
+            # 1,3 whole; 2: 1 kept head 16-bit + 1 head (D + 2); 0: 2 heads (D + 2)
+            ("int8", (3,), "per_token"): 2 * (2 * 2 * 2 * d) + 2 * (2 * d + d + 2) + 2 * 2 * (d + 2),
+        }[(kv_dtype, tuple(keep), scales)]
         assert tp_plan.kv_bytes_per_token == expected
 
 

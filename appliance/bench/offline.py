@@ -201,6 +201,7 @@ def kv_summary(loaded: LoadedModel, config: Any, seq_len: int) -> dict[str, Any]
     blocks_per_seq = -(-seq_len // loaded.block_size)
     return {
         "kv_cache_dtype": config.cache.kv_cache_dtype,
+        "kv_cache_scales": config.cache.kv_cache_scales,
         "kv_cache_keep_16bit": list(config.cache.kv_cache_keep_16bit),
         "kv_cache_keep_16bit_heads": list(config.cache.kv_cache_keep_16bit_heads),
         "num_blocks": loaded.num_blocks,
@@ -311,7 +312,8 @@ def main(ns: argparse.Namespace) -> int:
     if loaded.cpu is not None:
         print(loaded.cpu.plan.summary())
     kv = kv_summary(loaded, config, ns.prompt_len + ns.output_len)
-    keep = f", 16-bit layers {kv['kv_cache_keep_16bit']}" if kv["kv_cache_keep_16bit"] else ""
+    keep = ", per-token scales" if kv["kv_cache_scales"] == "per_token" else ""
+    keep += f", 16-bit layers {kv['kv_cache_keep_16bit']}" if kv["kv_cache_keep_16bit"] else ""
     if kv["kv_cache_keep_16bit_heads"]:
         keep += f", 16-bit heads {kv['kv_cache_keep_16bit_heads']}"
     print(

@@ -310,9 +310,13 @@ class CpuBackend:
     ) -> None:
         """With the KV cache allocated: the fused decode over it (when the plan has it)."""
         if any(len(cache) != 2 for cache in kv_caches):
-            # Heads kept apart live in quantized layers, and the plan has no fused decode for
+            # Heads kept apart and per-token scales live in quantized layers (more tensors than
+            # (k, v) in the layer's entry), and the plan has no fused decode for
             # a quantized cache (choice.py): this only guards the kernels' one-cache layout.
-            log.info("native fused decode off: some layers keep KV heads in a side cache")
+            log.info(
+                "native fused decode off: some layers keep KV heads in a side cache or "
+                "per-token scales"
+            )
             return
         if self.plan.native_decode and _is_quantized(model):
             from appliance.cpu.quant_decode import QuantFusedCpuDecode

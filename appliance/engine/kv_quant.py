@@ -4,9 +4,15 @@ Scales: one float32 per layer, per KV head, for K and for V (``stored = x / scal
 start-up by a calibration forward with 16-bit KV over text the package ships
 (`appliance/tools/data/corpus.txt`): ``scale = absmax * MARGIN / format_max``.
 
-Why calibrated at start-up and not at write time:
-- The cache layout has no room for per-token scales, and a per-head scale that changed while a
-  sequence runs would silently re-scale every value already stored under the old one.
+Or, for INT8 with cache.kv_cache_scales = "per_token", one float16 scale per token and KV head,
+the token's own absmax / 127, computed when the token is written and stored in scale caches of
+the pool beside K/V (kernels/paged_attention.py; no calibration): INT8's step is uniform, so a
+range fitted to each token keeps far more of it (SmolLM2: README "KV-cache accuracy"). CPU
+only so far: the Triton kernels do not read scale caches, and load refuses it on CUDA.
+
+Why per-head scales are calibrated at start-up and not at write time:
+- A per-head scale that changed while a sequence runs would silently re-scale every value
+  already stored under the old one.
 - A static scale is known before the first request, costs nothing per step, and makes the
   quantization deterministic: the same prompt gives the same bytes in every batch, so
   `appliance kv-eval` measures what serving does.
@@ -38,11 +44,11 @@ from collections.abc import Sequence
 
 import torch
 
-from appliance.config import CacheConfig
+from appliance.config import CacheConfig, ConfigError
 from appliance.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from appliance.engine.model_runner import KVCachePool, KVStorage, ModelRunner
 from appliance.kernels.paged_attention import cache_storage_dtype
-from appliance.kv_layout import LayerKV
+from appliance.kv_layout import PER_TOKEN_KIND, LayerKV
 from appliance.kv_layout import layer_layout as kv_layer_layout
 from appliance.layers.attention import Attention, KVCacheSpec
 from appliance.layers.parallel import tp_rank, tp_size
@@ -131,6 +137,7 @@ def kv_storage(layers: Sequence[LayerKV | str], model_dtype: torch.dtype) -> KVS
         [cache_storage_dtype(x.kind, model_dtype) for x in specs],
         [len(x.kept_heads) for x in specs],
         cache_storage_dtype("auto", model_dtype),
+        [x.kind == PER_TOKEN_KIND for x in specs],
     )
 
 
@@ -230,20 +237,27 @@ def apply_layer_spec(
         attn.set_backend(write, attend)  # type: ignore[arg-type]
         attn.set_side(None)
         return
-    assert absmax is not None, "quantized layers need calibrated absmax values"
     # The quantized cache holds the heads not kept, in order: their scales alone.
     quant = [h for h in range(attn.num_kv_heads) if h not in layer.kept_heads]
     assert quant, "a layer keeping every head is a 16-bit layer (kv_layout.layer_layout)"
-    k_max, v_max = absmax[0][quant], absmax[1][quant]
-    attn.spec = KVCacheSpec(
-        layer.kind,
-        scales_from_absmax(k_max, layer.kind),
-        scales_from_absmax(v_max, layer.kind),
-        tuple(sorted(layer.kept_heads)),
-    )
-    rotated = RotatedKV(write, attend, attn.head_dim, k_max.device)
+    kept = tuple(sorted(layer.kept_heads))
+    if layer.kind == PER_TOKEN_KIND:
+        # Scales live in the pool's scale caches (written with each token), none calibrated.
+        device = absmax[0].device if absmax is not None else torch.device("cpu")
+        attn.spec = KVCacheSpec(layer.kind, kept_heads=kept)
+    else:
+        assert absmax is not None, "quantized layers need calibrated absmax values"
+        k_max, v_max = absmax[0][quant], absmax[1][quant]
+        device = k_max.device
+        attn.spec = KVCacheSpec(
+            layer.kind,
+            scales_from_absmax(k_max, layer.kind),
+            scales_from_absmax(v_max, layer.kind),
+            kept,
+        )
+    rotated = RotatedKV(write, attend, attn.head_dim, device)
     attn.set_backend(rotated.write_kv, rotated.paged_attention)
-    attn.set_side((write, attend) if layer.kept_heads else None, k_max.device)  # type: ignore[arg-type]
+    attn.set_side((write, attend) if layer.kept_heads else None, device)  # type: ignore[arg-type]
 
 
 def configure_kv_cache(
@@ -262,7 +276,13 @@ def configure_kv_cache(
     args = model.args
     layers = layer_layout(cache, args.num_layers, args.num_kv_heads)
     absmax = None
-    if any(layer.kind != "auto" for layer in layers):
+    if any(layer.kind == PER_TOKEN_KIND for layer in layers) and device.type != "cpu":
+        raise ConfigError(
+            'cache.kv_cache_scales = "per_token" runs on the CPU only: the Triton kernels '
+            f"(CUDA) do not read per-token scales yet; this device is {device.type}, use "
+            '"per_head" there'
+        )
+    if any(layer.kind not in ("auto", PER_TOKEN_KIND) for layer in layers):
         windows = calibration_windows(tokenizer, max_len)
         absmax = calibrate_absmax(model, windows, cache.block_size, device, model_dtype)
     apply_kv_specs(model, layers, absmax)

@@ -35,11 +35,14 @@ class RunnerOutput:
 class KVStorage:
     """What the pool allocates per layer: the cache's dtype, and how many of the layer's KV
     heads sit apart in a 16-bit side cache of `side_dtype` (cache.kv_cache_keep_16bit_heads;
-    the layer's own cache then holds only the other heads)."""
+    the layer's own cache then holds only the other heads), and whether the layer's INT8
+    cache has per-token scales (cache.kv_cache_scales = "per_token": float16 scale caches of
+    the quantized heads, [blocks, block_size, heads], beside K and V)."""
 
     dtypes: list[torch.dtype]
     side_heads: list[int]
     side_dtype: torch.dtype
+    token_scales: list[bool] = field(default_factory=list)
 
     @classmethod
     def of(cls, dtype: torch.dtype | Sequence[torch.dtype] | KVStorage, num_layers: int) -> KVStorage:
@@ -51,7 +54,8 @@ class KVStorage:
 
 class KVCachePool:
     """Per-layer K/V tensors of the device pool and the host swap pool: (k, v), or
-    (k, v, side_k, side_v) for a layer that keeps heads apart in 16-bit."""
+    (k, v, side_k, side_v) for a layer that keeps heads apart in 16-bit, each followed by
+    (k_scales, v_scales) for a layer with per-token scales (Attention.forward splits them)."""
 
     def __init__(
         self,
@@ -72,6 +76,7 @@ class KVCachePool:
             raise ValueError(f"KVCachePool: {len(storage.dtypes)} dtypes for {num_layers} layers")
         self.dtypes = storage.dtypes
         self.storage = storage
+        token_scales = storage.token_scales or [False] * num_layers
 
         def layer(blocks: int, i: int, alloc: Callable[..., torch.Tensor]) -> tuple[torch.Tensor, ...]:
             side = storage.side_heads[i]
@@ -80,6 +85,9 @@ class KVCachePool:
             if side:
                 apart = (blocks, block_size, side, head_dim)
                 out += (alloc(apart, storage.side_dtype), alloc(apart, storage.side_dtype))
+            if token_scales[i]:
+                scales = (blocks, block_size, num_kv_heads - side)
+                out += (alloc(scales, torch.float16), alloc(scales, torch.float16))
             return out
 
         self.device_caches = [

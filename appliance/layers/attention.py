@@ -4,12 +4,13 @@ reference) and a Triton backend (CUDA)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
 from appliance.kernels import paged_attention as torch_backend
+from appliance.kv_layout import PER_TOKEN_KIND
 
 
 @dataclass
@@ -37,7 +38,8 @@ class AttentionMetadata:
 class KVCacheSpec:
     kv_cache_dtype: str = "auto"
     # One float32 per KV head of the (quantized) cache: the layer's heads, or with kept_heads
-    # only the others, in their order.
+    # only the others, in their order. None for per-token INT8 (PER_TOKEN_KIND), whose scales
+    # are the pool's scale caches, the last two tensors of the layer's cache entry.
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
     # Local KV heads stored apart in a 16-bit side cache (cache.kv_cache_keep_16bit_heads): the
@@ -111,6 +113,10 @@ class Attention(nn.Module):
         kv_cache: tuple[torch.Tensor, ...],
     ) -> torch.Tensor:
         spec = self.spec
+        if spec.kv_cache_dtype == PER_TOKEN_KIND:
+            # The backends take the scale caches where per-head scales go (k_scale, v_scale).
+            spec = replace(spec, k_scale=kv_cache[-2], v_scale=kv_cache[-1])
+            kv_cache = kv_cache[:-2]
         if len(kv_cache) == 2:
             assert not spec.kept_heads, "a layer that keeps heads needs its side cache"
             return self._attend(q, k, v, meta, kv_cache, spec, self.write_kv, self.paged_attention)
@@ -162,7 +168,7 @@ class Attention(nn.Module):
             # A prefill over a quantized cache also gets its fresh K/V (kv_quant.RotatedKV).
             fresh = (
                 {"key": k[rows], "value": v[rows]}
-                if batch is meta.prefill and spec.k_scale is not None
+                if batch is meta.prefill and spec.kv_cache_dtype != "auto"
                 else {}
             )
             outputs.append(

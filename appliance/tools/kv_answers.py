@@ -161,6 +161,17 @@ def run_name(kind: str, keep: Sequence[int], heads: Sequence[str] = ()) -> str:
     return f"{kind} keep {sorted(keep)}" + (f" heads {list(heads)}" if heads else "")
 
 
+# A format of the table: a kv_cache_dtype, or "int8_token" (the per-token kind of
+# appliance/kv_layout.py: INT8 with cache.kv_cache_scales = "per_token").
+FORMAT_NAMES = {"int8_token": "int8 per-token scales"}
+
+
+def cache_settings(fmt: str) -> dict[str, str]:
+    if fmt == "int8_token":
+        return {"cache.kv_cache_dtype": "int8", "cache.kv_cache_scales": "per_token"}
+    return {"cache.kv_cache_dtype": fmt}
+
+
 KeepList = tuple[list[int], list[str]]  # (16-bit layers, 16-bit "layer:head" entries)
 
 
@@ -179,7 +190,7 @@ def table(
     def config(fmt: str, kept: list[int], heads: list[str]) -> ApplianceConfig:
         return load_config(None, {
             "model.path": model, "model.dtype": "float32", "model.max_model_len": 1024,
-            "model.cpu_prepack_weights": False, "cache.kv_cache_dtype": fmt,
+            "model.cpu_prepack_weights": False, **cache_settings(fmt),
             "cache.kv_cache_keep_16bit": kept, "cache.kv_cache_keep_16bit_heads": heads,
             "cache.kv_cache_memory": 0.25, "cache.swap_space": 0.0, "hardware.device": "cpu",
         })  # fmt: skip
@@ -201,7 +212,7 @@ def table(
         )
         score = score_answers(fmt, reference, answers)
         plan = make_plan(load_config("cpu-demo", {
-            "model.path": model, "cache.kv_cache_dtype": fmt, "cache.kv_cache_keep_16bit": kept,
+            "model.path": model, **cache_settings(fmt), "cache.kv_cache_keep_16bit": kept,
             "cache.kv_cache_keep_16bit_heads": heads,
         })).chosen  # fmt: skip
         name = "auto" if fmt == "auto" else run_name(fmt, kept, heads)
@@ -209,7 +220,7 @@ def table(
         parts += [f"{len(heads)} heads {heads}"] if heads else []
         what = ", ".join(parts)
         rows.append(
-            f"| {fmt} | {what or '-'} | {round(score.identical * score.answers)}/{score.answers} "
+            f"| {FORMAT_NAMES.get(fmt, fmt)} | {what or '-'} | {round(score.identical * score.answers)}/{score.answers} "
             f"| {100 * score.matched_prefix:.1f}% | {ppl[name]:.3f} | {plan.kv_bytes_per_token} "
             f"| {plan.seqs_at_max_model_len} |"
         )
@@ -228,7 +239,10 @@ if __name__ == "__main__":
         "--keep-heads", action="append", default=[], metavar="L:H,...",
         help='a keep-list of single KV heads, e.g. "1:0,1:1" (repeatable; kv-eval --per-head\'s)',
     )  # fmt: skip
-    parser.add_argument("--formats", default="fp8_e4m3,fp8_e5m2,int8")
+    parser.add_argument(
+        "--formats", default="fp8_e4m3,fp8_e5m2,int8,int8_token",
+        help="kv_cache_dtype values, and int8_token: INT8 with per-token scales",
+    )  # fmt: skip
     parser.add_argument("--max-tokens", type=int, default=64)
     ns = parser.parse_args()
     if ns.model is None:

@@ -281,6 +281,8 @@ def run_kv_eval(
     eval_overrides.update(
         {
             "cache.kv_cache_dtype": "auto",
+            # (a 16-bit cache has no scales; kv-eval's runs use per-head scales)
+            "cache.kv_cache_scales": "per_head",
             "cache.kv_cache_keep_16bit": [],
             "cache.kv_cache_keep_16bit_heads": [],
             "cache.swap_space": 0,

@@ -90,6 +90,8 @@ class Plan:
     # kv_cache_keep_16bit's layers, then kv_cache_keep_16bit_heads' "layer:head" entries.
     kv_keep_16bit: list[int | str]
     block_size: int
+    # cache.kv_cache_scales: "per_token" adds a 2-byte scale per token, KV head, K and V.
+    kv_scales: str
     max_model_len: int
     typical_seq_len: int
     max_num_seqs: int
@@ -324,6 +326,7 @@ def make_plan(config: ApplianceConfig, template: str = "") -> Plan:
         kv_elem_bytes=_kv_elem(config, elem),
         kv_keep_16bit=[*config.cache.kv_cache_keep_16bit, *config.cache.kv_cache_keep_16bit_heads],
         block_size=config.cache.block_size,
+        kv_scales=config.cache.kv_cache_scales,
         max_model_len=config.model.max_model_len or spec.max_position_embeddings,
         typical_seq_len=hw.typical_seq_len,
         max_num_seqs=config.scheduler.max_num_seqs,
@@ -400,7 +403,7 @@ def render(plan: Plan) -> str:
             ]
         rows += [
             ("KV cache", _gib(c.kv_cache_bytes), "what is left" if plan.device == "cuda" else "cache.kv_cache_memory"),
-            ("KV bytes per token", f"{c.kv_bytes_per_token / KiB:.1f} KiB", f"K+V x layers x KV heads on this rank x head_dim x {plan.kv_elem_bytes} byte(s)" + (" (16-bit layers/heads: cache.kv_cache_keep_16bit[_heads])" if plan.kv_keep_16bit else "")),
+            ("KV bytes per token", f"{c.kv_bytes_per_token / KiB:.1f} KiB", f"K+V x layers x KV heads on this rank x head_dim x {plan.kv_elem_bytes} byte(s)" + (" (16-bit layers/heads: cache.kv_cache_keep_16bit[_heads])" if plan.kv_keep_16bit else "") + (" + 2-byte per-token scales (cache.kv_cache_scales)" if plan.kv_scales == "per_token" else "")),
             ("KV blocks", str(c.kv_blocks), f"{plan.block_size} tokens, {c.block_bytes / MiB:.2f} MiB each: {c.kv_tokens} tokens"),
             (f"seqs at {plan.max_model_len} tokens", str(c.seqs_at_max_model_len), "model.max_model_len"),
             (f"seqs at {plan.typical_seq_len} tokens", str(c.seqs_at_typical_seq_len), "hardware.typical_seq_len"),
