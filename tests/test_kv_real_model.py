@@ -36,14 +36,14 @@ HEADS = ["3:1", "8:0", "9:0", "17:1", "18:2", "20:1", "20:2", "23:0", "23:2"]
 # the slack.
 MEASURED = {
     ("fp8_e4m3", (), ()): (9 / 16, 0.750),
-    ("fp8_e4m3", tuple(KEEP), ()): (7 / 16, 0.686),
     ("fp8_e4m3", (), tuple(HEADS)): (9 / 16, 0.761),
     ("int8", (), ()): (11 / 16, 0.840),
-    ("int8", tuple(KEEP), ()): (11 / 16, 0.819),
     # Per-token scales (cache.kv_cache_scales = "per_token"): above the 80% target, and its
     # floor (12/16 after the slack) is above what per-head INT8 reaches (11/16).
     ("int8_token", (), ()): (13 / 16, 0.900),
 }
+# The layer keep-list's rows (README table; out of the suite for CI time, ~22 s a case, and
+# kept in kv_answers): fp8_e4m3 7/16 (68.6%), int8 11/16 (81.9%), per-token INT8 15/16 (97.9%).
 # The head keep-list's other rows (README table): fp8_e5m2 4/16 (43.6%), int8 11/16 (83.6%);
 # per-token INT8 with the layer keep-list 15/16 (97.9%), with the head keep-list 13/16 (91.6%).
 # fp8_e5m2 (2/16 identical, 35.3% matched prefix; 1/16 and 33.8% with the keep-list) keeps too

@@ -17,10 +17,16 @@ from tests.server_harness import ServerProcess, write_template
 
 @pytest.fixture(scope="module")
 def smollm2_gguf() -> Path:
+    from appliance.models.gguf_file import GgufCheckpoint
+
     try:
-        return gguf_file()
+        path = gguf_file()
     except ModelUnavailable as exc:
         pytest.skip(f"SmolLM2-135M-Instruct GGUF unavailable: {exc}")
+    # The tokenizer conversion once, here: the served test's API and engine processes would
+    # otherwise both convert it at the same time on a fresh machine (CI).
+    GgufCheckpoint(path).tokenizer()
+    return path
 
 
 @pytest.fixture(scope="module")
