@@ -13,10 +13,13 @@ import numpy as np
 import torch
 
 from appliance.layers.quant import QuantWeight, pack_q4
+from appliance.models.gguf_meta import ENGINE_BITS
 
 # ggml type name -> (elements, bytes) of one block.
 BLOCKS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144),
           "Q6_K": (256, 210)}  # fmt: skip
+# gguf_meta (torch-free, read by `appliance plan`) sizes the same types as repacked here.
+assert set(BLOCKS) == set(ENGINE_BITS), (set(BLOCKS), set(ENGINE_BITS))
 
 
 def _blocks(raw: np.ndarray, name: str, k: int) -> torch.Tensor:
