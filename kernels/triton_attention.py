@@ -1,4 +1,6 @@
-"""Triton paged attention: decode (split-K / flash-decoding) and chunked prefill.
+"""Triton paged attention: decode (split-K / flash-decoding) and chunked prefill, the launch
+side (shapes checked, grids and constexprs chosen); the kernels are in `triton_decode` and
+`triton_prefill`, their shared tile helpers in `triton_tiles`, the KV write in `triton_kv`.
 
 Same contract as `paged_attention.paged_attention` (the torch reference): cache
 ``[num_blocks, block_size, num_kv_heads, head_dim]`` read through ``block_tables``; sequence
@@ -27,10 +29,11 @@ from dataclasses import dataclass
 
 import torch
 import triton
-import triton.language as tl
 
-from .triton_kv import FMT_AUTO, FMT_MULTIPLIER, _check_cache, _check_scale, _dequant
+from .triton_decode import _decode_kernel, _decode_reduce_kernel
+from .triton_kv import FMT_AUTO, FMT_MULTIPLIER, _check_cache, _check_scale
 from .triton_kv import write_kv_triton as write_kv_triton
+from .triton_prefill import _prefill_kernel
 
 __all__ = ["KernelConfig", "choose_split_size", "default_config", "paged_attention_decode",
            "paged_attention_prefill", "paged_attention_triton", "write_kv_triton"]
@@ -58,224 +61,6 @@ def default_config(head_dim: int) -> KernelConfig:
     if head_dim <= 128:
         return KernelConfig(block_n=64, num_warps=8)
     return KernelConfig(block_n=32, num_warps=8)
-
-
-@triton.jit
-def _tile_offsets(bt_row_ptr, pos, valid, kvh, stride_cb, stride_cs, stride_ch,
-                  BLOCK_SIZE: tl.constexpr):
-    """Token positions -> element offsets of their cache rows (int64), via the block table."""
-    block = tl.load(bt_row_ptr + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-    return block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kvh * stride_ch
-
-
-@triton.jit
-def _load_kv_tile(cache_ptr, rows, mask, offs_d, KV_FMT: tl.constexpr, DTYPE: tl.constexpr):
-    raw = tl.load(cache_ptr + rows[:, None] + offs_d[None, :], mask=mask, other=0)
-    return _dequant(raw, KV_FMT).to(DTYPE)
-
-
-@triton.jit
-def _decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr,
-    out_ptr, part_out_ptr, part_lse_ptr,
-    qk_scale, v_mult,
-    stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_cb, stride_cs, stride_ch, stride_bt,
-    stride_pb, stride_ph, stride_ps,
-    SPLIT_SIZE: tl.constexpr,
-    USE_SPLITS: tl.constexpr,
-    GROUP: tl.constexpr,
-    GROUP_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    KV_FMT: tl.constexpr,
-    FP32_DOT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """Grid (batch, num_kv_heads, num_splits): one query token per sequence."""
-    seq = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
-    ctx_len = tl.load(seq_lens_ptr + seq)
-    start = split * SPLIT_SIZE
-    if USE_SPLITS:
-        if start >= ctx_len:  # this sequence is shorter: nothing to do
-            return
-    end = tl.minimum(start + SPLIT_SIZE, ctx_len)  # empty (unsplit, ctx_len 0): zeros out
-    offs_g = tl.arange(0, GROUP_PAD)
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    offs_n = tl.arange(0, BLOCK_N)
-    heads = kvh * GROUP + offs_g
-    row_mask = (offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :]
-    q = tl.load(q_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
-                + offs_d[None, :], mask=row_mask, other=0.0)
-    if FP32_DOT:
-        q = q.to(tl.float32)
-    k_scale = qk_scale
-    v_scale = v_mult
-    if KV_FMT != 0:
-        k_scale = k_scale * tl.load(k_scale_ptr + kvh)
-        v_scale = v_scale * tl.load(v_scale_ptr + kvh)
-    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
-    for tok in range(start, end, BLOCK_N):
-        pos = tok + offs_n
-        valid = pos < end
-        rows = _tile_offsets(bt_row, pos, valid, kvh, stride_cb, stride_cs, stride_ch,
-                             BLOCK_SIZE)
-        kv_mask = valid[:, None] & (offs_d < HEAD_DIM)[None, :]
-        k = _load_kv_tile(k_cache_ptr, rows, kv_mask, offs_d, KV_FMT, q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * k_scale  # [G, N], log2 units
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_kv_tile(v_cache_ptr, rows, kv_mask, offs_d, KV_FMT, q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
-    out = acc * (v_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]
-    if USE_SPLITS:
-        part = seq.to(tl.int64) * stride_pb + heads * stride_ph + split * stride_ps
-        tl.store(part_out_ptr + part[:, None] + offs_d[None, :], out, mask=row_mask)
-        # part_lse is part_out without its last (HEAD_DIM_PAD) dimension.
-        tl.store(part_lse_ptr + part // HEAD_DIM_PAD, m_i + tl.log2(l_i), mask=offs_g < GROUP)
-    else:
-        o = out_ptr + seq.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
-        tl.store(o, out.to(out_ptr.dtype.element_ty), mask=row_mask)
-
-
-@triton.jit
-def _decode_reduce_kernel(
-    part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr,
-    stride_pb, stride_ph, stride_ps, stride_ot, stride_oh,
-    SPLIT_SIZE: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
-):
-    """Grid (batch, num_heads): merge the splits' normalised outputs by log-sum-exp."""
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    ctx_len = tl.load(seq_lens_ptr + seq)
-    num_splits = tl.cdiv(ctx_len, SPLIT_SIZE)
-    offs_s = tl.arange(0, SPLITS_PAD)
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    s_mask = offs_s < num_splits
-    base = seq.to(tl.int64) * stride_pb + head * stride_ph + offs_s * stride_ps
-    lse = tl.load(part_lse_ptr + base // HEAD_DIM_PAD, mask=s_mask, other=float("-inf"))
-    lse_max = tl.max(lse, 0)
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # empty context: no NaN
-    weight = tl.where(s_mask, tl.exp2(lse - lse_max), 0.0)
-    parts = tl.load(part_out_ptr + base[:, None] + offs_d[None, :],
-                    mask=s_mask[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
-    total = tl.sum(weight, 0)
-    out = tl.sum(parts * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + seq.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
-             out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
-
-
-@triton.jit
-def _prefill_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    k_scale_ptr, v_scale_ptr, out_ptr, fresh_k_ptr, fresh_v_ptr,
-    qk_scale, v_mult, fresh_qk_scale,
-    stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_cb, stride_cs, stride_ch, stride_bt, stride_ft, stride_fh,
-    GROUP: tl.constexpr,
-    GROUP_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_Q: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    KV_FMT: tl.constexpr,
-    FP32_DOT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    FRESH: tl.constexpr,
-):
-    """Grid (query tiles, batch, num_kv_heads). A tile is BLOCK_Q query tokens x the head group,
-    flattened to BLOCK_Q * GROUP_PAD rows; it attends causally to the cached prefix and itself.
-    With FRESH, the chunk's own positions are read from this step's K/V ([tokens, kv heads,
-    head_dim], rows as the queries') instead of the stored bytes of a quantized cache."""
-    q_tile = tl.program_id(0)
-    seq = tl.program_id(1)
-    kvh = tl.program_id(2)
-    q_start = tl.load(query_start_loc_ptr + seq)
-    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    if q_tile * BLOCK_Q >= q_len:  # this sequence has fewer query tiles
-        return
-    ctx_len = tl.load(seq_lens_ptr + seq)
-    prefix = ctx_len - q_len
-    offs_m = tl.arange(0, BLOCK_Q * GROUP_PAD)
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    offs_n = tl.arange(0, BLOCK_N)
-    tok = q_tile * BLOCK_Q + offs_m // GROUP_PAD
-    heads = kvh * GROUP + offs_m % GROUP_PAD
-    row_ok = (tok < q_len) & (offs_m % GROUP_PAD < GROUP)
-    row_mask = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
-    rows = (q_start + tok).to(tl.int64)
-    q = tl.load(q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh
-                + offs_d[None, :], mask=row_mask, other=0.0)
-    if FP32_DOT:
-        q = q.to(tl.float32)
-    k_scale = qk_scale
-    v_scale = v_mult
-    if KV_FMT != 0:
-        k_scale = k_scale * tl.load(k_scale_ptr + kvh)
-        v_scale = v_scale * tl.load(v_scale_ptr + kvh)
-    q_pos = prefix + tok  # absolute position of each row's token
-    kv_end = tl.minimum(ctx_len, prefix + (q_tile + 1) * BLOCK_Q)
-    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
-    acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM_PAD], tl.float32)
-    cache_end = prefix if FRESH else kv_end
-    for tok0 in range(0, cache_end, BLOCK_N):
-        pos = tok0 + offs_n
-        valid = pos < cache_end
-        kv_rows = _tile_offsets(bt_row, pos, valid, kvh, stride_cb, stride_cs, stride_ch,
-                                BLOCK_SIZE)
-        kv_mask = valid[:, None] & (offs_d < HEAD_DIM)[None, :]
-        k = _load_kv_tile(k_cache_ptr, kv_rows, kv_mask, offs_d, KV_FMT, q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * k_scale
-        s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_kv_tile(v_cache_ptr, kv_rows, kv_mask, offs_d, KV_FMT, q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
-    if FRESH:
-        # Fresh values carry no cache scale: scores take the plain softmax scale, and V is
-        # divided by the cache's V scale here because the epilogue multiplies every row by it.
-        inv_v = 1.0 / v_scale
-        for tok0 in range(prefix, kv_end, BLOCK_N):
-            pos = tok0 + offs_n
-            valid = pos < kv_end
-            f_rows = (q_start + pos - prefix).to(tl.int64) * stride_ft + kvh * stride_fh
-            kv_mask = valid[:, None] & (offs_d < HEAD_DIM)[None, :]
-            f_offs = f_rows[:, None] + offs_d[None, :]
-            k = tl.load(fresh_k_ptr + f_offs, mask=kv_mask, other=0.0).to(q.dtype)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * fresh_qk_scale
-            s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = (tl.load(fresh_v_ptr + f_offs, mask=kv_mask, other=0.0).to(tl.float32)
-                 * inv_v).to(q.dtype)
-            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
-            m_i = m_new
-    # m_i is finite here: every query row sees at least its own position.
-    out = acc * (v_scale / l_i)[:, None]
-    o = out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
-    tl.store(o, out.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
 @functools.cache

@@ -14,7 +14,8 @@ Triton only allows ``float8e4nv`` on sm89+, and these kernels must run on Ampere
 * Writing rounds the fp32 bits once, to nearest even, saturating at the format's max (like
   torch's clamp + cast): bit-identical to `paged_attention.quantize` when x / scale matches.
 
-The JIT helpers here (`_dequant`, `_quantize`) are shared with `triton_attention`.
+The JIT helpers here (`_dequant`, `_quantize`) are shared with the attention kernels
+(`triton_tiles`).
 """
 
 from __future__ import annotations

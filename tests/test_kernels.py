@@ -349,7 +349,8 @@ AOT_SCRIPT = textwrap.dedent("""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from appliance.kernels import triton_attention as ta, triton_kv as tk
+    from appliance.kernels import triton_attention as ta, triton_decode as td
+    from appliance.kernels import triton_kv as tk, triton_prefill as tp
 
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
     # Arguments the JIT would not mark % 16.
@@ -385,9 +386,9 @@ AOT_SCRIPT = textwrap.dedent("""
                       BLOCK_N=cfg.block_n, KV_FMT=fmt, FP32_DOT=fp32,
                       DOT_PRECISION="ieee" if fp32 else "tf32")
         gpad = triton.next_power_of_2(group)
-        yield compile_(cc, ta._decode_kernel, types, dict(
+        yield compile_(cc, td._decode_kernel, types, dict(
             common, SPLIT_SIZE=2048, USE_SPLITS=use_splits, GROUP_PAD=max(gpad, 16)), cfg)
-        yield compile_(cc, ta._prefill_kernel, types, dict(
+        yield compile_(cc, tp._prefill_kernel, types, dict(
             common, GROUP_PAD=gpad, BLOCK_Q=max(ta.PREFILL_BLOCK_M // gpad, 1), FRESH=fmt != 0),
             cfg)
         kv_types = dict(key_ptr="*" + dtype, value_ptr="*" + dtype, k_cache_ptr=kv,
@@ -401,7 +402,7 @@ AOT_SCRIPT = textwrap.dedent("""
     for cc in (80, 90):
         for fmt in (0, 1, 3):
             results += variant(cc, fmt)
-        results.append(compile_(cc, ta._decode_reduce_kernel, dict(
+        results.append(compile_(cc, td._decode_reduce_kernel, dict(
             part_out_ptr="*fp32", part_lse_ptr="*fp32", seq_lens_ptr="*i32", out_ptr="*bf16"),
             dict(SPLIT_SIZE=2048, SPLITS_PAD=16, HEAD_DIM=128, HEAD_DIM_PAD=128),
             ta.default_config(128)))

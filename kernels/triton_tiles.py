@@ -1,0 +1,24 @@
+"""JIT helpers shared by the Triton decode and prefill attention kernels: where a tile of
+context tokens lies in the paged cache, and its K/V read at their stored width."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .triton_kv import _dequant
+
+
+@triton.jit
+def _tile_offsets(bt_row_ptr, pos, valid, kvh, stride_cb, stride_cs, stride_ch,
+                  BLOCK_SIZE: tl.constexpr):
+    """Token positions -> element offsets of their cache rows (int64), via the block table."""
+    block = tl.load(bt_row_ptr + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    return block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kvh * stride_ch
+
+
+@triton.jit
+def _load_kv_tile(cache_ptr, rows, mask, offs_d, KV_FMT: tl.constexpr, DTYPE: tl.constexpr):
+    raw = tl.load(cache_ptr + rows[:, None] + offs_d[None, :], mask=mask, other=0)
+    return _dequant(raw, KV_FMT).to(DTYPE)
+
