@@ -16,6 +16,12 @@ Design:
 * Quantized caches are read at their stored width and converted in registers (FP8 through fp16
   bit tricks, see `triton_kv`), never with fp8 dots: works on Ampere. The per-head K scale is
   folded into the softmax scale and the V scale into the output.
+* Per-token INT8 (``int8_token``: k_scale / v_scale are float16 scale caches
+  ``[num_blocks, block_size, num_kv_heads]`` on the same block table) reads a tile's scales
+  beside its K/V: a key's scale multiplies its column of scores after the dot, a value's scale
+  its column of probabilities before the dot with V (the softmax sum stays unscaled), so the
+  int8 values go into the dots as they are stored (exact in 16 bits) and no dequantized tile
+  is ever built. Those scales add 2 bytes per token and head to the head_dim bytes read.
 * Online softmax in fp32 (base 2). Decode splits long contexts across programs and merges the
   partial results by log-sum-exp in a second kernel.
 * 16-bit queries use 16-bit dots with fp32 accumulation on the GPU; fp32 queries use IEEE fp32
@@ -31,7 +37,14 @@ import torch
 import triton
 
 from .triton_decode import _decode_kernel, _decode_reduce_kernel
-from .triton_kv import FMT_AUTO, FMT_MULTIPLIER, _check_cache, _check_scale
+from .triton_kv import (
+    FMT_AUTO,
+    FMT_INT8_TOKEN,
+    FMT_MULTIPLIER,
+    _check_cache,
+    _check_scale,
+    _check_token_scales,
+)
 from .triton_kv import write_kv_triton as write_kv_triton
 from .triton_prefill import _prefill_kernel
 
@@ -103,8 +116,12 @@ class _Launch:
         self.block_tables = block_tables.to(torch.int32)
         if self.block_tables.stride(1) != 1:
             self.block_tables = self.block_tables.contiguous()
+        scale_strides = (0, 0, 0)  # per-token INT8's scale caches only
         if self.fmt == FMT_AUTO:
             self.k_scale = self.v_scale = block_tables  # never read
+        elif self.fmt == FMT_INT8_TOKEN:
+            self.k_scale, self.v_scale = _check_token_scales(k_scale, v_scale, k_cache)
+            scale_strides = self.k_scale.stride()
         else:
             self.k_scale = _check_scale(k_scale, self.num_kv_heads, "k_scale")
             self.v_scale = _check_scale(v_scale, self.num_kv_heads, "v_scale")
@@ -113,7 +130,7 @@ class _Launch:
         self.fp32_dot = query.dtype == torch.float32 or query.device.type != "cuda"
         self.head_dim_pad = max(triton.next_power_of_2(self.head_dim), 16)
         self.cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                              self.block_tables.stride(0))
+                              self.block_tables.stride(0), *scale_strides)
 
 
 def paged_attention_decode(

@@ -7,7 +7,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_tiles import _load_kv_tile, _tile_offsets
+from .triton_tiles import _load_kv_tile, _tile_offsets, _token_scales
 
 
 @triton.jit
@@ -16,7 +16,7 @@ def _decode_kernel(
     out_ptr, part_out_ptr, part_lse_ptr,
     qk_scale, v_mult,
     stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_cb, stride_cs, stride_ch, stride_bt,
+    stride_cb, stride_cs, stride_ch, stride_bt, stride_sb, stride_ss, stride_sh,
     stride_pb, stride_ph, stride_ps,
     SPLIT_SIZE: tl.constexpr,
     USE_SPLITS: tl.constexpr,
@@ -52,8 +52,9 @@ def _decode_kernel(
     k_scale = qk_scale
     v_scale = v_mult
     if KV_FMT != 0:
-        k_scale = k_scale * tl.load(k_scale_ptr + kvh)
-        v_scale = v_scale * tl.load(v_scale_ptr + kvh)
+        if KV_FMT != 4:  # per-head scales; per-token INT8 (4) reads its own with each tile
+            k_scale = k_scale * tl.load(k_scale_ptr + kvh)
+            v_scale = v_scale * tl.load(v_scale_ptr + kvh)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
@@ -66,13 +67,20 @@ def _decode_kernel(
         kv_mask = valid[:, None] & (offs_d < HEAD_DIM)[None, :]
         k = _load_kv_tile(k_cache_ptr, rows, kv_mask, offs_d, KV_FMT, q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * k_scale  # [G, N], log2 units
+        if KV_FMT == 4:  # per-token INT8: each key's scale multiplies its column of scores
+            s_rows = _tile_offsets(bt_row, pos, valid, kvh, stride_sb, stride_ss, stride_sh,
+                                   BLOCK_SIZE)
+            s = s * _token_scales(k_scale_ptr, s_rows, valid)[None, :]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = _load_kv_tile(v_cache_ptr, rows, kv_mask, offs_d, KV_FMT, q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
+        pv = p
+        if KV_FMT == 4:  # ... and each value's scale its column of probabilities (not l_i)
+            pv = p * _token_scales(v_scale_ptr, s_rows, valid)[None, :]
+        acc = acc * alpha[:, None] + tl.dot(pv.to(q.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     out = acc * (v_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]
     if USE_SPLITS:

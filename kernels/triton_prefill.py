@@ -7,7 +7,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_tiles import _load_kv_tile, _tile_offsets
+from .triton_tiles import _load_kv_tile, _tile_offsets, _token_scales
 
 
 @triton.jit
@@ -16,7 +16,8 @@ def _prefill_kernel(
     k_scale_ptr, v_scale_ptr, out_ptr, fresh_k_ptr, fresh_v_ptr,
     qk_scale, v_mult, fresh_qk_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_cb, stride_cs, stride_ch, stride_bt, stride_ft, stride_fh,
+    stride_cb, stride_cs, stride_ch, stride_bt, stride_sb, stride_ss, stride_sh,
+    stride_ft, stride_fh,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -32,7 +33,8 @@ def _prefill_kernel(
     """Grid (query tiles, batch, num_kv_heads). A tile is BLOCK_Q query tokens x the head group,
     flattened to BLOCK_Q * GROUP_PAD rows; it attends causally to the cached prefix and itself.
     With FRESH, the chunk's own positions are read from this step's K/V ([tokens, kv heads,
-    head_dim], rows as the queries') instead of the stored bytes of a quantized cache."""
+    head_dim], rows as the queries') instead of the stored bytes of a quantized cache (and
+    need no scale: per-token INT8's scale caches are read for the prefix only)."""
     q_tile = tl.program_id(0)
     seq = tl.program_id(1)
     kvh = tl.program_id(2)
@@ -57,8 +59,9 @@ def _prefill_kernel(
     k_scale = qk_scale
     v_scale = v_mult
     if KV_FMT != 0:
-        k_scale = k_scale * tl.load(k_scale_ptr + kvh)
-        v_scale = v_scale * tl.load(v_scale_ptr + kvh)
+        if KV_FMT != 4:  # per-head scales; per-token INT8 (4) reads its own with each tile
+            k_scale = k_scale * tl.load(k_scale_ptr + kvh)
+            v_scale = v_scale * tl.load(v_scale_ptr + kvh)
     q_pos = prefix + tok  # absolute position of each row's token
     kv_end = tl.minimum(ctx_len, prefix + (q_tile + 1) * BLOCK_Q)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
@@ -74,13 +77,20 @@ def _prefill_kernel(
         kv_mask = valid[:, None] & (offs_d < HEAD_DIM)[None, :]
         k = _load_kv_tile(k_cache_ptr, kv_rows, kv_mask, offs_d, KV_FMT, q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * k_scale
+        if KV_FMT == 4:  # per-token INT8: each key's scale multiplies its column of scores
+            s_rows = _tile_offsets(bt_row, pos, valid, kvh, stride_sb, stride_ss, stride_sh,
+                                   BLOCK_SIZE)
+            s = s * _token_scales(k_scale_ptr, s_rows, valid)[None, :]
         s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = _load_kv_tile(v_cache_ptr, kv_rows, kv_mask, offs_d, KV_FMT, q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
+        pv = p
+        if KV_FMT == 4:  # ... and each value's scale its column of probabilities (not l_i)
+            pv = p * _token_scales(v_scale_ptr, s_rows, valid)[None, :]
+        acc = acc * alpha[:, None] + tl.dot(pv.to(q.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     if FRESH:
         # Fresh values carry no cache scale: scores take the plain softmax scale, and V is

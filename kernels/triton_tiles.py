@@ -1,5 +1,6 @@
 """JIT helpers shared by the Triton decode and prefill attention kernels: where a tile of
-context tokens lies in the paged cache, and its K/V read at their stored width."""
+context tokens lies in the paged cache, its K/V read at their stored width, and per-token INT8's
+scales of the tile."""
 
 from __future__ import annotations
 
@@ -22,3 +23,10 @@ def _load_kv_tile(cache_ptr, rows, mask, offs_d, KV_FMT: tl.constexpr, DTYPE: tl
     raw = tl.load(cache_ptr + rows[:, None] + offs_d[None, :], mask=mask, other=0)
     return _dequant(raw, KV_FMT).to(DTYPE)
 
+
+
+@triton.jit
+def _token_scales(scale_ptr, rows, valid):
+    """Per-token INT8: the float16 scales of a tile's tokens (rows: their offsets in the scale
+    cache, `_tile_offsets` with its strides) as float32, 0 past the context (masked anyway)."""
+    return tl.load(scale_ptr + rows, mask=valid, other=0.0).to(tl.float32)

@@ -354,7 +354,8 @@ AOT_SCRIPT = textwrap.dedent("""
 
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
     # Arguments the JIT would not mark % 16.
-    NO_ALIGN = {"stride_bt", "qk_scale", "v_mult", "fresh_qk_scale", "stride_fh"}
+    NO_ALIGN = {"stride_bt", "qk_scale", "v_mult", "fresh_qk_scale", "stride_fh", "stride_ss",
+                "stride_sh"}
 
     def compile_(cc, fn, types, consts, cfg):
         sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
@@ -374,11 +375,12 @@ AOT_SCRIPT = textwrap.dedent("""
                 "mma": "mma" in k.asm["ttgir"]}
 
     def variant(cc, fmt=1, dtype="bf16", group=4, head_dim=128, use_splits=True):
-        kv = {0: "*" + dtype, 1: "*u8", 2: "*u8", 3: "*i8"}[fmt]
+        kv = {0: "*" + dtype, 1: "*u8", 2: "*u8", 3: "*i8", 4: "*i8"}[fmt]
+        scales = "*fp16" if fmt == 4 else "*fp32"  # per-token INT8: float16 scale caches
         cfg = ta.default_config(head_dim)
         types = dict(q_ptr="*" + dtype, k_cache_ptr=kv, v_cache_ptr=kv, block_tables_ptr="*i32",
-                     seq_lens_ptr="*i32", query_start_loc_ptr="*i32", k_scale_ptr="*fp32",
-                     v_scale_ptr="*fp32", out_ptr="*" + dtype, part_out_ptr="*fp32",
+                     seq_lens_ptr="*i32", query_start_loc_ptr="*i32", k_scale_ptr=scales,
+                     v_scale_ptr=scales, out_ptr="*" + dtype, part_out_ptr="*fp32",
                      part_lse_ptr="*fp32", qk_scale="fp32", v_mult="fp32",
                      fresh_k_ptr="*" + dtype, fresh_v_ptr="*" + dtype, fresh_qk_scale="fp32")
         fp32 = dtype == "fp32"
@@ -392,15 +394,20 @@ AOT_SCRIPT = textwrap.dedent("""
             common, GROUP_PAD=gpad, BLOCK_Q=max(ta.PREFILL_BLOCK_M // gpad, 1), FRESH=fmt != 0),
             cfg)
         kv_types = dict(key_ptr="*" + dtype, value_ptr="*" + dtype, k_cache_ptr=kv,
-                        v_cache_ptr=kv, slot_ptr="*i64", k_scale_ptr="*fp32",
-                        v_scale_ptr="*fp32")
-        yield compile_(cc, tk._write_kv_kernel, kv_types, dict(
-            BLOCK_SIZE=16, NUM_KV_HEADS=8, HEAD_DIM=head_dim, BLOCK=8 * head_dim,
-            KV_FMT=fmt), cfg)
+                        v_cache_ptr=kv, slot_ptr="*i64", k_scale_ptr=scales,
+                        v_scale_ptr=scales)
+        if fmt == 4:
+            yield compile_(cc, tk._write_kv_token_kernel, kv_types, dict(
+                BLOCK_SIZE=16, NUM_KV_HEADS=8, HEAD_DIM=head_dim, HEADS_PAD=8,
+                HEAD_DIM_PAD=head_dim, MIN_SCALE=2.0**-14), cfg)
+        else:
+            yield compile_(cc, tk._write_kv_kernel, kv_types, dict(
+                BLOCK_SIZE=16, NUM_KV_HEADS=8, HEAD_DIM=head_dim, BLOCK=8 * head_dim,
+                KV_FMT=fmt), cfg)
 
     results = []
     for cc in (80, 90):
-        for fmt in (0, 1, 3):
+        for fmt in (0, 1, 3, 4):
             results += variant(cc, fmt)
         results.append(compile_(cc, td._decode_reduce_kernel, dict(
             part_out_ptr="*fp32", part_lse_ptr="*fp32", seq_lens_ptr="*i32", out_ptr="*bf16"),
@@ -422,13 +429,14 @@ AOT_SCRIPT = textwrap.dedent("""
 def test_kernels_compile_for_ampere_and_hopper() -> None:
     """Compile every kernel for sm80 and sm90 with the real Triton compiler (no GPU needed):
     catches what the interpreter accepts but codegen rejects (fp8e4nv casts on Ampere, dot
-    shapes), checks bf16 / FP8 / INT8 paths use tensor cores and do not spill registers."""
+    shapes, div_rn's operands), checks bf16 / FP8 / INT8 (per-head and per-token scales)
+    paths use tensor cores and do not spill registers."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", AOT_SCRIPT], env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(results) == 32
+    assert len(results) == 38
     for r in results:
         assert r["spill_free"], r
         if r["kernel"] in ("_decode_kernel", "_prefill_kernel"):
