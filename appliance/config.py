@@ -86,7 +86,7 @@ class CacheConfig(_Section):
     # INT8 scales: "per_head" (one per KV head, calibrated at start-up) or "per_token" (one per
     # token and KV head, the token's own absmax, stored beside the cache: +2 bytes per token and
     # head for K and V; INT8 only, its uniform step gains from a tight range, FP8's relative
-    # step does not; CPU only so far).
+    # step does not; the CPU's torch path and the Triton kernels read them).
     kv_cache_scales: Literal["per_head", "per_token"] = "per_head"
     # Layers whose KV stays 16-bit when kv_cache_dtype quantizes the rest.
     kv_cache_keep_16bit: list[NonNegInt] = []

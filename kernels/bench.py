@@ -7,7 +7,8 @@ the bytes of K/V and queries read; share = achieved / copy bandwidth, where copy
 (bytes read + bytes written) / time of the copy.
 
 Before timing it checks the kernels against the torch reference on small CUDA inputs (decode
-with and without split-K, chunked prefill, write_kv); ``--no-check`` skips that. ``--sweep``
+with and without split-K, chunked prefill, write_kv; per-token INT8 too); ``--no-check`` skips
+that. ``--sweep``
 also times a few launch configurations per case. ``--json`` prints one JSON object.
 """
 
@@ -152,6 +153,55 @@ def check_correctness(device: str = "cuda") -> list[dict[str, Any]]:
                                       scales, scales)
         err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
         results.append({"check": f"prefill {fmt}", "rel_err": err, "ok": err < 2e-2})
+    return results + check_per_token(device)
+
+
+def check_per_token(device: str = "cuda") -> list[dict[str, Any]]:
+    """Per-token INT8 (int8_token): both writers' bytes and float16 scale caches, then decode
+    and prefill over the Triton-written cache against the torch reference over the same."""
+    from appliance.kv_layout import PER_TOKEN_KIND
+
+    from .paged_attention import paged_attention, write_kv
+    from .triton_attention import paged_attention_decode, paged_attention_prefill
+    from .triton_kv import write_kv_triton
+
+    inputs = make_decode_inputs(4, 1000, "auto", device)
+    kc16, bt, sl = inputs["k_cache"], inputs["block_tables"], inputs["seq_lens"]
+    sl.copy_(torch.tensor([1000, 1, 517, 64], device=device))
+    flat = (kc16.shape[0] * BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    key, value = kc16.view(flat), inputs["v_cache"].view(flat)
+    slots = torch.arange(flat[0], device=device)
+
+    def caches() -> list[torch.Tensor]:
+        kv = [torch.empty(kc16.shape, dtype=torch.int8, device=device) for _ in range(2)]
+        return kv + [torch.empty(kc16.shape[:3], dtype=torch.float16, device=device)
+                     for _ in range(2)]
+
+    ref_c, ours = caches(), caches()
+    write_kv(key, value, ref_c[0], ref_c[1], slots, PER_TOKEN_KIND, ref_c[2], ref_c[3])
+    write_kv_triton(key, value, ours[0], ours[1], slots, PER_TOKEN_KIND, ours[2], ours[3])
+    same = min((a == b).float().mean().item() for a, b in zip(ours, ref_c, strict=True))
+    results = [{"check": "write_kv int8_token", "bit_exact_share": same, "ok": same == 1.0}]
+    q, scale = inputs["query"], inputs["scale"]
+    qsl = torch.arange(5, device=device, dtype=torch.int32)
+    ref = paged_attention(q.float(), *ours[:2], bt, sl, qsl, scale, 1, 1000, PER_TOKEN_KIND,
+                          *ours[2:])
+    for split in (None, 128):
+        out = paged_attention_decode(q, *ours[:2], bt, sl, scale, 1000, PER_TOKEN_KIND,
+                                     *ours[2:], split_size=split)
+        err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+        results.append({"check": f"decode int8_token split={split}", "rel_err": err,
+                        "ok": err < 2e-2})
+    qlens = torch.tensor([100, 1, 37, 64], device=device)
+    qsl = torch.zeros(5, dtype=torch.int32, device=device)
+    qsl[1:] = qlens.cumsum(0)
+    qp = torch.randn(int(qlens.sum()), NUM_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
+    ref = paged_attention(qp.float(), *ours[:2], bt, sl, qsl, scale, 100, 1000, PER_TOKEN_KIND,
+                          *ours[2:])
+    out = paged_attention_prefill(qp, *ours[:2], bt, sl, qsl, scale, 100, PER_TOKEN_KIND,
+                                  *ours[2:])
+    err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+    results.append({"check": "prefill int8_token", "rel_err": err, "ok": err < 2e-2})
     return results
 
 

@@ -1,23 +1,40 @@
 """INT8 KV with per-token scales (cache.kv_cache_scales = "per_token"): the stored bytes and
-scales, attention over them against a float64 reference on hand-quantized values, the pool's
-scale caches (bytes, swap) and the config's refusals."""
+scales, attention over them against a float64 reference on hand-quantized values (the torch
+path and the Triton kernels, interpreted here), the pool's scale caches (bytes, swap) and the
+config's refusals."""
 
 from __future__ import annotations
 
-from pathlib import Path
+import os
 
-import msgspec
-import pytest
-import torch
-from appliance.kernels.paged_attention import paged_attention, write_kv
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from appliance.config import ConfigError, load_config
-from appliance.engine.kv_quant import apply_layer_spec, kv_storage, rotation_matrix
-from appliance.engine.model_runner import KVCachePool
-from appliance.kv_layout import PER_TOKEN_KIND, LayerKV
-from appliance.layers.attention import Attention, AttentionMetadata, PagedBatch
+from pathlib import Path  # noqa: E402
+
+import msgspec  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from appliance.kernels.paged_attention import paged_attention, write_kv  # noqa: E402
+
+from appliance.config import ConfigError, load_config  # noqa: E402
+from appliance.engine.kv_quant import apply_layer_spec, kv_storage, rotation_matrix  # noqa: E402
+from appliance.engine.model_runner import KVCachePool  # noqa: E402
+from appliance.kv_layout import PER_TOKEN_KIND, LayerKV  # noqa: E402
+from appliance.layers.attention import Attention, AttentionMetadata, PagedBatch  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings(  # the interpreter's range(<tensor>) on numpy 2.x
+    "ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning")
 
 BS, BLOCKS, HKV, GROUP, D = 4, 6, 2, 2, 8
+
+
+def backend(name: str) -> tuple[object, object]:
+    """(write_kv, paged_attention) of the torch path or the Triton kernels."""
+    if name == "triton":
+        from appliance.kernels.triton_attention import paged_attention_triton, write_kv_triton
+
+        return write_kv_triton, paged_attention_triton
+    return write_kv, paged_attention
 
 
 def hand_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,7 +59,8 @@ def reference_attention(
     return out
 
 
-def _filled_cache(lengths: list[int], tables: list[list[int]], gen: torch.Generator):
+def _filled_cache(lengths: list[int], tables: list[list[int]], gen: torch.Generator,
+                  write: object = write_kv):  # fmt: skip
     kc = torch.zeros(BLOCKS, BS, HKV, D, dtype=torch.int8)
     vc = torch.zeros_like(kc)
     ks = torch.zeros(BLOCKS, BS, HKV, dtype=torch.float16)
@@ -54,7 +72,7 @@ def _filled_cache(lengths: list[int], tables: list[list[int]], gen: torch.Genera
         v = torch.randn(n, HKV, D, generator=gen)
         k[n // 2] *= 20
         slots = torch.tensor([table[i // BS] * BS + i % BS for i in range(n)])
-        write_kv(k, v, kc, vc, slots, PER_TOKEN_KIND, ks, vs)
+        write(k, v, kc, vc, slots, PER_TOKEN_KIND, ks, vs)  # type: ignore[operator]
         kv.append((k, v, slots))
     return (kc, vc, ks, vs), kv
 
@@ -77,14 +95,16 @@ def test_write_stores_each_tokens_own_absmax_scale_and_bytes() -> None:
     assert not bool(ks.view(-1, HKV)[untouched].any())
 
 
+@pytest.mark.parametrize("name", ["torch", "triton"])
 @pytest.mark.parametrize("decode", [True, False])
-def test_attention_over_a_per_token_cache_matches_float64(decode: bool) -> None:
+def test_attention_over_a_per_token_cache_matches_float64(decode: bool, name: str) -> None:
     """Decode (one query each) and prefill (the last 3 positions; their own K/V fresh, the
     earlier ones dequantized) of two sequences against float64 attention over hand-dequantized
-    K/V."""
+    K/V; the backend writes the cache itself (contexts of 7 and 5 end mid-block)."""
     gen = torch.Generator().manual_seed(1)
     lengths, tables = [7, 5], [[4, 1], [0, 5]]
-    caches, kv = _filled_cache(lengths, tables, gen)
+    write, attend = backend(name)
+    caches, kv = _filled_cache(lengths, tables, gen, write)
     scale = D**-0.5
     q_len = 1 if decode else 3
     qs, expected, fresh_k, fresh_v = [], [], [], []
@@ -99,7 +119,7 @@ def test_attention_over_a_per_token_cache_matches_float64(decode: bool) -> None:
         qs.append(q)
         expected.append(reference_attention(q, kd, vd, list(range(n - q_len, n)), scale))
     extra = {} if decode else {"key": torch.cat(fresh_k), "value": torch.cat(fresh_v)}
-    out = paged_attention(
+    out = attend(  # type: ignore[operator]
         torch.cat(qs), caches[0], caches[1], torch.tensor(tables), torch.tensor(lengths),
         torch.tensor([0, q_len, 2 * q_len]), scale, q_len, max(lengths), PER_TOKEN_KIND,
         caches[2], caches[3], **extra,
@@ -115,10 +135,12 @@ def test_attention_over_a_per_token_cache_matches_float64(decode: bool) -> None:
     assert not torch.allclose(wrong.double(), torch.cat(expected), atol=1e-2)
 
 
-def test_attention_layer_rotates_keeps_a_head_and_reads_the_pools_scale_caches() -> None:
+@pytest.mark.parametrize("name", ["torch", "triton"])
+def test_attention_layer_rotates_keeps_a_head_and_reads_the_pools_scale_caches(name: str) -> None:
     """Attention.forward over a pool layer (k, v, side_k, side_v, k_scales, v_scales): KV head 1
     kept 16-bit (float32 here), head 0 per-token INT8 of the rotated K/V; one prefill then one
-    decode, against float64 attention over K/V dequantized by hand (rotated back)."""
+    decode, against float64 attention over K/V dequantized by hand (rotated back). On Triton
+    both the quantized heads and the kept one run through the kernels."""
     gen = torch.Generator().manual_seed(2)
     layer = LayerKV(PER_TOKEN_KIND, (1,))
     pool = KVCachePool(1, BLOCKS, 2, BS, HKV, D, kv_storage([layer], torch.float32),
@@ -126,6 +148,7 @@ def test_attention_layer_rotates_keeps_a_head_and_reads_the_pools_scale_caches()
     cache = pool.device_caches[0]
     assert [t.dtype for t in cache] == [torch.int8] * 2 + [torch.float32] * 2 + [torch.float16] * 2
     attn = Attention(HKV * GROUP, HKV, D, D**-0.5)
+    attn.set_backend(*backend(name))  # type: ignore[arg-type]
     apply_layer_spec(attn, layer, None)
     n, table = 6, [3, 2]
     k, v = torch.randn(n, HKV, D, generator=gen), torch.randn(n, HKV, D, generator=gen)
@@ -178,13 +201,28 @@ def test_config_refuses_per_token_without_int8_and_unknown_values() -> None:
         load_config(None, {"cache.kv_cache_dtype": "int8", "cache.kv_cache_scales": "per_block"})
 
 
-def test_per_token_is_refused_off_the_cpu() -> None:
-    from appliance.engine.kv_quant import configure_kv_cache
+def test_per_token_layers_are_built_on_the_models_device() -> None:
+    """Off the CPU (here the meta device, which stands for CUDA) per-token layers load: no
+    refusal, no calibration, and the rotation and head split of each layer live on that
+    device, not on the CPU (no absmax tensor to take the device from)."""
+    from appliance.engine.kv_quant import RotatedKV, configure_kv_cache
 
-    config = load_config(None, {"cache.kv_cache_dtype": "int8", "cache.kv_cache_scales": "per_token"})
-    model = type("M", (), {"args": type("A", (), {"num_layers": 2, "num_kv_heads": 2})()})()
-    with pytest.raises(ConfigError, match=r'cache\.kv_cache_scales = "per_token".*CPU'):
-        configure_kv_cache(model, None, config.cache, torch.float16, torch.device("meta"), 64)  # type: ignore[arg-type]
+    config = load_config(None, {"cache.kv_cache_dtype": "int8", "cache.kv_cache_scales": "per_token",
+                                "cache.kv_cache_keep_16bit_heads": ["1:0"]})  # fmt: skip
+    layers = [Attention(HKV * GROUP, HKV, D, D**-0.5) for _ in range(2)]
+    model = type("M", (), {
+        "args": type("A", (), {"num_layers": 2, "num_kv_heads": HKV})(),
+        "attention_layers": lambda self: layers,
+    })()  # fmt: skip
+    meta = torch.device("meta")
+    storage, absmax = configure_kv_cache(model, None, config.cache, torch.float16, meta, 64)  # type: ignore[arg-type]
+    assert absmax is None and storage.token_scales == [True, True]
+    for attn, kept in zip(layers, [(), (0,)], strict=True):
+        assert attn.spec.kv_cache_dtype == PER_TOKEN_KIND and attn.spec.kept_heads == kept
+        rotated = attn.write_kv.__self__  # type: ignore[attr-defined]
+        assert isinstance(rotated, RotatedKV) and rotated.rot.device == meta
+    assert layers[0].split is None
+    assert layers[1].split is not None and layers[1].split.q_kept.device == meta
 
 
 def test_swapped_sequences_keep_their_scales(tiny_model_dir: Path) -> None:

@@ -7,8 +7,9 @@ start-up by a calibration forward with 16-bit KV over text the package ships
 Or, for INT8 with cache.kv_cache_scales = "per_token", one float16 scale per token and KV head,
 the token's own absmax / 127, computed when the token is written and stored in scale caches of
 the pool beside K/V (kernels/paged_attention.py; no calibration): INT8's step is uniform, so a
-range fitted to each token keeps far more of it (SmolLM2: README "KV-cache accuracy"). CPU
-only so far: the Triton kernels do not read scale caches, and load refuses it on CUDA.
+range fitted to each token keeps far more of it (SmolLM2: README "KV-cache accuracy"). Every
+backend reads them: the torch path on the CPU, the Triton kernels on CUDA (kernels/triton_kv.py
+writes them with the CPU path's rounding).
 
 Why per-head scales are calibrated at start-up and not at write time:
 - A per-head scale that changed while a sequence runs would silently re-scale every value
@@ -44,7 +45,7 @@ from collections.abc import Sequence
 
 import torch
 
-from appliance.config import CacheConfig, ConfigError
+from appliance.config import CacheConfig
 from appliance.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from appliance.engine.model_runner import KVCachePool, KVStorage, ModelRunner
 from appliance.kernels.paged_attention import cache_storage_dtype
@@ -219,18 +220,26 @@ def apply_kv_specs(
     model: LlamaForCausalLM,
     layers: Sequence[LayerKV | str],
     absmax: Sequence[tuple[torch.Tensor, torch.Tensor]] | None,
+    device: torch.device | None = None,
 ) -> None:
     """Give each attention layer its format, scales and backend (`apply_layer_spec`)."""
     for i, (attn, layer) in enumerate(zip(model.attention_layers(), layers, strict=True)):
-        apply_layer_spec(attn, _as_layer(layer), absmax[i] if absmax is not None else None)
+        apply_layer_spec(
+            attn, _as_layer(layer), absmax[i] if absmax is not None else None, device
+        )
 
 
 def apply_layer_spec(
-    attn: Attention, layer: LayerKV, absmax: tuple[torch.Tensor, torch.Tensor] | None
+    attn: Attention,
+    layer: LayerKV,
+    absmax: tuple[torch.Tensor, torch.Tensor] | None,
+    device: torch.device | None = None,
 ) -> None:
     """16-bit layers need no scales and attend through the device's backend as it is;
     quantized ones through RotatedKV, and their kept heads through the device's backend over
-    the 16-bit side cache (Attention.forward splits the heads)."""
+    the 16-bit side cache (Attention.forward splits the heads). The rotation and the head
+    split are built on `device`, else on the calibrated scales' device (the CPU without
+    either: per-token layers have no calibration to take it from)."""
     write, attend = base_backend(attn)
     if layer.kind == "auto":
         attn.spec = KVCacheSpec()
@@ -243,12 +252,14 @@ def apply_layer_spec(
     kept = tuple(sorted(layer.kept_heads))
     if layer.kind == PER_TOKEN_KIND:
         # Scales live in the pool's scale caches (written with each token), none calibrated.
-        device = absmax[0].device if absmax is not None else torch.device("cpu")
+        if device is None:
+            device = absmax[0].device if absmax is not None else torch.device("cpu")
         attn.spec = KVCacheSpec(layer.kind, kept_heads=kept)
     else:
         assert absmax is not None, "quantized layers need calibrated absmax values"
         k_max, v_max = absmax[0][quant], absmax[1][quant]
-        device = k_max.device
+        if device is None:
+            device = k_max.device
         attn.spec = KVCacheSpec(
             layer.kind,
             scales_from_absmax(k_max, layer.kind),
@@ -276,14 +287,8 @@ def configure_kv_cache(
     args = model.args
     layers = layer_layout(cache, args.num_layers, args.num_kv_heads)
     absmax = None
-    if any(layer.kind == PER_TOKEN_KIND for layer in layers) and device.type != "cpu":
-        raise ConfigError(
-            'cache.kv_cache_scales = "per_token" runs on the CPU only: the Triton kernels '
-            f"(CUDA) do not read per-token scales yet; this device is {device.type}, use "
-            '"per_head" there'
-        )
     if any(layer.kind not in ("auto", PER_TOKEN_KIND) for layer in layers):
         windows = calibration_windows(tokenizer, max_len)
         absmax = calibrate_absmax(model, windows, cache.block_size, device, model_dtype)
-    apply_kv_specs(model, layers, absmax)
+    apply_kv_specs(model, layers, absmax, device)
     return kv_storage(layers, model_dtype), absmax
