@@ -83,11 +83,13 @@ class CacheConfig(_Section):
     # Tokens per KV block. 16 keeps PagedAttention's waste under 4% of slots.
     block_size: Annotated[int, Meta(ge=1, le=256)] = 16
     kv_cache_dtype: Literal["auto", "fp8_e4m3", "fp8_e5m2", "int8"] = "auto"
-    # INT8 scales: "per_head" (one per KV head, calibrated at start-up) or "per_token" (one per
-    # token and KV head, the token's own absmax, stored beside the cache: +2 bytes per token and
-    # head for K and V; INT8 only, its uniform step gains from a tight range, FP8's relative
-    # step does not; the CPU's torch path and the Triton kernels read them).
-    kv_cache_scales: Literal["per_head", "per_token"] = "per_head"
+    # Scales of a quantized cache. "per_head": one per layer and KV head, calibrated at
+    # start-up. "per_token" (int8 only): one per token and KV head, the token's own absmax,
+    # stored beside the cache (+2 bytes per token and head for K and V: +3% at head_dim 64);
+    # INT8's uniform step gains from a tight range (SmolLM2: 13/16 greedy answers kept instead
+    # of 11), FP8's relative step does not. "auto": per_token for int8, per_head for FP8. The
+    # CPU's torch path and the Triton kernels read both.
+    kv_cache_scales: Literal["auto", "per_head", "per_token"] = "auto"
     # Layers whose KV stays 16-bit when kv_cache_dtype quantizes the rest.
     kv_cache_keep_16bit: list[NonNegInt] = []
     # Single KV heads whose K/V stay 16-bit, as "layer:head" (both from 0, head = KV head):
@@ -104,6 +106,13 @@ class CacheConfig(_Section):
     enable_prefix_caching: bool = True
     # GiB of host memory for blocks of swapped-out sequences.
     swap_space: NonNegFloat = 4.0
+
+    def scales(self) -> str:
+        """kv_cache_scales resolved for kv_cache_dtype: "per_token" or "per_head" ("per_head"
+        for a 16-bit cache too, which has none)."""
+        if self.kv_cache_scales == "auto":
+            return "per_token" if self.kv_cache_dtype == "int8" else "per_head"
+        return self.kv_cache_scales
 
     def kept_heads(self) -> list[tuple[int, int]]:
         """kv_cache_keep_16bit_heads as (layer, KV head) pairs (checked by load_config)."""

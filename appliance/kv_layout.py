@@ -87,7 +87,7 @@ def layer_layout(
         if len(kept) == len(held):
             out.append(LayerKV("auto"))
         else:
-            kind = PER_TOKEN_KIND if cache.kv_cache_scales == "per_token" else cache.kv_cache_dtype
+            kind = PER_TOKEN_KIND if cache.scales() == "per_token" else cache.kv_cache_dtype
             out.append(LayerKV(kind, kept))
     return out
 

@@ -82,6 +82,7 @@ def test_keep_list_layers_stay_16bit_and_capacity_follows(template: Path) -> Non
     loaded = load(
         template,
         cache__kv_cache_dtype="int8",
+        cache__kv_cache_scales="per_head",  # calibrated scales (int8's default is per token)
         cache__kv_cache_keep_16bit=[2],
         cache__swap_space=0.001,
     )
@@ -185,13 +186,21 @@ def test_out_of_range_values_saturate_never_nan(fmt: str) -> None:
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8_e5m2"])
 def test_int8_and_e5m2_generate_end_to_end(template: Path, fmt: str) -> None:
+    """Each format at its default scales: int8 per token (scale caches beside K/V in every
+    layer, no calibrated scale), e5m2 per head."""
     with Engine(load_config(template, {"cache.kv_cache_dtype": fmt})) as engine:
         out = engine.generate(
             ["Incident 5282 — object-storage", "Meeting summary"],
             SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=1),
         )
         expected = torch.int8 if fmt == "int8" else torch.uint8
-        assert all(k.dtype == expected for k, _ in engine.runner.kv.device_caches)
+        layers = engine.runner.kv.device_caches
+        assert all(layer[0].dtype == expected for layer in layers)
+        assert all(len(layer) == (4 if fmt == "int8" else 2) for layer in layers)
+        specs = [a.spec for a in engine.loaded.model.attention_layers()]
+        assert all((s.k_scale is None) == (fmt == "int8") for s in specs)
+        if fmt == "int8":  # the scales written are the tokens' own: all positive where used
+            assert all(bool((layer[2].view(-1)[:40] > 0).any()) for layer in layers)
     for result in out:
         assert len(result.token_ids) == 24
         assert all(lp.logprob == lp.logprob and lp.logprob > -1e4 for lp in result.logprobs or [])

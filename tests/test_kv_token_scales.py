@@ -190,6 +190,23 @@ def test_pool_counts_and_swaps_the_scale_caches() -> None:
         assert torch.equal(t[2], b)
 
 
+def test_int8_defaults_to_per_token_scales_and_fp8_to_per_head() -> None:
+    from appliance.kv_layout import layer_layout
+
+    def cache(**values: object):  # type: ignore[no-untyped-def]
+        return load_config(None, {f"cache.{k}": v for k, v in values.items()}).cache
+
+    assert cache().kv_cache_scales == "auto"
+    assert cache(kv_cache_dtype="int8").scales() == "per_token"
+    assert cache(kv_cache_dtype="int8", kv_cache_scales="per_head").scales() == "per_head"
+    assert cache(kv_cache_dtype="fp8_e4m3").scales() == "per_head"
+    assert layer_layout(cache(kv_cache_dtype="int8", kv_cache_keep_16bit=[1]), 2, 2) == [
+        LayerKV(PER_TOKEN_KIND), LayerKV("auto")]  # fmt: skip
+    assert layer_layout(cache(kv_cache_dtype="int8", kv_cache_scales="per_head"), 1, 2) == [
+        LayerKV("int8")]  # fmt: skip
+    assert layer_layout(cache(kv_cache_dtype="fp8_e5m2"), 1, 2) == [LayerKV("fp8_e5m2")]
+
+
 def test_config_refuses_per_token_without_int8_and_unknown_values() -> None:
     assert load_config(None, {"cache.kv_cache_dtype": "int8",
                               "cache.kv_cache_scales": "per_token"}).cache.kv_cache_scales == "per_token"  # fmt: skip

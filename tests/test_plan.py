@@ -192,6 +192,9 @@ def test_plan_is_an_appliance_subcommand(capsys: pytest.CaptureFixture[str]) -> 
         # Per-token INT8 scales: float16 scale caches of the quantized heads in every block.
         ("int8", [], [], "per_token"),
         ("int8", [3], ["1:0", "1:1", "2:1"], "per_token"),
+        # The default ("auto"): per-token scales for int8, per-head ones for FP8.
+        ("int8", [], [], "auto"),
+        ("fp8_e4m3", [0, 3], [], "auto"),
     ],
 )
 @pytest.mark.parametrize("tp", [1, 2, 4])
@@ -233,13 +236,14 @@ def test_plan_kv_bytes_equal_the_loaders(
     assert tp_plan.kv_bytes_per_token * 16 == max(per_rank)
     assert kv_bytes_per_block(args, 16, config.cache, torch.bfloat16, tp) == max(per_rank)
     # By hand at TP 1 (4 layers, 2 KV heads of head_dim): elements a token per layer 2 x 2 x D.
-    if tp == 1 and (heads or scales == "per_token"):
+    if tp == 1 and (heads or config.cache.scales() == "per_token"):
         d = args.head_dim
         expected = {
             ("fp8_e4m3", (), "per_head"): 2 * d * (1 * 2 + 1 * 1) * 2 + 2 * d * 2 * 1 * 2,  # 0,2: 1 kept
             ("int8", (3,), "per_head"): 2 * d * 2 * 2 * 2 + 2 * d * (2 + 1) + 2 * d * 2,  # 1,3 whole; 2: 1 kept; 0
             # 4 layers x K,V x 2 heads x (D bytes + a 2-byte scale)
             ("int8", (), "per_token"): 4 * 2 * 2 * (d + 2),
+            ("int8", (), "auto"): 4 * 2 * 2 * (d + 2),
             # 1,3 whole; 2: 1 kept head 16-bit + 1 head (D + 2); 0: 2 heads (D + 2)
             ("int8", (3,), "per_token"): 2 * (2 * 2 * 2 * d) + 2 * (2 * d + d + 2) + 2 * 2 * (d + 2),
         }[(kv_dtype, tuple(keep), scales)]

@@ -201,7 +201,7 @@ def kv_summary(loaded: LoadedModel, config: Any, seq_len: int) -> dict[str, Any]
     blocks_per_seq = -(-seq_len // loaded.block_size)
     return {
         "kv_cache_dtype": config.cache.kv_cache_dtype,
-        "kv_cache_scales": config.cache.kv_cache_scales,
+        "kv_cache_scales": config.cache.scales(),
         "kv_cache_keep_16bit": list(config.cache.kv_cache_keep_16bit),
         "kv_cache_keep_16bit_heads": list(config.cache.kv_cache_keep_16bit_heads),
         "num_blocks": loaded.num_blocks,

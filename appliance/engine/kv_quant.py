@@ -4,10 +4,11 @@ Scales: one float32 per layer, per KV head, for K and for V (``stored = x / scal
 start-up by a calibration forward with 16-bit KV over text the package ships
 (`appliance/tools/data/corpus.txt`): ``scale = absmax * MARGIN / format_max``.
 
-Or, for INT8 with cache.kv_cache_scales = "per_token", one float16 scale per token and KV head,
-the token's own absmax / 127, computed when the token is written and stored in scale caches of
-the pool beside K/V (kernels/paged_attention.py; no calibration): INT8's step is uniform, so a
-range fitted to each token keeps far more of it (SmolLM2: README "KV-cache accuracy"). Every
+Or, for INT8 with cache.kv_cache_scales = "per_token" (int8's default: "auto"), one float16
+scale per token and KV head, the token's own absmax / 127, computed when the token is written
+and stored in scale caches of the pool beside K/V (kernels/paged_attention.py; no
+calibration): INT8's step is uniform, so a range fitted to each token keeps far more of it
+(SmolLM2: README "KV-cache accuracy"). Every
 backend reads them: the torch path on the CPU, the Triton kernels on CUDA (kernels/triton_kv.py
 writes them with the CPU path's rounding).
 

@@ -293,8 +293,9 @@ def size_kv_cache(
     config: ApplianceConfig, w: _Weights, device: torch.device, say: Callable[[str], None]
 ) -> _KVLayout:
     """Step 2: per-layer KV storage (kv_cache_keep_16bit layers and kv_cache_keep_16bit_heads
-    heads stay 16-bit; quantized layers get per-head scales from a calibration forward,
-    engine/kv_quant.py), then the number of blocks the memory settings allow."""
+    heads stay 16-bit; quantized layers get per-head scales from a calibration forward, or
+    per-token INT8 scale caches, engine/kv_quant.py), then the number of blocks the memory
+    settings allow."""
     kv_dtype = w.cpu.plan.kv_dtype if w.cpu is not None else w.model.lm_head.weight.dtype
     storage, _ = configure_kv_cache(w.model, w.tokenizer, config.cache, kv_dtype, device, w.max_len)
     cache = config.cache

@@ -161,15 +161,18 @@ def run_name(kind: str, keep: Sequence[int], heads: Sequence[str] = ()) -> str:
     return f"{kind} keep {sorted(keep)}" + (f" heads {list(heads)}" if heads else "")
 
 
-# A format of the table: a kv_cache_dtype, or "int8_token" (the per-token kind of
-# appliance/kv_layout.py: INT8 with cache.kv_cache_scales = "per_token").
-FORMAT_NAMES = {"int8_token": "int8 per-token scales"}
+# A format of the table: a kv_cache_dtype (with per-head scales: "int8" is per-head INT8), or
+# "int8_token" (the per-token kind of appliance/kv_layout.py: INT8 with cache.kv_cache_scales
+# = "per_token", int8's default).
+FORMAT_NAMES = {"int8": "int8, per-head scales", "int8_token": "int8, per-token scales"}
 
 
 def cache_settings(fmt: str) -> dict[str, str]:
+    """The [cache] keys of a table format: "int8" is per-head INT8 (pinned: int8's default
+    scales are per token), "int8_token" per-token INT8."""
     if fmt == "int8_token":
         return {"cache.kv_cache_dtype": "int8", "cache.kv_cache_scales": "per_token"}
-    return {"cache.kv_cache_dtype": fmt}
+    return {"cache.kv_cache_dtype": fmt, "cache.kv_cache_scales": "per_head"}
 
 
 KeepList = tuple[list[int], list[str]]  # (16-bit layers, 16-bit "layer:head" entries)
@@ -241,7 +244,8 @@ if __name__ == "__main__":
     )  # fmt: skip
     parser.add_argument(
         "--formats", default="fp8_e4m3,fp8_e5m2,int8,int8_token",
-        help="kv_cache_dtype values, and int8_token: INT8 with per-token scales",
+        help="kv_cache_dtype values (int8: per-head scales), and int8_token: INT8 with "
+        "per-token scales",
     )  # fmt: skip
     parser.add_argument("--max-tokens", type=int, default=64)
     ns = parser.parse_args()

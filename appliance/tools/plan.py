@@ -90,7 +90,8 @@ class Plan:
     # kv_cache_keep_16bit's layers, then kv_cache_keep_16bit_heads' "layer:head" entries.
     kv_keep_16bit: list[int | str]
     block_size: int
-    # cache.kv_cache_scales: "per_token" adds a 2-byte scale per token, KV head, K and V.
+    # cache.kv_cache_scales resolved ("auto": per_token for int8): "per_token" adds a 2-byte
+    # scale per token, KV head, K and V.
     kv_scales: str
     max_model_len: int
     typical_seq_len: int
@@ -326,7 +327,7 @@ def make_plan(config: ApplianceConfig, template: str = "") -> Plan:
         kv_elem_bytes=_kv_elem(config, elem),
         kv_keep_16bit=[*config.cache.kv_cache_keep_16bit, *config.cache.kv_cache_keep_16bit_heads],
         block_size=config.cache.block_size,
-        kv_scales=config.cache.kv_cache_scales,
+        kv_scales=config.cache.scales(),
         max_model_len=config.model.max_model_len or spec.max_position_embeddings,
         typical_seq_len=hw.typical_seq_len,
         max_num_seqs=config.scheduler.max_num_seqs,
