@@ -151,7 +151,8 @@ def paged_attention_decode(
     """Decode: query row ``i`` ([batch, num_heads, head_dim]) is sequence ``i``'s last token.
 
     ``split_size`` (tokens per program along the context) defaults to `choose_split_size`;
-    a sequence with ``seq_lens == 0`` gets zeros.
+    a sequence with ``seq_lens == 0`` gets zeros. For ``int8_token`` k_scale / v_scale are the
+    float16 scale caches ``[num_blocks, block_size, num_kv_heads]``, read per token.
     """
     a = _Launch(query, k_cache, v_cache, block_tables, kv_cache_dtype, scale, k_scale, v_scale)
     batch = seq_lens.shape[0]
@@ -231,7 +232,7 @@ def paged_attention_prefill(
 
     key/value (optional, [num_tokens, num_kv_heads, head_dim]): this step's K/V of the query
     rows; over a quantized cache the chunk's own positions then come from them (as the torch
-    reference's `paged_attention(key=, value=)` does)."""
+    reference's `paged_attention(key=, value=)` does). Scales as `paged_attention_decode`."""
     a = _Launch(query, k_cache, v_cache, block_tables, kv_cache_dtype, scale, k_scale, v_scale)
     fresh = key is not None and value is not None and a.fmt != FMT_AUTO
     if fresh:

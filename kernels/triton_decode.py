@@ -78,7 +78,9 @@ def _decode_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = _load_kv_tile(v_cache_ptr, rows, kv_mask, offs_d, KV_FMT, q.dtype)
         pv = p
-        if KV_FMT == 4:  # ... and each value's scale its column of probabilities (not l_i)
+        if KV_FMT == 4:  # ... and each value's scale its column of probabilities (not l_i).
+            # Rounded to fp16 with fp16 queries, p x scale may fall below fp16's normal range:
+            # under 2^-24 x 127 absolute per token, far under the output's own fp16 rounding.
             pv = p * _token_scales(v_scale_ptr, s_rows, valid)[None, :]
         acc = acc * alpha[:, None] + tl.dot(pv.to(q.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
