@@ -297,6 +297,7 @@ def write_kv_triton(
 def _write_per_token(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, slots: torch.Tensor, k_scale: torch.Tensor,
                      v_scale: torch.Tensor) -> None:
+    """Per-token INT8: one program per token, its heads and head_dim padded to powers of two."""
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     heads_pad, dim_pad = triton.next_power_of_2(num_kv_heads), triton.next_power_of_2(head_dim)
     _write_kv_token_kernel[(slots.numel(),)](
