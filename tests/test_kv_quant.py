@@ -361,3 +361,16 @@ def test_brief_training_lowers_the_loss_and_keeps_the_model_loadable(
     template.write_text(TEMPLATE.format(path=model_dir))
     with Engine(load_config(template, {"cache.kv_cache_dtype": "fp8_e4m3"})) as engine:
         assert len(engine.generate("Incident", SamplingParams(max_tokens=4))[0].token_ids) == 4
+
+
+def test_kv_eval_measures_int8_with_the_scales_the_template_serves(template: Path) -> None:
+    """int8 serves per-token scales by default: kv-eval ranks its layers under that rounding,
+    and under per-head scales where the template asks for them (a different cache, so a
+    different KL). Per-token INT8 moves the predictions less than calibrated per-head INT8."""
+    data = [str(Path(__file__).parent.parent / "appliance" / "tools" / "data" / "corpus.txt")]
+    common = {"kv_cache_dtype": "int8", "budget": 0, "max_tokens": 128, "window": 64, "chunk": 32}
+    token = run_kv_eval(str(template), data, **common)  # type: ignore[arg-type]
+    head = run_kv_eval(str(template), data, {"cache.kv_cache_scales": "per_head"}, **common)  # type: ignore[arg-type]
+    assert token.kv_cache_scales == "per_token" and head.kv_cache_scales == "per_head"
+    assert "(per_token scales)" in format_report(token)
+    assert 0 < token.all_quantized.kl < head.all_quantized.kl

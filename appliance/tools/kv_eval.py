@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 
 from appliance.config import ConfigError, load_config, resolve_template
@@ -39,7 +40,7 @@ from appliance.engine.kv_quant import (
 )
 from appliance.engine.loader import LoadedModel
 from appliance.engine.model_runner import KVCachePool, ModelRunner
-from appliance.kv_layout import LayerKV
+from appliance.kv_layout import PER_TOKEN_KIND, LayerKV
 from appliance.sampling_params import SamplingParams
 from appliance.tools.kv_template import write_keep_list
 
@@ -78,6 +79,9 @@ class Report:
     # as whole layers (every head chosen) and "layer:head" entries, and its score.
     head_keep_layers: list[int] = field(default_factory=list)
     head_keep_heads: list[str] = field(default_factory=list)
+    # The scales the runs used: those the evaluated template serves this format with
+    # (cache.kv_cache_scales resolved: per_token for int8 unless the template says per_head).
+    kv_cache_scales: str = "per_head"
     with_head_keep_list: Score | None = None
 
 
@@ -274,6 +278,9 @@ def run_kv_eval(
         raise ConfigError(
             f"--kv-cache-dtype: {kind!r} is not a quantized format ({', '.join(QUANTIZED)})"
         )
+    # Evaluate what the template will serve: its scale mode for this format.
+    scales = msgspec.structs.replace(config.cache, kv_cache_dtype=kind).scales()
+    layer_kind = PER_TOKEN_KIND if scales == "per_token" else kind
     serving_max_len = config.model.max_model_len
     # The engine is loaded with 16-bit KV and a pool of one window; the runs below build their
     # own pools. Scales are calibrated as serving calibrates them (same text, same lengths).
@@ -281,7 +288,7 @@ def run_kv_eval(
     eval_overrides.update(
         {
             "cache.kv_cache_dtype": "auto",
-            # (a 16-bit cache has no scales; kv-eval's runs use per-head scales)
+            # (a 16-bit cache has no scales; the runs below set each layer's own)
             "cache.kv_cache_scales": "per_head",
             "cache.kv_cache_keep_16bit": [],
             "cache.kv_cache_keep_16bit_heads": [],
@@ -307,7 +314,7 @@ def run_kv_eval(
             loaded.dtype,
         )
         windows = read_windows(loaded.tokenizer, data, max_tokens, window)
-        forcer = TeacherForcer(loaded, kind, absmax, chunk)
+        forcer = TeacherForcer(loaded, layer_kind, absmax, chunk)
         n = args.num_layers
         runs = [Run(f"layer {i}", {i}) for i in range(n)] + [Run(f"all {kind}", set(range(n)))]
         scores, ref_nll = evaluate(forcer, windows, runs)
@@ -353,6 +360,7 @@ def run_kv_eval(
             head_keep_layers=head_keep[0],
             head_keep_heads=head_keep[1],
             with_head_keep_list=with_heads,
+            kv_cache_scales=scales,
         )
     finally:
         loaded.close()
@@ -360,7 +368,7 @@ def run_kv_eval(
 
 def format_report(r: Report) -> str:
     lines = [
-        f"kv-eval {Path(r.model).name}: {r.kv_cache_dtype}, {r.tokens} tokens in {r.windows} "
+        f"kv-eval {Path(r.model).name}: {r.kv_cache_dtype} ({r.kv_cache_scales} scales), {r.tokens} tokens in {r.windows} "
         f"windows (teacher forced, prefill chunks of {r.chunk}), 16-bit NLL "
         f"{r.reference_nll:.3f} nats/token",
         f"{'quantized':<24} {'KL(16||q) nats':>15} {'top-1 agree':>12} {'dNLL nats':>10}",
