@@ -445,33 +445,77 @@ static inline vf exp_v(vf x) {
         }                                                                                      \
     }                                                                                          \
                                                                                                \
+    /* Rotate (rotate-half) head h of sequence b's qkv row in place; a K head (h >= heads) is    \
+     * stored with its V into the cache at the token's slot. */                                  \
+    static inline void rotate_head_##SUFFIX(float *qkv, int64_t b, int64_t h,                    \
+                                            const float *cos_table, const float *sin_table,      \
+                                            const int64_t *positions, const int64_t *slots,      \
+                                            T *k_cache, T *v_cache, const Shape *s) {            \
+        const int64_t d = s->head_dim, half = d / 2;                                             \
+        const int64_t width = (s->heads + 2 * s->kv_heads) * d;                                  \
+        float *x = qkv + b * width + h * d;                                                      \
+        const float *c = cos_table + positions[b] * d, *sn = sin_table + positions[b] * d;       \
+        for (int64_t j = 0; j < half; j++) {                                                     \
+            float x1 = x[j], x2 = x[j + half];                                                   \
+            x[j] = x1 * c[j] - x2 * sn[j];                                                       \
+            x[j + half] = x2 * c[j + half] + x1 * sn[j + half];                                  \
+        }                                                                                        \
+        if (h >= s->heads && slots[b] >= 0) {                                                    \
+            int64_t kv = h - s->heads;                                                           \
+            T *kd = k_cache + (slots[b] * s->kv_heads + kv) * d;                                 \
+            T *vd = v_cache + (slots[b] * s->kv_heads + kv) * d;                                 \
+            const float *v = qkv + b * width + (s->heads + s->kv_heads + kv) * d;                \
+            for (int64_t j = 0; j < d; j++) {                                                    \
+                kd[j] = STORE(x[j]);                                                             \
+                vd[j] = STORE(v[j]);                                                             \
+            }                                                                                    \
+        }                                                                                        \
+    }                                                                                            \
+                                                                                                 \
     /* Rotate q and k (rotate-half), then store k and v of each sequence's new token. */         \
     static void rotate_and_store_##SUFFIX(float *qkv, const float *cos_table,                    \
                                           const float *sin_table, const int64_t *positions,      \
                                           const int64_t *slots, T *k_cache, T *v_cache,          \
                                           const Shape *s) {                                      \
-        const int64_t d = s->head_dim, half = d / 2, heads = s->heads + s->kv_heads;             \
-        const int64_t width = (s->heads + 2 * s->kv_heads) * d;                                  \
+        const int64_t heads = s->heads + s->kv_heads;                                            \
         _Pragma("omp for schedule(static)")                                                      \
-        for (int64_t w = 0; w < s->batch * heads; w++) {                                         \
-            int64_t b = w / heads, h = w % heads;                                                \
-            float *x = qkv + b * width + h * d;                                                  \
-            const float *c = cos_table + positions[b] * d, *sn = sin_table + positions[b] * d;   \
-            for (int64_t j = 0; j < half; j++) {                                                 \
-                float x1 = x[j], x2 = x[j + half];                                               \
-                x[j] = x1 * c[j] - x2 * sn[j];                                                   \
-                x[j + half] = x2 * c[j + half] + x1 * sn[j + half];                              \
-            }                                                                                    \
-            if (h >= s->heads && slots[b] >= 0) {                                                \
-                int64_t kv = h - s->heads;                                                       \
-                T *kd = k_cache + (slots[b] * s->kv_heads + kv) * d;                             \
-                T *vd = v_cache + (slots[b] * s->kv_heads + kv) * d;                             \
-                const float *v = qkv + b * width + (s->heads + s->kv_heads + kv) * d;            \
-                for (int64_t j = 0; j < d; j++) {                                                \
-                    kd[j] = STORE(x[j]);                                                         \
-                    vd[j] = STORE(v[j]);                                                         \
-                }                                                                                \
-            }                                                                                    \
+        for (int64_t w = 0; w < s->batch * heads; w++)                                           \
+            rotate_head_##SUFFIX(qkv, w / heads, w % heads, cos_table, sin_table, positions, slots, \
+                                 k_cache, v_cache, s);                                           \
+    }                                                                                            \
+                                                                                                 \
+    /* rotate_and_store_ and attention_ in one pass over attention_'s work items: an item        \
+     * rotates its own query heads and KV heads, stores its K/V, then attends. Nothing it reads  \
+     * is written by another item, so the barrier between the two phases goes (one of a          \
+     * layer's few in the decode forwards, each costing a wake-up through the kernel under       \
+     * OMP_WAIT_POLICY=PASSIVE). The same arithmetic as the two calls. */                        \
+    static void rope_attention_##SUFFIX(float *qkv, const float *cos_table, const float *sin_table, \
+                                        const int64_t *positions, const int64_t *slots,          \
+                                        T *k_cache, T *v_cache, const int32_t *tables,           \
+                                        const int32_t *seq_lens, const Shape *s, float scale,    \
+                                        float *out) {                                            \
+        const int64_t group = s->heads / s->kv_heads, d = s->head_dim;                           \
+        const int64_t q_stride = (s->heads + 2 * s->kv_heads) * d;                               \
+        int64_t per_item = 1;                                                                    \
+        if (s->batch >= 4 * s->threads) {                                                        \
+            per_item = MAX_QUERY_HEADS / group;                                                  \
+            if (per_item > s->kv_heads) per_item = s->kv_heads;                                  \
+        }                                                                                        \
+        const int64_t items_per_seq = (s->kv_heads + per_item - 1) / per_item;                   \
+        _Pragma("omp for schedule(dynamic, 1)")                                                  \
+        for (int64_t w = 0; w < s->batch * items_per_seq; w++) {                                 \
+            int64_t b = w / items_per_seq, g0 = (w % items_per_seq) * per_item;                  \
+            int64_t nkv = s->kv_heads - g0 < per_item ? s->kv_heads - g0 : per_item;             \
+            int64_t head = g0 * group;                                                           \
+            for (int64_t h = head; h < head + nkv * group; h++)                                  \
+                rotate_head_##SUFFIX(qkv, b, h, cos_table, sin_table, positions, slots, k_cache, \
+                                     v_cache, s);                                                \
+            for (int64_t kv = g0; kv < g0 + nkv; kv++)                                           \
+                rotate_head_##SUFFIX(qkv, b, s->heads + kv, cos_table, sin_table, positions, slots, \
+                                     k_cache, v_cache, s);                                       \
+            attend_heads_##SUFFIX(qkv + b * q_stride + head * d, k_cache, v_cache,               \
+                                  tables + b * s->table_stride, seq_lens[b], g0, nkv, group, s,  \
+                                  scale, out + (b * s->heads + head) * d);                       \
         }                                                                                        \
     }                                                                                            \
                                                                                                  \
@@ -500,11 +544,8 @@ static inline vf exp_v(vf x) {
                                   eps);                                                          \
                 matvec_##SUFFIX(normed, (const T *)(intptr_t)p[P_WQKV],                          \
                                 (const T *)(intptr_t)p[P_BQKV], qkv, s->batch, qkv_w, hs, 0);    \
-                rotate_and_store_##SUFFIX(qkv, cos_table, sin_table, positions, slots, k_cache,  \
-                                          v_cache, s);                                           \
-                /* Queries are the first heads*head_dim columns of each qkv row. */              \
-                attention_##SUFFIX(qkv, qkv_w, k_cache, v_cache, tables, seq_lens, s, scale,     \
-                                   attn);                                                        \
+                rope_attention_##SUFFIX(qkv, cos_table, sin_table, positions, slots, k_cache,    \
+                                        v_cache, tables, seq_lens, s, scale, attn);              \
                 matvec_##SUFFIX(attn, (const T *)(intptr_t)p[P_WO], NULL, hidden, s->batch, hs,  \
                                 q_w, 1);                                                         \
                 rms_norm_##SUFFIX(hidden, (const T *)(intptr_t)p[P_LN2], normed, s->batch, hs,   \
