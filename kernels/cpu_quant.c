@@ -311,10 +311,12 @@ static inline size_t scratch_floats(int64_t batch, int64_t k) {
 
 /* Decode steps of up to this many sequences prepare each matrix's x (norm, group sums, int8)
  * on every thread, each into its own scratch, instead of sharing the work: that work is a
- * few microseconds at batch 1, while the two barriers it needs cost far more. On a 2-core VM
- * with OMP_WAIT_POLICY=PASSIVE (a sleeping waiter, woken through the kernel) and other jobs
- * on the box, SmolLM2 Q4_1 at batch 1 ran 13 barriers a layer, 8 of them around work of
- * under a microsecond; now 7. */
+ * few microseconds at batch 1, while the two barriers it needs cost more. Under
+ * OMP_WAIT_POLICY=PASSIVE (the tests and the benchmarks' setting) a thread waiting at a
+ * barrier sleeps in the kernel and is woken through it; on a 2-core Zen 3 VM shared with other jobs,
+ * SmolLM2 Q4_1 at batch 1 spent 4-7 M cycles a step on two threads in phases that took 0.2 M
+ * on one (rotary, norms, silu: their barriers). With this, rotary inside attention's items
+ * and silu inside the gate/up tiles, a layer crosses 5 barriers instead of 13. */
 #define OWN_PREP_MAX_BATCH 8
 
 /* q4's group sum i of x (row i / ng). */
