@@ -17,6 +17,8 @@
  */
 #include "cpu_decode.c"
 
+#include <omp.h>
+
 /* A packed weight as cpu_quant.py passes it: int64 fields, pointers as integers. */
 typedef struct {
     int64_t bits;            /* 4 or 8 */
@@ -307,37 +309,73 @@ static inline size_t scratch_floats(int64_t batch, int64_t k) {
     return (size_t)batch * (k / 16 + k / 32 + k / 4 + 16);
 }
 
-/* Inside a parallel region: y[b, n] (+)= x[b, :] . w[n, :] (+ bias[n]). xs: scratch of
- * scratch_floats(batch, k) floats (q4's group sums of x; int8 x and its block scales). */
+/* Decode steps of up to this many sequences prepare each matrix's x (norm, group sums, int8)
+ * on every thread, each into its own scratch, instead of sharing the work: that work is a
+ * few microseconds at batch 1, while the two barriers it needs cost more. Under
+ * OMP_WAIT_POLICY=PASSIVE (the tests and the benchmarks' setting) a thread waiting at a
+ * barrier sleeps in the kernel and is woken through it; on a 2-core Zen 3 VM shared with other jobs,
+ * SmolLM2 Q4_1 at batch 1 spent 4-7 M cycles a step on two threads in phases that took 0.2 M
+ * on one (rotary, norms, silu: their barriers). With this, rotary inside attention's items
+ * and silu inside the gate/up tiles, a layer crosses 5 barriers instead of 13. */
+#define OWN_PREP_MAX_BATCH 8
+
+/* q4's group sum i of x (row i / ng). */
+static inline void group_sum(const float *x, const QW *w, int64_t ng, int64_t i, float *xs) {
+    const float *xg = x + (i / ng) * w->k + (i % ng) * w->group;
+    float s = 0.0f;
+    for (int64_t j = 0; j < w->group; j++) s += xg[j];
+    xs[i] = s;
+}
+
+/* 32-column block i of x in int8 (row i / nblk), with its scale dx[i]. */
+static inline void quantize_block(const float *x, int64_t k, int64_t i, float *dx, int8_t *xq) {
+    const int64_t nblk = k / 32;
+    const float *xb = x + (i / nblk) * k + (i % nblk) * 32;
+    float amax = 0.0f;
+    for (int j = 0; j < 32; j++) amax = fabsf(xb[j]) > amax ? fabsf(xb[j]) : amax;
+    float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    dx[i] = d;
+    int8_t *qb = xq + (i / nblk) * k + (i % nblk) * 32;
+    for (int j = 0; j < 32; j++) qb[j] = (int8_t)lrintf(xb[j] * inv);
+}
+
+/* x prepared for w's dot products into xs (q4's group sums of x; int8 x and its block
+ * scales): shared by the team (its barrier follows), or with `own_prep` all of it on the
+ * calling thread, into its own xs. */
+static void qprep(const float *x, const QW *w, int64_t batch, float *xs, int own_prep) {
+    const int64_t k = w->k, ng = groups_of(w);
+    const int act8 = use_act8(w);
+    float *dx = xs + batch * ng;
+    int8_t *xq = (int8_t *)(dx + batch * (k / 32) + 8);
+    if (own_prep) {
+        if (w->bits == 4)
+            for (int64_t i = 0; i < batch * ng; i++) group_sum(x, w, ng, i, xs);
+        if (act8)
+            for (int64_t i = 0; i < batch * (k / 32); i++) quantize_block(x, k, i, dx, xq);
+        return;
+    }
+    if (w->bits == 4) {
+        _Pragma("omp for schedule(static) nowait")
+        for (int64_t i = 0; i < batch * ng; i++) group_sum(x, w, ng, i, xs);
+    }
+    if (act8) {
+        _Pragma("omp for schedule(static) nowait")
+        for (int64_t i = 0; i < batch * (k / 32); i++) quantize_block(x, k, i, dx, xq);
+    }
+    _Pragma("omp barrier")
+}
+
+/* Inside a parallel region: y[b, n] (+)= x[b, :] . w[n, :] (+ bias[n]); every thread returns
+ * once all of y is written. xs: scratch of scratch_floats(batch, k) floats (q4's group sums
+ * of x; int8 x and its block scales), shared by the team, or with `own_prep` this thread's
+ * own: each thread then prepares all of x itself and no barrier precedes the products. */
 static void qmatvec(const float *x, const QW *w, const float *bias, float *y, int64_t batch,
-                    int accumulate, float *xs) {
+                    int accumulate, float *xs, int own_prep) {
     const int64_t k = w->k, n_out = w->n, ng = groups_of(w);
     const int act8 = use_act8(w);
     float *dx = xs + batch * ng;
     int8_t *xq = (int8_t *)(dx + batch * (k / 32) + 8);
-    if (w->bits == 4) {
-        _Pragma("omp for schedule(static) nowait")
-        for (int64_t i = 0; i < batch * ng; i++) {
-            const float *xg = x + (i / ng) * k + (i % ng) * w->group;
-            float s = 0.0f;
-            for (int64_t j = 0; j < w->group; j++) s += xg[j];
-            xs[i] = s;
-        }
-    }
-    if (act8) {
-        const int64_t nblk = k / 32;
-        _Pragma("omp for schedule(static) nowait")
-        for (int64_t i = 0; i < batch * nblk; i++) {
-            const float *xb = x + (i / nblk) * k + (i % nblk) * 32;
-            float amax = 0.0f;
-            for (int j = 0; j < 32; j++) amax = fabsf(xb[j]) > amax ? fabsf(xb[j]) : amax;
-            float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-            dx[i] = d;
-            int8_t *qb = xq + (i / nblk) * k + (i % nblk) * 32;
-            for (int j = 0; j < 32; j++) qb[j] = (int8_t)lrintf(xb[j] * inv);
-        }
-    }
-    _Pragma("omp barrier")
+    qprep(x, w, batch, xs, own_prep);
 #if TILES
     if (w->tiles) {
         qmatvec_tiles(w, xq, dx, xs, bias, y, batch, accumulate);
@@ -364,6 +402,31 @@ static void qmatvec(const float *x, const QW *w, const float *bias, float *y, in
     }
 }
 
+/* Inside a parallel region: act[b, i] = silu(gate_i . x[b]) * (up_i . x[b]) for the merged
+ * gate|up matrix w ([2 * inter, k]); every thread returns once all of act is written. Row
+ * tiles take a tile of gate rows and its tile of up rows on one thread, so silu follows
+ * without another barrier; other layouts go through gu ([batch, 2 * inter]) and a pass. */
+static void qgate_up(const float *x, const QW *w, float *gu, float *act, int64_t batch,
+                     int64_t inter, float *xs, int own_prep) {
+#if TILES
+    if (w->tiles && inter % TILE == 0) {
+        const int64_t k = w->k, ng = groups_of(w);
+        float *dx = xs + batch * ng;
+        int8_t *xq = (int8_t *)(dx + batch * (k / 32) + 8);
+        qprep(x, w, batch, xs, own_prep);
+        qgate_up_tiles(w, xq, dx, xs, act, batch, inter);
+        return;
+    }
+#endif
+    qmatvec(x, w, NULL, gu, batch, 0, xs, own_prep);
+    _Pragma("omp for schedule(static)")
+    for (int64_t i = 0; i < batch * inter; i++) {
+        int64_t b = i / inter, c = i % inter;
+        const float *row = gu + b * 2 * inter;
+        act[i] = silu(row[c]) * row[inter + c];
+    }
+}
+
 /* y [batch, n] = x [batch, k] . w^T (+ bias), float32. Returns 0, or -1 if out of memory. */
 int quant_matmul(const int64_t *qw, const float *x, const float *bias, float *y, int64_t batch,
                  int64_t threads) {
@@ -371,7 +434,7 @@ int quant_matmul(const int64_t *qw, const float *x, const float *bias, float *y,
     float *xs = malloc(scratch_floats(batch, w->k) * sizeof(float));
     if (!xs) return -1;
     _Pragma("omp parallel num_threads(threads)")
-    qmatvec(x, w, bias, y, batch, 0, xs);
+    qmatvec(x, w, bias, y, batch, 0, xs, 0);
     free(xs);
     return 0;
 }
@@ -439,55 +502,72 @@ void quant_dequant_rows(const int64_t *qw, const int64_t *rows, int64_t nrows, f
  * QW descriptors, the qkv bias float32, norms and the KV cache in the model dtype T. */
 enum { Q_LN1, Q_WQKV, Q_BQKV, Q_WO, Q_LN2, Q_WGU, Q_WDOWN, Q_KCACHE, Q_VCACHE, Q_COUNT };
 
-#define DEFINE_QUANT_DECODE(SUFFIX, T)                                                         \
-    /* The decode forward of cpu_decode.c's decode_forward_*, with every linear read packed. \
-     * hidden [batch, hidden] holds the embeddings on entry; logits [batch, vocab] out. */    \
-    int qdecode_forward_##SUFFIX(const int64_t *shape, const int64_t *layer_ptrs,             \
-                                 const T *final_norm, const int64_t *lm_head,                 \
-                                 const float *cos_table, const float *sin_table,              \
-                                 const int64_t *positions, const int64_t *slots,              \
-                                 const int32_t *tables, const int32_t *seq_lens, float eps,   \
-                                 float scale, float *hidden, float *logits) {                 \
-        const Shape *s = (const Shape *)shape;                                                 \
-        const int64_t hs = s->hidden, qkv_w = (s->heads + 2 * s->kv_heads) * s->head_dim;      \
-        const int64_t q_w = s->heads * s->head_dim, widest = s->inter > q_w ? s->inter : q_w;  \
-        size_t floats = (size_t)s->batch * (hs + qkv_w + q_w + 3 * s->inter);                  \
-        floats += scratch_floats(s->batch, widest > hs ? widest : hs);                         \
-        float *scratch = malloc(floats * sizeof(float));                                       \
-        if (!scratch) return -1;                                                               \
-        float *normed = scratch, *qkv = normed + s->batch * hs;                                \
-        float *attn = qkv + s->batch * qkv_w, *gu = attn + s->batch * q_w;                     \
-        float *act = gu + s->batch * 2 * s->inter, *xs = act + s->batch * s->inter;            \
-        _Pragma("omp parallel num_threads(s->threads)")                                        \
-        {                                                                                      \
-            for (int64_t layer = 0; layer < s->layers; layer++) {                              \
-                const int64_t *p = layer_ptrs + layer * Q_COUNT;                               \
+#define DEFINE_QUANT_DECODE(SUFFIX, T)                                                          \
+    /* rms_norm_##SUFFIX of cpu_decode.c over all rows on the calling thread (own_prep). */     \
+    static void rms_norm_own_##SUFFIX(const float *x, const T *weight, float *out, int64_t batch, \
+                                      int64_t hidden, float eps) {                              \
+        for (int64_t b = 0; b < batch; b++) {                                                   \
+            const float *xb = x + b * hidden;                                                   \
+            float ss = 0.0f;                                                                    \
+            for (int64_t j = 0; j < hidden; j++) ss += xb[j] * xb[j];                           \
+            float r = 1.0f / sqrtf(ss / (float)hidden + eps);                                   \
+            for (int64_t j = 0; j < hidden; j++) out[b * hidden + j] = SUFFIX##_load(weight[j]) * xb[j] * r; \
+        }                                                                                       \
+    }                                                                                           \
+                                                                                                \
+    /* normed = rms_norm(hidden): on this thread alone (own_prep, into its own buffer) or shared \
+     * by the team (its loop's barrier). */                                                     \
+    static inline void norm_for_matvec_##SUFFIX(const float *hidden, const T *weight, float *normed, \
+                                                const Shape *s, float eps, int own_prep) {      \
+        if (own_prep)                                                                           \
+            rms_norm_own_##SUFFIX(hidden, weight, normed, s->batch, s->hidden, eps);            \
+        else                                                                                    \
+            rms_norm_##SUFFIX(hidden, weight, normed, s->batch, s->hidden, eps);                \
+    }                                                                                           \
+                                                                                                \
+    /* The decode forward of cpu_decode.c's decode_forward_*, with every linear read packed.    \
+     * hidden [batch, hidden] holds the embeddings on entry; logits [batch, vocab] out. */      \
+    int qdecode_forward_##SUFFIX(const int64_t *shape, const int64_t *layer_ptrs,               \
+                                 const T *final_norm, const int64_t *lm_head,                   \
+                                 const float *cos_table, const float *sin_table,                \
+                                 const int64_t *positions, const int64_t *slots,                \
+                                 const int32_t *tables, const int32_t *seq_lens, float eps,     \
+                                 float scale, float *hidden, float *logits) {                   \
+        const Shape *s = (const Shape *)shape;                                                  \
+        const int64_t hs = s->hidden, qkv_w = (s->heads + 2 * s->kv_heads) * s->head_dim;       \
+        const int64_t q_w = s->heads * s->head_dim, widest = s->inter > q_w ? s->inter : q_w;   \
+        const int own_prep = s->batch <= OWN_PREP_MAX_BATCH;                                    \
+        /* Per thread (one set when shared): the normed rows and the matrices' prepared x. */   \
+        const size_t per_thread = (size_t)s->batch * hs + scratch_floats(s->batch, widest > hs ? widest : hs); \
+        const int64_t sets = own_prep ? s->threads : 1;                                         \
+        size_t floats = (size_t)s->batch * (qkv_w + q_w + 3 * s->inter) + sets * per_thread;    \
+        float *scratch = malloc(floats * sizeof(float));                                        \
+        if (!scratch) return -1;                                                                \
+        float *qkv = scratch, *attn = qkv + s->batch * qkv_w, *gu = attn + s->batch * q_w;      \
+        float *act = gu + s->batch * 2 * s->inter, *prep = act + s->batch * s->inter;           \
+        _Pragma("omp parallel num_threads(s->threads)")                                         \
+        {                                                                                       \
+            float *normed = prep + (own_prep ? omp_get_thread_num() : 0) * per_thread;          \
+            float *xs = normed + s->batch * hs;                                                 \
+            for (int64_t layer = 0; layer < s->layers; layer++) {                               \
+                const int64_t *p = layer_ptrs + layer * Q_COUNT;                                \
                 T *k_cache = (T *)(intptr_t)p[Q_KCACHE], *v_cache = (T *)(intptr_t)p[Q_VCACHE]; \
-                rms_norm_##SUFFIX(hidden, (const T *)(intptr_t)p[Q_LN1], normed, s->batch, hs, \
-                                  eps);                                                        \
-                qmatvec(normed, (const QW *)(intptr_t)p[Q_WQKV],                               \
-                        (const float *)(intptr_t)p[Q_BQKV], qkv, s->batch, 0, xs);             \
-                rotate_and_store_##SUFFIX(qkv, cos_table, sin_table, positions, slots,         \
-                                          k_cache, v_cache, s);                                \
-                attention_##SUFFIX(qkv, qkv_w, k_cache, v_cache, tables, seq_lens, s, scale,   \
-                                   attn);                                                      \
-                qmatvec(attn, (const QW *)(intptr_t)p[Q_WO], NULL, hidden, s->batch, 1, xs);   \
-                rms_norm_##SUFFIX(hidden, (const T *)(intptr_t)p[Q_LN2], normed, s->batch, hs, \
-                                  eps);                                                        \
-                qmatvec(normed, (const QW *)(intptr_t)p[Q_WGU], NULL, gu, s->batch, 0, xs);    \
-                _Pragma("omp for schedule(static)")                                            \
-                for (int64_t i = 0; i < s->batch * s->inter; i++) {                            \
-                    int64_t b = i / s->inter, c = i % s->inter;                                \
-                    const float *row = gu + b * 2 * s->inter;                                  \
-                    act[i] = silu(row[c]) * row[s->inter + c];                                 \
-                }                                                                              \
-                qmatvec(act, (const QW *)(intptr_t)p[Q_WDOWN], NULL, hidden, s->batch, 1, xs); \
-            }                                                                                  \
-            rms_norm_##SUFFIX(hidden, final_norm, normed, s->batch, hs, eps);                  \
-            qmatvec(normed, (const QW *)lm_head, NULL, logits, s->batch, 0, xs);               \
-        }                                                                                      \
-        free(scratch);                                                                         \
-        return 0;                                                                              \
+                norm_for_matvec_##SUFFIX(hidden, (const T *)(intptr_t)p[Q_LN1], normed, s, eps, own_prep); \
+                qmatvec(normed, (const QW *)(intptr_t)p[Q_WQKV], (const float *)(intptr_t)p[Q_BQKV], \
+                        qkv, s->batch, 0, xs, own_prep);                                        \
+                rope_attention_##SUFFIX(qkv, cos_table, sin_table, positions, slots, k_cache,   \
+                                        v_cache, tables, seq_lens, s, scale, attn);             \
+                qmatvec(attn, (const QW *)(intptr_t)p[Q_WO], NULL, hidden, s->batch, 1, xs, own_prep); \
+                norm_for_matvec_##SUFFIX(hidden, (const T *)(intptr_t)p[Q_LN2], normed, s, eps, own_prep); \
+                qgate_up(normed, (const QW *)(intptr_t)p[Q_WGU], gu, act, s->batch, s->inter, xs, \
+                         own_prep);                                                             \
+                qmatvec(act, (const QW *)(intptr_t)p[Q_WDOWN], NULL, hidden, s->batch, 1, xs, own_prep); \
+            }                                                                                   \
+            norm_for_matvec_##SUFFIX(hidden, final_norm, normed, s, eps, own_prep);             \
+            qmatvec(normed, (const QW *)lm_head, NULL, logits, s->batch, 0, xs, own_prep);      \
+        }                                                                                       \
+        free(scratch);                                                                          \
+        return 0;                                                                               \
     }
 
 DEFINE_QUANT_DECODE(bf16, uint16_t)

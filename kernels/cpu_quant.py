@@ -44,6 +44,8 @@ QLAYER_FIELDS = ("ln1", "wqkv", "bqkv", "wo", "ln2", "wgu", "wdown", "k_cache", 
 # weights never take the tile: SmolLM2's gate_up (3072 x 576) at 128 rows, 1 thread, took
 # 5.2 ms packed vs 8.0 ms dequantized + GEMM (16 rows: 0.64 vs 1.45; row-major int8: 13.5).
 DENSE_TILE_ROWS = 16
+# Up to this many rows dequant_rows runs on the calling thread alone.
+SERIAL_DEQUANT_ROWS = 64
 
 _loaded: dict[tuple[str, ...], tuple[ctypes.CDLL | None, str | None]] = {}
 
@@ -122,8 +124,12 @@ def dequant_rows(w: QuantWeight, rows: torch.Tensor | None = None) -> torch.Tens
     out = torch.empty(n, w.in_features, dtype=torch.float32)
     desc = descriptor(w)
     p = cpu_native.ptr
+    # A decode step's few embedding rows are a microsecond of work each: on the calling thread,
+    # without waking OpenMP's other threads (a wake-up through the kernel under
+    # OMP_WAIT_POLICY=PASSIVE costs more than the rows).
+    threads = 1 if n <= SERIAL_DEQUANT_ROWS else torch.get_num_threads()
     _lib().quant_dequant_rows(p(desc), p(idx), ctypes.c_int64(n), p(out),
-                              ctypes.c_int64(torch.get_num_threads()))  # fmt: skip
+                              ctypes.c_int64(threads))  # fmt: skip
     return out
 
 

@@ -147,6 +147,25 @@ static void qmatvec_tiles(const QW *w, const int8_t *xq, const float *dx, const 
         }
     }
 }
+/* Inside qgate_up's parallel region, x already prepared: act[b, i] = silu(gate_i . x[b]) *
+ * (up_i . x[b]) over the merged [2 * inter, k] matrix, gate tile t and up tile
+ * t + inter / 8 on one thread. */
+static void qgate_up_tiles(const QW *w, const int8_t *xq, const float *dx, const float *xs,
+                           float *act, int64_t batch, int64_t inter) {
+    const int64_t k = w->k, ng = groups_of(w), nblk = k / 32, up = inter / TILE;
+    _Pragma("omp for schedule(static)")
+    for (int64_t t = 0; t < up; t++) {
+        float g[4 * TILE], u[4 * TILE];
+        for (int64_t b0 = 0; b0 < batch; b0 += 4) {
+            int64_t nb = batch - b0 < 4 ? batch - b0 : 4;
+            qtile_act8(w, t, xq + b0 * k, dx + b0 * nblk, xs + b0 * ng, nb, g);
+            qtile_act8(w, t + up, xq + b0 * k, dx + b0 * nblk, xs + b0 * ng, nb, u);
+            for (int64_t i = 0; i < nb; i++)
+                for (int r = 0; r < TILE; r++)
+                    act[(b0 + i) * inter + t * TILE + r] = silu(g[i * TILE + r]) * u[i * TILE + r];
+        }
+    }
+}
 #define TILES 1
 #else
 #define TILES 0

@@ -48,8 +48,11 @@ def random_paged_batch(
 
 @pytest.mark.parametrize(
     ("block_size", "heads", "kv_heads", "head_dim"),
-    [(16, 9, 3, 64), (1, 4, 4, 32), (32, 8, 1, 128), (16, 6, 2, 40), (16, 4, 2, 36)],
-)
+    # Query heads per KV head 3, 1, 8, 3, 2 (head_dim off the vector width: the generic loops),
+    # 2 and 4: each of the kernel's register-held group sizes (1-4) and the generic loop.
+    [(16, 9, 3, 64), (1, 4, 4, 32), (32, 8, 1, 128), (16, 6, 2, 40), (16, 4, 2, 36),
+     (16, 4, 2, 32), (8, 8, 2, 64)],
+)  # fmt: skip
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("copies", [1, 4])
 def test_decode_attention_matches_torch_reference(

@@ -241,3 +241,39 @@ def test_int8_activations_hold_row_tiles_and_compute_as_the_row_major_kernels(
         assert abs(tiled_ppl / plain_ppl - 1) < 0.01, (tiled_ppl, plain_ppl)
     finally:
         loaded.close()
+
+
+def test_wide_fused_steps_share_the_preparation_and_compute_as_narrow_ones(
+    tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    """A fused packed decode step of more sequences than OWN_PREP_MAX_BATCH (8) prepares each
+    matrix's x once for the team (kernels/cpu_quant.c); narrower steps prepare it on every
+    thread. Both give each sequence the logits it gets alone, in row tiles (int8 activations,
+    gate and up of a tile on one thread) and in the row-major float32 kernels."""
+    from appliance.engine.executor import load_model
+    from appliance.tools.quant_eval import config_for
+
+    hf = random_llama(tokenizer_dir, seed=5, tied=True)
+    path, _ = write_gguf(hf, tokenizer_dir, tmp_path / "q4", "Q4_0")
+    for activations in ("int8", "float32"):
+        loaded = load_model(config_for(str(path), {
+            "model.cpu_quant_activations": activations, "model.dtype": "float32",
+            "model.max_model_len": 256,
+        }))  # fmt: skip
+        try:
+            fused = loaded.cpu.fused_decode  # type: ignore[union-attr]
+            assert fused is not None and fused.tiled == (activations == "int8")
+            batch = 11
+            # The first token of each sequence, each in a fresh block of the KV pool.
+            blocks = torch.arange(10, 10 + batch, dtype=torch.int32).view(-1, 1)
+            ids = torch.randint(0, hf.config.vocab_size, (batch,), generator=torch.Generator().manual_seed(3))
+            slots = blocks[:, 0].to(torch.int64) * fused.block_size
+            wide = fused(ids, torch.zeros(batch, dtype=torch.int64), slots, blocks,
+                         torch.ones(batch, dtype=torch.int32))  # fmt: skip
+            for b in range(batch):
+                alone = fused(ids[b : b + 1], torch.zeros(1, dtype=torch.int64), slots[b : b + 1],
+                              blocks[b : b + 1], torch.ones(1, dtype=torch.int32))  # fmt: skip
+                torch.testing.assert_close(wide[b : b + 1], alone, rtol=0,
+                                           atol=1e-4 * alone.abs().max().item())  # fmt: skip
+        finally:
+            loaded.close()
