@@ -280,3 +280,39 @@ def test_small_has_smollm_shape(tmp_path: Path) -> None:
     assert emb[8192:].abs().max() == 0  # padding rows: never the greedy argmax
     n_params = sum(t.numel() for t in tensors.values())
     assert 130e6 < n_params < 140e6  # SmolLM-135M
+
+
+def test_load_tokenizer_is_autotokenizer_without_the_config_detour(tiny_model_dir: Path) -> None:
+    """A generic tokenizer.json loads as the class AutoTokenizer picks, with the same ids,
+    special tokens and chat template; a model-specific class still goes through AutoTokenizer."""
+
+    from transformers import AutoTokenizer
+
+    from appliance.models.hf_files import _generic_fast_tokenizer, load_tokenizer
+
+    ours = load_tokenizer(tiny_model_dir)
+    auto = AutoTokenizer.from_pretrained(str(tiny_model_dir), local_files_only=True)
+    assert _generic_fast_tokenizer(tiny_model_dir)
+    assert type(ours) is type(auto)
+    text = "Hello, world: <|im_start|>user\n 12 345 ünï"
+    assert ours(text).input_ids == auto(text).input_ids
+    assert ours.all_special_ids == auto.all_special_ids and ours.eos_token_id == auto.eos_token_id
+    chat = [{"role": "user", "content": "hi"}]
+    assert ours.apply_chat_template(chat, tokenize=False) == auto.apply_chat_template(chat, tokenize=False)
+
+
+def test_a_model_specific_tokenizer_class_is_left_to_autotokenizer(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    import shutil
+
+    from appliance.models.hf_files import _generic_fast_tokenizer
+
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_model_dir / name, tmp_path / name)
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**cfg, "tokenizer_class": "LlamaTokenizer"}))
+    assert not _generic_fast_tokenizer(tmp_path)
+    (tmp_path / "tokenizer.json").unlink()
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    assert not _generic_fast_tokenizer(tmp_path)

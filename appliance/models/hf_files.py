@@ -54,7 +54,33 @@ def load_tokenizer(model_dir: str | Path) -> Any:
     gguf = find_gguf(model_dir)
     if gguf is not None:
         return GgufCheckpoint(gguf).tokenizer()
-    return AutoTokenizer.from_pretrained(str(_dir(model_dir)), local_files_only=True)
+    path = _dir(model_dir)
+    if _generic_fast_tokenizer(path):
+        # The class AutoTokenizer would pick anyway, without its detour through the model's
+        # config class, whose import pulls in most of transformers and torch.distributed
+        # (~2 s of a 2-core box's start-up, in the API process that needs only the tokenizer).
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+# tokenizer_config.json's tokenizer_class values that name the generic tokenizers-backed class
+# (transformers 5 calls it TokenizersBackend, and keeps PreTrainedTokenizerFast as its alias).
+_GENERIC_TOKENIZER_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
+
+
+def _generic_fast_tokenizer(path: Path) -> bool:
+    """A tokenizer.json beside a tokenizer_config.json that names the generic class: nothing
+    model-specific for AutoTokenizer to resolve."""
+    config_file = path / "tokenizer_config.json"
+    if not (path / "tokenizer.json").is_file() or not config_file.is_file():
+        return False
+    try:
+        name = json.loads(config_file.read_text("utf-8")).get("tokenizer_class")
+    except (OSError, ValueError):
+        return False
+    return name in _GENERIC_TOKENIZER_CLASSES
 
 
 def safetensors_files(model_dir: str | Path) -> list[Path]:
