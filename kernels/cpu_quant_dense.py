@@ -21,13 +21,14 @@ import ctypes
 import torch
 
 from appliance.layers.quant import QuantWeight
+from appliance.quant_sizes import DENSE_SCRATCH_BYTES
 
 from . import cpu_native, cpu_quant
 
 # Floats of the scratch: one slice of output rows at a time. 256 Ki floats (1 MiB) holds 455
 # rows of SmolLM2's K = 576 (gate_up in 7 slices) and keeps a slice in a Zen 3 core's share
 # of L3 while the GEMM reads it back.
-SLICE_FLOATS = 256 * 1024
+SLICE_FLOATS = DENSE_SCRATCH_BYTES // 4
 
 
 class DenseWidePasses:
