@@ -41,8 +41,6 @@ class DenseWidePasses:
         assert min_rows >= 0 and slice_floats > 0
         self.min_rows = min_rows
         self.scratch = torch.empty(slice_floats if min_rows else 0, dtype=torch.float32)
-        # Output-row indices handed to quant_dequant_rows (one slice's range of them).
-        self._index = torch.arange(0, dtype=torch.int64)
         # Wide passes taken (tests check which path ran).
         self.dense_passes = 0
 
@@ -63,17 +61,17 @@ class DenseWidePasses:
 
     def _dense(self, x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None) -> torch.Tensor:
         n, k = w.out_features, w.in_features
-        step = min(n, max(1, self.scratch.numel() // k))
-        if self._index.numel() < n:
-            self._index = torch.arange(n, dtype=torch.int64)
+        # Slices of whole row tiles (8 rows; a tiled matrix's rows are a multiple of 8). Only a
+        # K over 32 Ki columns would not fit 8 rows in the scratch: it grows to that once.
+        step = min(n, self.scratch.numel() // k // 8 * 8)
+        if step < 8:
+            self.scratch = torch.empty(8 * k, dtype=torch.float32)
+            step = 8
         desc = cpu_quant.descriptor(w)
-        lib, p, threads = cpu_quant._lib(), cpu_native.ptr, torch.get_num_threads()
         out = torch.empty(x.shape[0], n, dtype=torch.float32)
         for start in range(0, n, step):
             end = min(n, start + step)
-            tile = self.scratch[: (end - start) * k].view(end - start, k)
-            lib.quant_dequant_rows(p(desc), p(self._index[start:end]), ctypes.c_int64(end - start),
-                                   p(tile), ctypes.c_int64(threads))  # fmt: skip
+            tile = dequant_tiles(w, start, end, self.scratch, desc)
             if step == n:  # one slice: straight into out
                 torch.mm(x, tile.t(), out=out)
             else:
@@ -81,3 +79,20 @@ class DenseWidePasses:
         if bias is not None:
             out += bias
         return out
+
+
+def dequant_tiles(
+    w: QuantWeight, start: int, end: int, into: torch.Tensor, desc: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Rows start..end-1 of row-tiled w in float32, written over the front of `into` (whole
+    tiles: start and end multiples of 8) and returned as a [end - start, K] view of it."""
+    k = w.in_features
+    assert w.tile_rows == 8 and start % 8 == 0 and end % 8 == 0 and 0 <= start < end <= w.out_features
+    assert into.dtype == torch.float32 and into.is_contiguous() and into.numel() >= (end - start) * k
+    desc = cpu_quant.descriptor(w) if desc is None else desc
+    tile = into[: (end - start) * k].view(end - start, k)
+    cpu_quant._lib().quant_dequant_tiles(
+        cpu_native.ptr(desc), ctypes.c_int64(start), ctypes.c_int64(end), cpu_native.ptr(tile),
+        ctypes.c_int64(torch.get_num_threads()),
+    )  # fmt: skip
+    return tile

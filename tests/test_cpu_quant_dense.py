@@ -9,10 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 from appliance.kernels import cpu_quant
-from appliance.kernels.cpu_quant_dense import DenseWidePasses
+from appliance.kernels.cpu_quant_dense import DenseWidePasses, dequant_tiles
 
 from appliance.config import load_config
 from appliance.cpu.backend import CpuBackend, plan_cpu
+from appliance.layers.quant import quantize_int8
 from tests.test_cpu_quant import _q4, _q8
 
 CASES = [
@@ -21,9 +22,29 @@ CASES = [
     ("q8 g32 (Q8_0)", lambda: _q8(48, 160, 32, 23)),
 ]
 
+DEQUANT_CASES = CASES + [
+    ("q8 g64 ending short of K", lambda: _q8(8, 96, 64, 24)),
+    ("q8 per-channel (INT8)", lambda: quantize_int8(torch.randn(32, 224))),
+]
+
+
+@pytest.mark.parametrize("name,make", DEQUANT_CASES, ids=[c[0] for c in DEQUANT_CASES])
+def test_whole_tiles_dequantize_exactly(cpu_path: str, name: str, make) -> None:  # type: ignore[no-untyped-def]
+    """The transposing AVX2 tile dequantization gives the reference's values bit for bit."""
+    cpu_quant.forget_builds()
+    w = make()
+    t = cpu_quant.tiled_for_int8(w)
+    assert t.tile_rows == 8
+    n, k = w.out_features, w.in_features
+    into = torch.full((n * k + 5,), float("nan"))
+    assert torch.equal(dequant_tiles(t, 0, n, into), w.dequantize())
+    if n > 8:
+        assert torch.equal(dequant_tiles(t, 8, n, into), w.dequantize()[8:])
+        assert torch.equal(dequant_tiles(t, 0, 8, into), w.dequantize()[:8])
+
 
 @pytest.mark.parametrize("name,make", CASES, ids=[c[0] for c in CASES])
-@pytest.mark.parametrize("slice_rows", [7, 1000])  # several slices with a short last one; one
+@pytest.mark.parametrize("slice_rows", [16, 1000])  # slices of 2 tiles, the last one short; one
 def test_wide_passes_dequantize_and_match_the_float32_reference(
     cpu_path: str, name: str, make, slice_rows: int  # type: ignore[no-untyped-def]
 ) -> None:
