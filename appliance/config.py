@@ -56,11 +56,6 @@ class ModelConfig(_Section):
     # way; AVX-VNNI / AVX-512-VNNI where the CPU has them): about half the instructions a
     # weight, at the cost of that rounding (`appliance quant-eval` measures it).
     cpu_quant_activations: Literal["float32", "int8"] = "float32"
-    # CPU, packed weights with int8 activations: batched matmuls (prefills) of at least this
-    # many rows dequantize the weight a slice of rows at a time into one reused float32 scratch
-    # (1 MiB, kernels/cpu_quant_dense.py) and run oneDNN's float32 GEMM instead of the int8 row
-    # tile kernel; fewer rows keep the int8 kernel. 0: the int8 kernel at every width.
-    cpu_quant_dense_rows: NonNegInt = 0
     # Longest prompt + output; 0 takes max_position_embeddings from config.json.
     max_model_len: NonNegInt = 0
     # When set and `path` holds no model, build this demo model there on first start.

@@ -9,16 +9,6 @@ if TYPE_CHECKING:
     from appliance.config import ApplianceConfig
     from appliance.models.args import ModelArgs
 
-# CPU, packed weights with int8 activations and model.cpu_quant_dense_rows > 0: the one float32
-# scratch the wide passes dequantize a slice of output rows into (kernels/cpu_quant_dense.py),
-# held for the engine's life and reused by every matrix; counted by `appliance plan`.
-DENSE_SCRATCH_BYTES = 1 << 20
-
-
-def dense_scratch_bytes(config: ApplianceConfig) -> int:
-    m = config.model
-    return DENSE_SCRATCH_BYTES if m.cpu_quant_activations == "int8" and m.cpu_quant_dense_rows else 0
-
 
 def bits_per_weight(kind: str, group: int = 128) -> float:
     """Bits a packed weight takes in the engine's layouts (appliance.layers.quant), scales and

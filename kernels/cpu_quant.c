@@ -498,8 +498,6 @@ void quant_dequant_rows(const int64_t *qw, const int64_t *rows, int64_t nrows, f
     }
 }
 
-#include "cpu_quant_dequant.h" /* whole row tiles at a time, for the wide passes */
-
 /* Per-layer pointers of the quantized decode (cpu_quant.py QLAYER_FIELDS): the linears are
  * QW descriptors, the qkv bias float32, norms and the KV cache in the model dtype T. */
 enum { Q_LN1, Q_WQKV, Q_BQKV, Q_WO, Q_LN2, Q_WGU, Q_WDOWN, Q_KCACHE, Q_VCACHE, Q_COUNT };

@@ -35,7 +35,6 @@ INCLUDES = (
     cpu_native.SOURCE,
     Path(__file__).with_name("cpu_quant_act8.h"),
     Path(__file__).with_name("cpu_quant_tiles.h"),
-    Path(__file__).with_name("cpu_quant_dequant.h"),
 )
 # Order of the per-layer pointer row of the quantized decode (the Q_ enum in the C file).
 QLAYER_FIELDS = ("ln1", "wqkv", "bqkv", "wo", "ln2", "wgu", "wdown", "k_cache", "v_cache")

@@ -161,18 +161,6 @@ def test_plan_reads_a_gguf_file_and_counts_what_the_engine_holds(
                   if getattr(m, "quant", None) is not None}  # fmt: skip
         dense = sum(p.numel() * p.element_size() for p in model.parameters())
     assert plan.chosen.weights_bytes == sum(packed.values()) + dense
-    # int8 activations with wide passes: their one float32 scratch beside the weights, the
-    # size the backend allocates.
-    from appliance.kernels.cpu_quant_dense import DenseWidePasses
-
-    from appliance.tools.plan import render
-
-    assert plan.chosen.dense_scratch_bytes == 0
-    int8 = make_plan(load_config(None, {**settings, "model.cpu_quant_activations": "int8",
-                                        "model.cpu_quant_dense_rows": 64}))  # fmt: skip
-    assert int8.chosen.weights_bytes == plan.chosen.weights_bytes
-    assert int8.chosen.dense_scratch_bytes == DenseWidePasses(64).nbytes() > 0
-    assert "wide-pass scratch" in render(int8) and "wide-pass scratch" not in render(plan)
 
 
 def test_int8_quantizes_a_16bit_checkpoint_at_load(tiny_model_dir: Path) -> None:

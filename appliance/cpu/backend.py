@@ -204,14 +204,10 @@ def _is_quantized(model: torch.nn.Module) -> bool:
 
 
 class CpuBackend:
-    def __init__(self, plan: CpuPlan, act8: bool = False, dense_rows: int = 0) -> None:
+    def __init__(self, plan: CpuPlan, act8: bool = False) -> None:
         self.plan = plan
         # Packed weights' native dot products take int8 activations (cpu_quant_activations).
         self.act8 = act8
-        # int8 activations: passes of this many rows and more over row-tiled weights run
-        # dequantize + float32 GEMM (model.cpu_quant_dense_rows; made in _quant_matmul).
-        self.dense_rows = dense_rows
-        self.wide: Any = None
         self.fused_decode: FusedCpuDecode | None = None
         # oneDNN's and ideep's primitive cache capacities in force, and the load-time warm-up.
         self.primitive_caches: dict[str, str] = {}
@@ -228,8 +224,7 @@ class CpuBackend:
             log.info("CPU backend: %s", note)
         if plan.warning:
             log.warning("%s", plan.warning)
-        backend = cls(plan, act8=config.model.cpu_quant_activations == "int8",
-                      dense_rows=config.model.cpu_quant_dense_rows)  # fmt: skip
+        backend = cls(plan, act8=config.model.cpu_quant_activations == "int8")
         backend.primitive_caches = caches
         return backend
 
@@ -286,14 +281,7 @@ class CpuBackend:
 
         if self.plan.native_ops and cpu_quant.load(self.plan.features) is not None:
             if self.act8:
-                if not self.dense_rows:
-                    return cpu_quant.quant_matmul_act8
-                from appliance.kernels.cpu_quant_dense import DenseWidePasses
-
-                # One for the whole model: its scratch is the one reused buffer.
-                if self.wide is None:
-                    self.wide = DenseWidePasses(self.dense_rows)
-                return self.wide
+                return cpu_quant.quant_matmul_act8
             return cpu_quant.quant_matmul
         return reference_quant_matmul
 
@@ -397,8 +385,4 @@ class CpuBackend:
         info["native_decode_active"] = self.fused_decode is not None
         info["primitive_caches"] = dict(self.primitive_caches)
         info["warm_matmuls"] = self.warm_matmuls
-        if self.wide is not None:
-            # The one persistent buffer of the packed weights' wide passes (no weight copy).
-            info["quant_dense_rows"] = self.wide.min_rows
-            info["quant_dense_scratch_bytes"] = self.wide.nbytes()
         return info

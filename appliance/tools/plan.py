@@ -19,12 +19,7 @@ from typing import Any
 from appliance.config import ApplianceConfig, ConfigError, load_config, shipped_template_dir
 from appliance.kv_layout import kv_bytes_per_token as kv_layout_bytes_per_token
 from appliance.models.args import ModelArgs
-from appliance.quant_sizes import (
-    dense_scratch_bytes,
-    format_note,
-    quantized_weight_bytes,
-    weight_format,
-)
+from appliance.quant_sizes import format_note, quantized_weight_bytes, weight_format
 
 GiB = 1024**3
 MiB = 1024**2
@@ -77,9 +72,6 @@ class TPPlan:
     # backend would pick on this machine.
     matmul_copy_bytes: int = 0
     cpu_path: str = ""
-    # CPU, packed weights, int8 activations: the wide passes' float32 scratch (one slice of a
-    # matrix, reused; quant_sizes.dense_scratch_bytes), held beside the weights.
-    dense_scratch_bytes: int = 0
 
 
 @dataclass
@@ -263,7 +255,6 @@ def plan_tp(
         block_bytes=block,
         matmul_copy_bytes=matmul_copy,
         cpu_path=cpu_path,
-        dense_scratch_bytes=dense_scratch_bytes(config) if fmt and not on_gpu else 0,
     )
     if on_gpu:
         p.activation_reserve_bytes = activation_bytes(
@@ -405,10 +396,6 @@ def render(plan: Plan) -> str:
         if c.matmul_copy_bytes:
             rows += [
                 ("  of which matmul copy", _gib(c.matmul_copy_bytes), c.cpu_path + " (this CPU)"),
-            ]
-        if c.dense_scratch_bytes:
-            rows += [
-                ("wide-pass scratch", f"{c.dense_scratch_bytes / MiB:.2f} MiB", "float32, one slice of a packed matrix, reused (model.cpu_quant_dense_rows)"),
             ]
         if plan.device == "cuda":
             rows += [
