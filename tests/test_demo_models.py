@@ -316,3 +316,23 @@ def test_a_model_specific_tokenizer_class_is_left_to_autotokenizer(
     (tmp_path / "tokenizer.json").unlink()
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
     assert not _generic_fast_tokenizer(tmp_path)
+
+
+def test_the_loader_reads_config_json_as_transformers_does(
+    tiny_model_dir: Path, qwen2_model_dir: Path
+) -> None:
+    """The engine's config is config.json's keys (no config class to import): the same
+    ModelArgs and EOS ids as transformers' AutoConfig of the same directory."""
+    import dataclasses
+
+    from appliance.models.args import ModelArgs
+    from appliance.models.checkpoint import open_checkpoint
+
+    for model_dir in (tiny_model_dir, qwen2_model_dir):
+        ours = open_checkpoint(model_dir).hf_config()
+        theirs = load_hf_config(model_dir)
+        assert not hasattr(ours, "to_dict")  # not a transformers config
+        assert dataclasses.replace(ModelArgs.from_hf(ours), name="") == dataclasses.replace(
+            ModelArgs.from_hf(theirs), name=""
+        )
+        assert ours.eos_token_id == theirs.eos_token_id

@@ -56,7 +56,7 @@ class Checkpoint:
     def hf_config(self) -> Any:
         if self.gguf is not None:
             return self.gguf.hf_config()
-        return hf_files.load_hf_config(self.path)
+        return hf_files.read_config_json(self.path)
 
     def tokenizer(self) -> Any:
         if self.gguf is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -41,6 +42,16 @@ def load_hf_config(model_dir: str | Path) -> Any:
     if not (path / CONFIG_FILE).is_file():
         raise FileNotFoundError(f"{path / CONFIG_FILE} not found: not a Hugging Face model dir")
     return AutoConfig.from_pretrained(str(path), local_files_only=True)
+
+
+def read_config_json(model_dir: str | Path) -> SimpleNamespace:
+    """config.json's keys as attributes, without transformers: what the engine reads of it
+    (ModelArgs.from_hf, the EOS ids) needs no config class, and importing one costs every
+    start ~2.7 s on 2 cores (LlamaConfig's module pulls in torch.distributed)."""
+    path = _dir(model_dir)
+    if not (path / CONFIG_FILE).is_file():
+        raise FileNotFoundError(f"{path / CONFIG_FILE} not found: not a Hugging Face model dir")
+    return SimpleNamespace(**json.loads((path / CONFIG_FILE).read_text("utf-8")))
 
 
 def load_tokenizer(model_dir: str | Path) -> Any:
