@@ -35,6 +35,14 @@ class RotaryEmbedding(nn.Module):
         scaling: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
+        if torch.empty(0).device.type == "meta":
+            # The loader builds the model under `torch.device("meta")` and computes the tables
+            # on the real device after `to_empty`: shapes are enough here. (Arithmetic on meta
+            # tensors runs torch's Python references, whose first use imports torch._dynamo:
+            # ~2 s of a 2-core box's start-up, for tables thrown away.)
+            self.register_buffer("cos", torch.empty(max_position, head_dim), persistent=False)
+            self.register_buffer("sin", torch.empty(max_position, head_dim), persistent=False)
+            return
         exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
         inv_freq = 1.0 / (base**exponents)
         rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
