@@ -7,7 +7,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_tiles import _load_kv_tile, _tile_offsets, _token_scales
+from .triton_tiles import _head_scales, _load_kv_tile, _tile_offsets, _token_scales
 
 
 @triton.jit
@@ -49,12 +49,7 @@ def _decode_kernel(
                 + offs_d[None, :], mask=row_mask, other=0.0)
     if FP32_DOT:
         q = q.to(tl.float32)
-    k_scale = qk_scale
-    v_scale = v_mult
-    if KV_FMT != 0:
-        if KV_FMT != 4:  # per-head scales; per-token INT8 (4) reads its own with each tile
-            k_scale = k_scale * tl.load(k_scale_ptr + kvh)
-            v_scale = v_scale * tl.load(v_scale_ptr + kvh)
+    k_scale, v_scale = _head_scales(qk_scale, v_mult, k_scale_ptr, v_scale_ptr, kvh, KV_FMT)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_tiles import _load_kv_tile, _tile_offsets, _token_scales
+from .triton_tiles import _head_scales, _load_kv_tile, _tile_offsets, _token_scales
 
 
 @triton.jit
@@ -56,12 +56,7 @@ def _prefill_kernel(
                 + offs_d[None, :], mask=row_mask, other=0.0)
     if FP32_DOT:
         q = q.to(tl.float32)
-    k_scale = qk_scale
-    v_scale = v_mult
-    if KV_FMT != 0:
-        if KV_FMT != 4:  # per-head scales; per-token INT8 (4) reads its own with each tile
-            k_scale = k_scale * tl.load(k_scale_ptr + kvh)
-            v_scale = v_scale * tl.load(v_scale_ptr + kvh)
+    k_scale, v_scale = _head_scales(qk_scale, v_mult, k_scale_ptr, v_scale_ptr, kvh, KV_FMT)
     q_pos = prefix + tok  # absolute position of each row's token
     kv_end = tl.minimum(ctx_len, prefix + (q_tile + 1) * BLOCK_Q)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
