@@ -37,6 +37,13 @@
          (acc), _mm256_madd_epi16(_mm256_maddubs_epi16((w), (x)), _mm256_set1_epi16(1))))
 #endif
 
+/* Pins NB (<= 4) vector accumulators in registers at this point: without it GCC computes a
+ * block's products ahead of their sums and spills them (6 of 8 per chunk at NB = 4). */
+#define PIN_REGS(v, NB)                                                                        \
+    do {                                                                                       \
+        for (int pin = 0; pin < (NB); pin++) __asm__ volatile("" : "+x"((v)[pin]));           \
+    } while (0)
+
 /* 4 int8 of x, broadcast to every 32-bit lane (one load uop). */
 static inline __m256i bcast4(const int8_t *p) {
     int32_t v;
@@ -72,6 +79,7 @@ static inline __m256i bcast4(const int8_t *p) {
                             Q4_ACC(is[b], lo, bcast4(xb));                                     \
                             Q4_ACC(is[b], hi, bcast4(xb + 16));                                \
                         }                                                                      \
+                        PIN_REGS(is, NB);                                                      \
                     }                                                                          \
                     for (int b = 0; b < NB; b++) is[b] = Q4_FINISH(is[b]);                     \
                 } else {                                                                       \
@@ -88,6 +96,7 @@ static inline __m256i bcast4(const int8_t *p) {
                             const int8_t *xb = xq + b * k + blk * 32 + 4 * j;                  \
                             Q8_ACC(is[b], wa, _mm256_sign_epi8(bcast4(xb), raw));              \
                         }                                                                      \
+                        PIN_REGS(is, NB);                                                      \
                     }                                                                          \
                 }                                                                              \
                 for (int b = 0; b < NB; b++) {                                                 \
