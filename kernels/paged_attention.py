@@ -203,6 +203,9 @@ def paged_attention(
         out = torch.matmul(probs.to(values.dtype), values)
         return out.reshape(num_tokens, num_heads, head_dim).to(query.dtype)
 
+    if batch == 1:
+        return _one_prefill(query, keys, values, int(seq_lens[0]), scale, kv_cache_dtype, key, value)
+
     # Scatter the ragged queries into a padded [B, max_q] grid.
     row = torch.arange(num_tokens, device=device)
     seq_of_row = torch.repeat_interleave(torch.arange(batch, device=device), query_lens)
@@ -232,3 +235,33 @@ def paged_attention(
         enable_gqa=True,
     )
     return out.transpose(1, 2)[seq_of_row, pos_in_query]
+
+
+def _one_prefill(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    seq_len: int,
+    scale: float,
+    kv_cache_dtype: str,
+    key: torch.Tensor | None,
+    value: torch.Tensor | None,
+) -> torch.Tensor:
+    """paged_attention's prefill of one sequence: no padded grid to scatter into and, for a
+    prompt with no cached context, SDPA's own causal mask instead of a boolean one (a 128-token
+    prompt of the small demo shape: 0.65 instead of 1.3 ms a layer on a Zen 3)."""
+    num_tokens = query.shape[0]
+    start = seq_len - num_tokens
+    if key is not None and value is not None and kv_cache_dtype != "auto":
+        # The chunk's own K/V as computed (see paged_attention).
+        keys[0, :, start:seq_len] = key.transpose(0, 1).to(keys.dtype)
+        values[0, :, start:seq_len] = value.transpose(0, 1).to(values.dtype)
+    q = query.unsqueeze(0).transpose(1, 2)
+    if start == 0:
+        out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        # SDPA's is_causal aligns query 0 with key 0; these queries sit at start.. instead.
+        q_abs = torch.arange(start, seq_len, device=query.device)
+        mask = torch.arange(seq_len, device=query.device)[None, :] <= q_abs[:, None]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)

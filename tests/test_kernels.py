@@ -305,6 +305,27 @@ def test_prefill_reads_the_chunks_fresh_kv(fmt: str, dtype: torch.dtype) -> None
     assert rel_err(ref, b.reference()) > 10 * TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("fmt", ["auto", "int8"])
+@pytest.mark.parametrize(("seq_len", "query_len"), [(80, 80), (97, 30), (45, 12)])
+def test_one_sequence_prefill_matches_the_batched_path(fmt: str, seq_len: int, query_len: int) -> None:
+    """A batch of one prefill skips the padded grid (and, with no cached prefix, builds no mask):
+    its rows are those of the same sequence computed inside a batch of two."""
+    b = make_batch([seq_len, 60], [query_len, 60], 4, 64, 16, torch.float32, fmt, seed=11)
+    gen = torch.Generator().manual_seed(12)
+    key = torch.randn(b.query.shape[0], NUM_KV_HEADS, 64, generator=gen)
+    value = torch.randn(b.query.shape[0], NUM_KV_HEADS, 64, generator=gen)
+    common = (b.k_cache, b.v_cache)
+    both = paged_attention(
+        b.query, *common, b.block_tables, b.seq_lens.long(), b.query_start_loc.long(), b.scale,
+        b.max_query_len, b.max_seq_len, fmt, b.k_scale, b.v_scale, key=key, value=value)
+    rows = slice(0, query_len)
+    one = paged_attention(
+        b.query[rows], *common, b.block_tables[:1], b.seq_lens[:1].long(),
+        torch.tensor([0, query_len]), b.scale, query_len, seq_len, fmt, b.k_scale, b.v_scale,
+        key=key[rows], value=value[rows])
+    torch.testing.assert_close(one, both[rows], atol=1e-5, rtol=1e-5)
+
+
 # --------------------------------------------------------------------------- dispatch
 
 
