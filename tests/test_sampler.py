@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from appliance.engine.sampler import Sampler, SampleRequest, _apply_top_k_top_p
+from appliance.engine.sampler import Sampler, SampleRequest, _apply_top_k_top_p, argmax_rows
 from appliance.sampling_params import SamplingParams
 
 
@@ -74,3 +74,19 @@ def test_banned_tokens_are_never_sampled() -> None:
     logits[0, 3] = 100.0
     tok, _ = Sampler()(logits, [SampleRequest(SamplingParams(temperature=0.0), 0, [3])])
     assert tok[0] != 3
+
+
+def test_argmax_rows_agrees_with_torch_on_ties_infinities_and_nan() -> None:
+    gen = torch.Generator().manual_seed(3)
+    values = torch.randn(6, 1001, generator=gen)
+    values[1, [5, 700]] = 9.0  # a tie: the first index wins
+    values[2] = float("-inf")  # all masked
+    values[2, 999] = 0.0
+    values[3, 42] = float("nan")  # a NaN counts as the largest
+    values[4, :] = 1.5  # all equal
+    values[5, -1] = float("inf")
+    expected = values.argmax(dim=-1)
+    got = argmax_rows(values)
+    assert got.dtype == torch.int64
+    assert got.tolist() == expected.tolist() == [int(values[0].argmax()), 5, 999, 42, 0, 1000]
+    assert argmax_rows(values.to(torch.bfloat16)).tolist() == values.to(torch.bfloat16).argmax(-1).tolist()

@@ -179,7 +179,8 @@ class ModelRunner:
             for i, r in scoring
             for j in range(len(r.prompt_logprob_targets))
         ]
-        rows = torch.tensor([last_rows[i] for i, _ in sampling] + score_rows, device=self.device)
+        row_list = [last_rows[i] for i, _ in sampling] + score_rows
+        rows = torch.tensor(row_list, device=self.device)
         decode = meta.decode
         if (
             meta.prefill is None
@@ -190,7 +191,9 @@ class ModelRunner:
             assert self.cpu is not None and self.cpu.fused_decode is not None
             logits = self.cpu.fused_decode(
                 input_ids, positions, meta.slot_mapping, decode.block_tables, decode.seq_lens
-            ).index_select(0, rows)
+            )
+            if row_list != list(range(logits.shape[0])):  # every row sampled: no copy
+                logits = logits.index_select(0, rows)
             self.native_decode_steps += 1
         else:
             with self._matmuls(input_ids.shape[0]):
@@ -250,6 +253,13 @@ class ModelRunner:
     def _prepare(
         self, batch: list[ScheduledRequest]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        if all(len(r.token_ids) == 1 for r in batch):
+            return self._prepare_decodes(batch)
+        return self._prepare_mixed(batch)
+
+    def _prepare_mixed(
+        self, batch: list[ScheduledRequest]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         bs = self.block_size
         query_lens = [len(r.token_ids) for r in batch]
         starts = [r.start_pos for r in batch]
@@ -296,6 +306,30 @@ class ModelRunner:
             meta,
             last_rows,
         )
+
+
+    def _prepare_decodes(
+        self, batch: list[ScheduledRequest]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """_prepare for a step of decodes only, from Python lists: a handful of tensors instead
+        of ~25 small torch operations (on a Zen 3 the general path took 0.7-0.8 ms a step of a
+        one-at-a-time decode whose forward is ~9 ms)."""
+        bs, dev, n = self.block_size, self.device, len(batch)
+        positions = [r.start_pos for r in batch]
+        rows = [self.block_tables[r.request_id] for r in batch]
+        width = max(len(row) for row in rows)
+        slots = [row[p // bs] * bs + p % bs for row, p in zip(rows, positions, strict=True)]
+        decode = PagedBatch(
+            block_tables=torch.tensor([row + [0] * (width - len(row)) for row in rows], device=dev),
+            seq_lens=torch.tensor([p + 1 for p in positions], device=dev),
+            query_start_loc=torch.arange(n + 1, device=dev),
+            max_query_len=1,
+            max_seq_len=max(positions) + 1,
+            num_tokens=n,
+        )
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, device=dev), decode=decode, prefill=None)
+        input_ids = torch.tensor([r.token_ids[0] for r in batch], device=dev)
+        return input_ids, torch.tensor(positions, device=dev), meta, list(range(n))
 
 
 def _prompt_logprobs(

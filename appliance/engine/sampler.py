@@ -75,7 +75,7 @@ class Sampler:
                 logits[i, req.banned_token_ids] = float("-inf")
 
         greedy = torch.tensor([r.params.greedy for r in requests])
-        tokens = logits.argmax(dim=-1)
+        tokens = argmax_rows(logits)
         if not all_greedy:
             sampled = self._sample(logits, requests, greedy)
             tokens = torch.where(greedy, tokens, sampled)
@@ -111,7 +111,16 @@ class Sampler:
         for i, req in enumerate(requests):
             if req.params.seed is not None and not req.params.greedy:
                 noise[i].exponential_(generator=_row_generator(req.params.seed, req.output_index))
-        return (probs / noise).argmax(dim=-1)
+        return argmax_rows(probs / noise)
+
+
+def argmax_rows(values: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax (the first of equal maxima, a NaN counting as the largest, as
+    torch's). On the CPU through numpy, whose vectorized argmax is ~9x faster than torch's
+    (1 x 49152 float32: 8 vs 73 us; 8 rows: 52 vs 543 us; Zen 3)."""
+    if values.device.type != "cpu" or values.dtype not in (torch.float32, torch.float64):
+        return values.argmax(dim=-1)
+    return torch.from_numpy(values.detach().contiguous().numpy().argmax(axis=-1))
 
 
 def _apply_top_k_top_p(
