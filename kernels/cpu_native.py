@@ -84,18 +84,22 @@ def _build_key(
     return digest.hexdigest()[:16]
 
 
-def build(
-    features: CpuFeatures | None = None, source: Path = SOURCE, includes: tuple[Path, ...] = ()
-) -> Path:
+def kernel_sources() -> tuple[Path, ...]:
+    """Every C file and header of this folder, all part of each build's cache key: the files
+    #include one another (cpu_quant.c includes cpu_decode.c and its headers)."""
+    return tuple(sorted(SOURCE.parent.glob("cpu_*.[ch]")))
+
+
+def build(features: CpuFeatures | None = None, source: Path = SOURCE) -> Path:
     """Compile the kernels for `features` (default: this CPU under the environment's mask), or
     find the cached build; raises on failure. `source` is another C file of this folder for
-    kernels/cpu_quant.py, `includes` the files it #includes (part of the cache key)."""
+    kernels/cpu_quant.py."""
     features = features or detect()
     cc = compiler()
     if cc is None:
         raise RuntimeError("no C compiler (set CC, or install gcc)")
     flags = build_flags(features)
-    key = _build_key(cc, flags, features, (source, *includes))
+    key = _build_key(cc, flags, features, (source, *kernel_sources()))
     target = cache_dir() / f"{source.stem}-{key}.so"
     if target.exists():
         return target

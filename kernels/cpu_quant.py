@@ -30,12 +30,6 @@ from . import cpu_native
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_quant.c")
-# What it #includes (part of the build's cache key).
-INCLUDES = (
-    cpu_native.SOURCE,
-    Path(__file__).with_name("cpu_quant_act8.h"),
-    Path(__file__).with_name("cpu_quant_tiles.h"),
-)
 # Order of the per-layer pointer row of the quantized decode (the Q_ enum in the C file).
 QLAYER_FIELDS = ("ln1", "wqkv", "bqkv", "wo", "ln2", "wgu", "wdown", "k_cache", "v_cache")
 # Passes wider than this dequantize a transient tile and use torch's GEMM. On a Zen 3 (AVX2,
@@ -56,7 +50,7 @@ def load(features: CpuFeatures | None = None) -> ctypes.CDLL | None:
     key = tuple(cpu_native.build_flags(features))
     if key not in _loaded:
         try:
-            path = cpu_native.build(features, SOURCE, INCLUDES)
+            path = cpu_native.build(features, SOURCE)
             lib: ctypes.CDLL | None = ctypes.CDLL(str(path))
             error = None
         except (OSError, RuntimeError, subprocess.SubprocessError) as exc:

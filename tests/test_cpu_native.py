@@ -6,6 +6,7 @@ Llama and a Qwen2-shaped model; and the engine's fallback when the kernels canno
 from __future__ import annotations
 
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -298,6 +299,34 @@ def test_build_is_cached_per_source_and_cpu(tmp_path: Path, monkeypatch: pytest.
     mtime = first.stat().st_mtime_ns
     assert cpu_native.build() == first and first.stat().st_mtime_ns == mtime
     assert [p.name for p in tmp_path.iterdir()] == [first.name]
+
+
+def test_every_file_a_kernel_includes_is_part_of_the_build_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The libraries are cached by a hash of their sources: a header they #include that the key
+    missed would leave an edit to it unbuilt. Follows the #include "..." lines of both C
+    files, then edits a copy of the folder's deepest header and sees the key change."""
+    folder = cpu_native.SOURCE.parent
+    keyed = set(cpu_native.kernel_sources())
+    pending, seen = [folder / "cpu_decode.c", folder / "cpu_quant.c"], set()
+    while pending:
+        path = pending.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        pending += [folder / name for name in re.findall(r'#include "([^"]+)"', path.read_text())]
+    assert seen <= keyed and len(seen) >= 7, sorted(p.name for p in seen - keyed)
+    copy = tmp_path / "kernels"
+    copy.mkdir()
+    for path in keyed:
+        (copy / path.name).write_text(path.read_text())
+    monkeypatch.setattr(cpu_native, "SOURCE", copy / "cpu_decode.c")
+    features, cc, flags = detect(), "cc", ["-O3"]
+    before = cpu_native._build_key(cc, flags, features, cpu_native.kernel_sources())
+    header = copy / "cpu_decode_simd.h"
+    header.write_text(header.read_text() + "\n/* edited */\n")
+    assert cpu_native._build_key(cc, flags, features, cpu_native.kernel_sources()) != before
 
 
 def test_a_masked_feature_builds_another_library_without_it(

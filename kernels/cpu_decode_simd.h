@@ -1,0 +1,191 @@
+/* Part of cpu_decode.c (included there, after Shape): the attention limits, the vector type
+ * of the build (VW float lanes: 16 on AVX-512, 8 on AVX2, 4 elsewhere), its loads, stores,
+ * horizontal sum and exp, and the dot-product and attention-chunk loops the kernels expand. */
+
+/* Tokens of one attention chunk: scores live on the stack. */
+#define CHUNK 64
+/* Limits the Python side checks (cpu_native.py MAX_GROUP / MAX_HEAD_DIM). */
+#define MAX_GROUP 16
+/* Query heads one attention work item holds scores for (a multiple of MAX_GROUP). */
+#define MAX_QUERY_HEADS 64
+#define MAX_HEAD_DIM 256
+/* Tokens ahead whose K/V rows are prefetched. */
+#define PREFETCH 16
+
+static inline float bf16_load(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Round to nearest even, as torch's float -> bfloat16. */
+static inline uint16_t bf16_store(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float f32_load(float f) { return f; }
+static inline float f32_store(float f) { return f; }
+
+static inline float silu(float x) { return x / (1.0f + expf(-x)); }
+
+/* GCC/Clang vector extensions, as wide as one register of the -march the build targets
+ * (kernels/cpu_native.py builds for the CPU it runs on): 16 floats with AVX-512, 8 with AVX2,
+ * 4 with SSE. Wider than a register, GCC keeps arrays of them (the dot products' accumulators)
+ * in memory: on a Zen 3 (AVX2) 16-float vectors ran the decode forward at 1.6 GB/s. */
+#if defined(__AVX512F__)
+#define VW 16
+#elif defined(__AVX__)
+#define VW 8
+#else
+#define VW 4
+#endif
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef uint16_t vh __attribute__((vector_size(VW * 2)));
+typedef uint32_t vu __attribute__((vector_size(VW * 4)));
+
+static inline vf f32_loadv(const float *p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline vf bf16_loadv(const uint16_t *p) {
+    vh h;
+    memcpy(&h, p, sizeof h);
+    vu u = __builtin_convertvector(h, vu) << 16;
+    vf v;
+    memcpy(&v, &u, sizeof v);
+    return v;
+}
+
+/* Round VW floats to bfloat16 (nearest even; finite inputs), kept as floats / stored. */
+static inline vf bf16_roundv(vf v) {
+    vu u;
+    memcpy(&u, &v, sizeof u);
+    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    memcpy(&v, &u, sizeof v);
+    return v;
+}
+
+static inline void bf16_storev(uint16_t *p, vf v) {
+    vu u;
+    memcpy(&u, &v, sizeof u);
+    vh h = __builtin_convertvector((u + 0x7fffu + ((u >> 16) & 1u)) >> 16, vh);
+    memcpy(p, &h, sizeof h);
+}
+
+static inline vf f32_roundv(vf v) { return v; }
+static inline void f32_storev(float *p, vf v) { memcpy(p, &v, sizeof v); }
+
+static inline float hsum(vf v) {
+    float s = 0.0f;
+    for (int i = 0; i < VW; i++) s += v[i];
+    return s;
+}
+
+typedef int32_t vi __attribute__((vector_size(VW * 4)));
+
+/* e^x for VW lanes (Cephes' expf polynomial, ~1 ulp on [-87, 88]; below -87 it is 0, as the
+ * softmax wants for masked or far-below-max scores). glibc's expf is scalar here. */
+static inline vf exp_v(vf x) {
+    vi too_small = x < -87.0f;
+    vi too_big = x > 88.0f;
+    x = (vf)(((vi)x & ~too_big) | ((vi)((vf){0} + 88.0f) & too_big));
+    x = (vf)(((vi)x & ~too_small) | ((vi)((vf){0} - 87.0f) & too_small));
+    /* n = floor(x log2(e) + 1/2) by conversion (the add-a-magic-number trick does not survive
+     * -fassociative-math). */
+    vf y = x * 1.44269504088896341f + 0.5f;
+    vi ni = __builtin_convertvector(y, vi);
+    ni += (vi)(__builtin_convertvector(ni, vf) > y); /* truncation went up: minus one */
+    vf n = __builtin_convertvector(ni, vf);
+    vf r = x - n * 0.693359375f - n * -2.12194440e-4f;
+    vf p = (vf){0} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    vf scaled = (vf)((vi)p + (ni << 23));
+    return (vf)((vi)scaled & ~too_small);
+}
+
+/* NB dot products of one weight row (loaded once per VW columns) with NB rows of x. */
+#define DOT_ROWS(LOADV, LOAD, NB)                                                              \
+    do {                                                                                       \
+        vf acc[NB];                                                                          \
+        for (int b = 0; b < NB; b++) acc[b] = (vf){0};                                       \
+        int64_t j = 0;                                                                         \
+        for (; j + VW <= k; j += VW) {                                                         \
+            vf wv = LOADV(row + j);                                                          \
+            for (int b = 0; b < NB; b++) acc[b] += wv * f32_loadv(x + b * k + j);              \
+        }                                                                                      \
+        for (int b = 0; b < NB; b++) {                                                         \
+            float s = hsum(acc[b]);                                                            \
+            for (int64_t jj = j; jj < k; jj++) s += LOAD(row[jj]) * x[b * k + jj];             \
+            out[b] = s;                                                                        \
+        }                                                                                      \
+    } while (0)
+
+/* The same for two weight rows at once (r0, r1): each x load feeds both, so a 4-row batch
+ * needs 2 weight + 4 x loads per 8 FMAs instead of 1 + 4 per 4 (wide decode batches are
+ * load-bound otherwise). Each dot sums in the same order as DOT_ROWS: identical results. */
+#define DOT2_ROWS(LOADV, LOAD, NB)                                                             \
+    do {                                                                                       \
+        vf acc0[NB], acc1[NB];                                                                 \
+        for (int b = 0; b < NB; b++) acc0[b] = acc1[b] = (vf){0};                              \
+        int64_t j = 0;                                                                         \
+        for (; j + VW <= k; j += VW) {                                                         \
+            /* The next pair of rows (2k on): the weights stream at the read bandwidth (a Zen 3   \
+             * batch-1 step 28.9 -> 15.7 ms; the hardware prefetcher alone stops short). */     \
+            __builtin_prefetch(r0 + j + 2 * k);                                                \
+            __builtin_prefetch(r1 + j + 2 * k);                                                \
+            vf w0 = LOADV(r0 + j), w1 = LOADV(r1 + j);                                         \
+            for (int b = 0; b < NB; b++) {                                                     \
+                vf xv = f32_loadv(x + b * k + j);                                              \
+                acc0[b] += w0 * xv;                                                            \
+                acc1[b] += w1 * xv;                                                            \
+            }                                                                                  \
+        }                                                                                      \
+        for (int b = 0; b < NB; b++) {                                                         \
+            float s0 = hsum(acc0[b]), s1 = hsum(acc1[b]);                                      \
+            for (int64_t jj = j; jj < k; jj++) {                                               \
+                s0 += LOAD(r0[jj]) * x[b * k + jj];                                            \
+                s1 += LOAD(r1[jj]) * x[b * k + jj];                                            \
+            }                                                                                  \
+            out0[b] = s0;                                                                      \
+            out1[b] = s1;                                                                      \
+        }                                                                                      \
+    } while (0)
+
+/* attend_heads' scores of G query heads (compile-time, so their accumulators stay in
+ * registers) against the chunk's K rows of their KV head: sc[h][t] = q_h . k_t * scale. */
+#define QK_GROUP(LOADV, G)                                                                     \
+        for (int64_t t = 0; t < n; t++) {                                                      \
+            const __typeof__(*kh) *kr = kh + slot_of[t] * row;                                 \
+            vf acc[G];                                                                         \
+            for (int h = 0; h < G; h++) acc[h] = (vf){0};                                      \
+            for (int64_t j = 0; j < d; j += VW) {                                              \
+                vf kv = LOADV(kr + j);                                                         \
+                for (int h = 0; h < G; h++) acc[h] += f32_loadv(qg + h * d + j) * kv;          \
+            }                                                                                  \
+            for (int h = 0; h < G; h++) sc[h][t] = hsum(acc[h]) * scale;                       \
+        }
+
+/* out_h += sum_t p[h][t] v_t for G query heads, VW columns at a time over the chunk's V
+ * rows: one V load serves the G heads, the sums stay in registers. */
+#define PV_GROUP(LOADV, G)                                                                     \
+        for (int64_t j = 0; j < d; j += VW) {                                                  \
+            vf acc[G];                                                                         \
+            for (int h = 0; h < G; h++) acc[h] = f32_loadv(og + h * d + j);                    \
+            for (int64_t t = 0; t < n; t++) {                                                  \
+                vf vv = LOADV(vh + slot_of[t] * row + j);                                      \
+                for (int h = 0; h < G; h++) acc[h] += sc[h][t] * vv;                           \
+            }                                                                                  \
+            for (int h = 0; h < G; h++) memcpy(og + h * d + j, &acc[h], sizeof acc[h]);        \
+        }
