@@ -122,11 +122,12 @@ DEFINE_ATTENTION(f32, float, f32_load, f32_store, f32_loadv)
         const Shape *s = (const Shape *)shape;                                                   \
         const int64_t hs = s->hidden, qkv_w = (s->heads + 2 * s->kv_heads) * s->head_dim;        \
         const int64_t q_w = s->heads * s->head_dim;                                              \
-        size_t floats = (size_t)s->batch * (hs + qkv_w + q_w + s->inter);                        \
-        float *scratch = malloc(floats * sizeof(float));                                         \
+        size_t floats = (size_t)s->batch * (hs + qkv_w + q_w + s->inter) + attention_scratch_floats(s); \
+        float *scratch = calloc(floats, sizeof(float)); /* zeros: the split's counters */       \
         if (!scratch) return -1;                                                                 \
         float *normed = scratch, *qkv = normed + s->batch * hs;                                  \
         float *attn = qkv + s->batch * qkv_w, *act = attn + s->batch * q_w;                      \
+        float *split = act + s->batch * s->inter;                                                \
         _Pragma("omp parallel num_threads(s->threads)")                                          \
         {                                                                                        \
             for (int64_t layer = 0; layer < s->layers; layer++) {                                \
@@ -137,7 +138,7 @@ DEFINE_ATTENTION(f32, float, f32_load, f32_store, f32_loadv)
                 matvec_##SUFFIX(normed, (const T *)(intptr_t)p[P_WQKV],                          \
                                 (const T *)(intptr_t)p[P_BQKV], qkv, s->batch, qkv_w, hs, 0);    \
                 rope_attention_##SUFFIX(qkv, cos_table, sin_table, positions, slots, k_cache,    \
-                                        v_cache, tables, seq_lens, s, scale, attn);              \
+                                        v_cache, tables, seq_lens, s, scale, attn, split);       \
                 matvec_##SUFFIX(attn, (const T *)(intptr_t)p[P_WO], NULL, hidden, s->batch, hs,  \
                                 q_w, 1);                                                         \
                 rms_norm_##SUFFIX(hidden, (const T *)(intptr_t)p[P_LN2], normed, s->batch, hs,   \

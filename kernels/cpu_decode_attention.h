@@ -1,6 +1,50 @@
 /* Part of cpu_decode.c (included after cpu_decode_simd.h): the decode attention over the
  * paged KV cache and its rotary step, per weight dtype T (DEFINE_ATTENTION, instantiated
  * there for bf16 and float32). */
+/* Steps of fewer sequences than threads split each sequence's context into this many token
+ * ranges (flash-decoding's split), every range over all KV heads: one sequence of a model with
+ * 3 KV heads was 3 work items for 2 threads (the layer waited for the one that took two), and a
+ * KV head's rows are 1/3 of each token's contiguous K/V. 1: no split. */
+static inline int64_t attention_parts(const Shape *s) {
+    return s->batch >= s->threads ? 1 : s->threads / s->batch;
+}
+
+/* Floats of scratch rope_attention_ needs for the split (attention_parts > 1): per sequence and
+ * range the rotated queries, the unnormalized outputs and each query head's max and sum; then
+ * one completion counter per sequence. */
+static inline size_t attention_scratch_floats(const Shape *s) {
+    const int64_t parts = attention_parts(s);
+    if (parts == 1) return 0;
+    return (size_t)s->batch * parts * s->heads * (2 * s->head_dim + 2) + (size_t)s->batch;
+}
+
+/* The ranges' partial results of one sequence into out [heads, head_dim]: each range's sums
+ * rescaled to the largest max (online softmax's merge), then divided by the total. An empty
+ * range (max -FLT_MAX, sum 0) weighs nothing. */
+static void merge_parts(const float *parts_base, int64_t parts, int64_t stride, int64_t heads,
+                        int64_t d, float *out) {
+    for (int64_t h = 0; h < heads; h++) {
+        float top = -FLT_MAX;
+        for (int64_t p = 0; p < parts; p++) {
+            float m = parts_base[p * stride + 2 * heads * d + h];
+            top = m > top ? m : top;
+        }
+        float total = 0.0f, *o = out + h * d;
+        for (int64_t j = 0; j < d; j++) o[j] = 0.0f;
+        for (int64_t p = 0; p < parts; p++) {
+            const float *base = parts_base + p * stride;
+            float m = base[2 * heads * d + h], l = base[2 * heads * d + heads + h];
+            if (l == 0.0f) continue;
+            float w = expf(m - top);
+            total += w * l;
+            const float *po = base + heads * d + h * d;
+            for (int64_t j = 0; j < d; j++) o[j] += w * po[j];
+        }
+        float inv = 1.0f / total;
+        for (int64_t j = 0; j < d; j++) o[j] *= inv;
+    }
+}
+
 #define DEFINE_ATTENTION(SUFFIX, T, LOAD, STORE, LOADV)                                         \
     /* Query heads [nkv * group, head_dim] of KV heads g0 .. g0+nkv-1 over one sequence's        \
      * context in the paged cache: each K/V row is read once for all of them; online softmax a   \
@@ -11,9 +55,9 @@
      * generic loop kept updating `out` in memory for every token. Same sums in the same order   \
      * either way. */                                                                            \
     static void attend_heads_##SUFFIX(const float *q, const T *k_cache, const T *v_cache,        \
-                                      const int32_t *table, int64_t seq_len, int64_t g0,         \
-                                      int64_t nkv, int64_t group, const Shape *s, float scale,   \
-                                      float *out) {                                              \
+                                      const int32_t *table, int64_t t_begin, int64_t t_end,      \
+                                      int64_t g0, int64_t nkv, int64_t group, const Shape *s,    \
+                                      float scale, float *out, float *m_out, float *l_out) {     \
         const int64_t d = s->head_dim, row = s->kv_heads * d, bs = s->block_size;                \
         const int64_t nq = nkv * group, span = nkv * d * (int64_t)sizeof(T);                     \
         const int vec = d % VW == 0;                                                             \
@@ -25,9 +69,9 @@
             l[h] = 0.0f;                                                                         \
         }                                                                                        \
         for (int64_t j = 0; j < nq * d; j++) out[j] = 0.0f;                                      \
-        for (int64_t t0 = 0; t0 < seq_len; t0 += CHUNK) {                                        \
-            int64_t n = seq_len - t0 < CHUNK ? seq_len - t0 : CHUNK;                             \
-            int64_t ahead = seq_len - t0 < CHUNK + PREFETCH ? seq_len - t0 : CHUNK + PREFETCH;   \
+        for (int64_t t0 = t_begin; t0 < t_end; t0 += CHUNK) {                                    \
+            int64_t n = t_end - t0 < CHUNK ? t_end - t0 : CHUNK;                                 \
+            int64_t ahead = t_end - t0 < CHUNK + PREFETCH ? t_end - t0 : CHUNK + PREFETCH;       \
             for (int64_t t = 0, blk = t0 / bs, off = t0 % bs; t < ahead; t++) {                  \
                 slot_of[t] = (int64_t)table[blk] * bs + off;                                     \
                 if (++off == bs) {                                                               \
@@ -122,6 +166,11 @@
                 }                                                                                \
             }                                                                                    \
         }                                                                                        \
+        if (m_out) { /* a part of the context: the merge normalizes (merge_parts_) */            \
+            memcpy(m_out, m, nq * sizeof(float));                                                \
+            memcpy(l_out, l, nq * sizeof(float));                                                \
+            return;                                                                              \
+        }                                                                                        \
         for (int64_t h = 0; h < nq; h++) {                                                       \
             float inv = 1.0f / l[h];                                                             \
             for (int64_t j = 0; j < d; j++) out[h * d + j] *= inv;                               \
@@ -149,8 +198,8 @@
             int64_t nkv = s->kv_heads - g0 < per_item ? s->kv_heads - g0 : per_item;           \
             int64_t head = g0 * group;                                                         \
             attend_heads_##SUFFIX(q + b * q_stride + head * d, k_cache, v_cache,               \
-                                  tables + b * s->table_stride, seq_lens[b], g0, nkv, group,   \
-                                  s, scale, out + (b * s->heads + head) * d);                  \
+                                  tables + b * s->table_stride, 0, seq_lens[b], g0, nkv,       \
+                                  group, s, scale, out + (b * s->heads + head) * d, NULL, NULL); \
         }                                                                                      \
     }                                                                                          \
                                                                                                \
@@ -181,19 +230,67 @@
         }                                                                                        \
     }                                                                                            \
                                                                                                  \
-    /* Rotate q and k (rotate-half), then store k and v of each sequence's new token. */         \
-    static void rotate_and_store_##SUFFIX(float *qkv, const float *cos_table,                    \
-                                          const float *sin_table, const int64_t *positions,      \
-                                          const int64_t *slots, T *k_cache, T *v_cache,          \
-                                          const Shape *s) {                                      \
-        const int64_t heads = s->heads + s->kv_heads;                                            \
-        _Pragma("omp for schedule(static)")                                                      \
-        for (int64_t w = 0; w < s->batch * heads; w++)                                           \
-            rotate_head_##SUFFIX(qkv, w / heads, w % heads, cos_table, sin_table, positions, slots, \
-                                 k_cache, v_cache, s);                                           \
+    /* Query head h of sequence b rotated into dst (rotate_head_'s arithmetic, qkv untouched). */ \
+    static inline void rotate_query_into_##SUFFIX(const float *qkv, int64_t b, int64_t h,       \
+                                                  const float *cos_table, const float *sin_table, \
+                                                  const int64_t *positions, const Shape *s,     \
+                                                  float *dst) {                                  \
+        const int64_t d = s->head_dim, half = d / 2;                                             \
+        const float *x = qkv + b * (s->heads + 2 * s->kv_heads) * d + h * d;                     \
+        const float *c = cos_table + positions[b] * d, *sn = sin_table + positions[b] * d;       \
+        for (int64_t j = 0; j < half; j++) {                                                     \
+            float x1 = x[j], x2 = x[j + half];                                                   \
+            dst[j] = x1 * c[j] - x2 * sn[j];                                                     \
+            dst[j + half] = x2 * c[j + half] + x1 * sn[j + half];                                \
+        }                                                                                        \
     }                                                                                            \
                                                                                                  \
-    /* rotate_and_store_ and attention_ in one pass over attention_'s work items: an item        \
+    /* rope_attention_ for steps of fewer sequences than threads (attention_parts): a work item  \
+     * is (sequence, head chunk, token range). Each item rotates its queries into its own slot of \
+     * `split`; the item holding the sequence's last range rotates and stores the new token's K/V \
+     * before reading it (no other range reaches that token). The sequence's last item to finish \
+     * merges its ranges into out, so no barrier is added. */                                    \
+    static void rope_attention_split_##SUFFIX(float *qkv, const float *cos_table,                \
+                                              const float *sin_table, const int64_t *positions,  \
+                                              const int64_t *slots, T *k_cache, T *v_cache,      \
+                                              const int32_t *tables, const int32_t *seq_lens,    \
+                                              const Shape *s, float scale, float *out,           \
+                                              float *split) {                                    \
+        const int64_t group = s->heads / s->kv_heads, d = s->head_dim, heads = s->heads;         \
+        const int64_t parts = attention_parts(s);                                                \
+        int64_t per_item = MAX_QUERY_HEADS / group;                                              \
+        if (per_item > s->kv_heads) per_item = s->kv_heads;                                      \
+        const int64_t chunks = (s->kv_heads + per_item - 1) / per_item, items = chunks * parts;  \
+        const int64_t stride = heads * (2 * d + 2);                                              \
+        int32_t *done = (int32_t *)(split + s->batch * parts * stride);                          \
+        _Pragma("omp for schedule(dynamic, 1)")                                                  \
+        for (int64_t w = 0; w < s->batch * items; w++) {                                         \
+            int64_t b = w / items, c = (w % items) / parts, p = w % parts;                       \
+            int64_t g0 = c * per_item;                                                           \
+            int64_t nkv = s->kv_heads - g0 < per_item ? s->kv_heads - g0 : per_item;             \
+            int64_t head = g0 * group, len = seq_lens[b];                                        \
+            float *base = split + (b * parts + p) * stride;                                      \
+            float *qr = base, *o = base + heads * d, *m = base + 2 * heads * d, *l = m + heads;  \
+            for (int64_t h = head; h < head + nkv * group; h++)                                  \
+                rotate_query_into_##SUFFIX(qkv, b, h, cos_table, sin_table, positions, s,        \
+                                           qr + h * d);                                          \
+            if (p == parts - 1)                                                                  \
+                for (int64_t kv = g0; kv < g0 + nkv; kv++)                                       \
+                    rotate_head_##SUFFIX(qkv, b, s->heads + kv, cos_table, sin_table, positions, \
+                                         slots, k_cache, v_cache, s);                            \
+            attend_heads_##SUFFIX(qr + head * d, k_cache, v_cache, tables + b * s->table_stride, \
+                                  len * p / parts, len * (p + 1) / parts, g0, nkv, group, s,     \
+                                  scale, o + head * d, m + head, l + head);                      \
+            /* acq_rel: the last item sees every other item's partial results. */                \
+            if (__atomic_add_fetch(&done[b], 1, __ATOMIC_ACQ_REL) == items) {                    \
+                done[b] = 0;                                                                     \
+                merge_parts(split + b * parts * stride, parts, stride, heads, d,                 \
+                            out + b * heads * d);                                                \
+            }                                                                                    \
+        }                                                                                        \
+    }                                                                                            \
+                                                                                                 \
+    /* Rotary, K/V store and attention_ in one pass over attention_'s work items: an item        \
      * rotates its own query heads and KV heads, stores its K/V, then attends. Nothing it reads  \
      * is written by another item, so the barrier between the two phases goes (one of a          \
      * layer's few in the decode forwards, each costing a wake-up through the kernel under       \
@@ -202,7 +299,12 @@
                                         const int64_t *positions, const int64_t *slots,          \
                                         T *k_cache, T *v_cache, const int32_t *tables,           \
                                         const int32_t *seq_lens, const Shape *s, float scale,    \
-                                        float *out) {                                            \
+                                        float *out, float *split) {                              \
+        if (attention_parts(s) > 1) {                                                            \
+            rope_attention_split_##SUFFIX(qkv, cos_table, sin_table, positions, slots, k_cache,  \
+                                          v_cache, tables, seq_lens, s, scale, out, split);      \
+            return;                                                                              \
+        }                                                                                        \
         const int64_t group = s->heads / s->kv_heads, d = s->head_dim;                           \
         const int64_t q_stride = (s->heads + 2 * s->kv_heads) * d;                               \
         int64_t per_item = 1;                                                                    \
@@ -223,7 +325,7 @@
                 rotate_head_##SUFFIX(qkv, b, s->heads + kv, cos_table, sin_table, positions, slots, \
                                      k_cache, v_cache, s);                                       \
             attend_heads_##SUFFIX(qkv + b * q_stride + head * d, k_cache, v_cache,               \
-                                  tables + b * s->table_stride, seq_lens[b], g0, nkv, group, s,  \
-                                  scale, out + (b * s->heads + head) * d);                       \
+                                  tables + b * s->table_stride, 0, seq_lens[b], g0, nkv, group,  \
+                                  s, scale, out + (b * s->heads + head) * d, NULL, NULL);        \
         }                                                                                        \
     }

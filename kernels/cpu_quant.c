@@ -352,11 +352,14 @@ enum { Q_LN1, Q_WQKV, Q_BQKV, Q_WO, Q_LN2, Q_WGU, Q_WDOWN, Q_KCACHE, Q_VCACHE, Q
         /* Per thread (one set when shared): the normed rows and the matrices' prepared x. */   \
         const size_t per_thread = (size_t)s->batch * hs + scratch_floats(s->batch, widest > hs ? widest : hs); \
         const int64_t sets = own_prep ? s->threads : 1;                                         \
-        size_t floats = (size_t)s->batch * (qkv_w + q_w + 3 * s->inter) + sets * per_thread;    \
+        const size_t split_floats = attention_scratch_floats(s);                                \
+        size_t floats = (size_t)s->batch * (qkv_w + q_w + 3 * s->inter) + sets * per_thread + split_floats; \
         float *scratch = malloc(floats * sizeof(float));                                        \
         if (!scratch) return -1;                                                                \
         float *qkv = scratch, *attn = qkv + s->batch * qkv_w, *gu = attn + s->batch * q_w;      \
         float *act = gu + s->batch * 2 * s->inter, *prep = act + s->batch * s->inter;           \
+        float *split = prep + sets * per_thread;                                                \
+        memset(split, 0, split_floats * sizeof(float)); /* the split's counters */              \
         _Pragma("omp parallel num_threads(s->threads)")                                         \
         {                                                                                       \
             float *normed = prep + (own_prep ? omp_get_thread_num() : 0) * per_thread;          \
@@ -368,7 +371,7 @@ enum { Q_LN1, Q_WQKV, Q_BQKV, Q_WO, Q_LN2, Q_WGU, Q_WDOWN, Q_KCACHE, Q_VCACHE, Q
                 qmatvec(normed, (const QW *)(intptr_t)p[Q_WQKV], (const float *)(intptr_t)p[Q_BQKV], \
                         qkv, s->batch, 0, xs, own_prep);                                        \
                 rope_attention_##SUFFIX(qkv, cos_table, sin_table, positions, slots, k_cache,   \
-                                        v_cache, tables, seq_lens, s, scale, attn);             \
+                                        v_cache, tables, seq_lens, s, scale, attn, split);             \
                 qmatvec(attn, (const QW *)(intptr_t)p[Q_WO], NULL, hidden, s->batch, 1, xs, own_prep); \
                 norm_for_matvec_##SUFFIX(hidden, (const T *)(intptr_t)p[Q_LN2], normed, s, eps, own_prep); \
                 qgate_up(normed, (const QW *)(intptr_t)p[Q_WGU], gu, act, s->batch, s->inter, xs, \

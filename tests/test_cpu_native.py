@@ -150,7 +150,7 @@ def engine(model_dir: Path, dtype: str, native: bool, block_size: int = 16) -> E
 
 
 def lockstep(
-    model_dir: Path, dtype: str, block_size: int, batch: int
+    model_dir: Path, dtype: str, block_size: int, batch: int, lengths: list[int] | None = None
 ) -> tuple[list[Engine], list[list[list[float]]]]:
     """Run the same requests on a native-decode engine and a torch-only one, step by step;
     return both engines and each one's top-5 logprobs of every sampled token."""
@@ -158,7 +158,8 @@ def lockstep(
     assert engines[0].loaded.runner.fused_max_batch > 0
     assert engines[1].loaded.runner.fused_max_batch == 0
     rng = random.Random(batch)
-    prompts = [[rng.randrange(10, 4000) for _ in range(rng.randrange(1, 90))] for _ in range(batch)]
+    lengths = lengths or [rng.randrange(1, 90) for _ in range(batch)]
+    prompts = [[rng.randrange(10, 4000) for _ in range(n)] for n in lengths]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=5)
     for eng in engines:
         for p in prompts:
@@ -247,6 +248,30 @@ def odd_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
             p.normal_(0.0, 1.6 / p.shape[-1] ** 0.5) if p.dim() == 2 else p.uniform_(0.8, 1.2)
     model.save_pretrained(out)
     return out
+
+
+@pytest.mark.parametrize(("threads", "lengths"), [(7, [2]), (7, [1, 5, 40]), (4, [3, 70])])
+def test_native_decode_splits_the_context_of_few_sequences(
+    tiny_model_dir: Path, threads: int, lengths: list[int], cpu_path: str
+) -> None:
+    """Steps of fewer sequences than threads split each context into token ranges and merge them
+    (attention_parts: 7, 2 and 2 ranges here); prompts of a few tokens leave ranges empty. The
+    logprobs and the K/V written equal the torch forward's."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        (native, plain), (lp_native, lp_plain) = lockstep(
+            tiny_model_dir, "float32", 16, len(lengths), lengths
+        )
+    finally:
+        torch.set_num_threads(before)
+    assert native.loaded.runner.native_decode_steps > 0
+    torch.testing.assert_close(torch.tensor(lp_native), torch.tensor(lp_plain), atol=1e-4, rtol=1e-4)
+    for (k1, v1), (k2, v2) in zip(
+        native.loaded.runner.kv.device_caches, plain.loaded.runner.kv.device_caches, strict=True
+    ):
+        torch.testing.assert_close(k1, k2, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(v1, v2, atol=1e-4, rtol=1e-4)
 
 
 def test_native_decode_with_sizes_off_the_vector_width(odd_model_dir: Path, cpu_path: str) -> None:
