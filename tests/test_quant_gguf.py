@@ -277,3 +277,26 @@ def test_wide_fused_steps_share_the_preparation_and_compute_as_narrow_ones(
                                            atol=1e-4 * alone.abs().max().item())  # fmt: skip
         finally:
             loaded.close()
+
+
+def test_a_gguf_file_is_parsed_once_per_process_until_it_changes(
+    tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    """GGUFReader parses every field up front (seconds for a real vocabulary): a second open of
+    the same file reuses it, a rewritten file is read again."""
+    import os
+    import shutil
+
+    from appliance.models.gguf_meta import GgufMeta
+
+    path, _ = write_gguf(random_llama(tokenizer_dir, seed=5), tokenizer_dir, tmp_path / "a", "Q8_0")
+    first, again = GgufMeta(path), GgufMeta(path)
+    assert again.reader is first.reader and again.meta == first.meta
+    again.meta["general.architecture"] = "changed"  # each opener gets its own dict
+    assert GgufMeta(path).meta["general.architecture"] == "llama"
+    other, _ = write_gguf(random_llama(tokenizer_dir, seed=6), tokenizer_dir, tmp_path / "b", "Q4_0")
+    shutil.copyfile(other, path)
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
+    reread = GgufMeta(path)
+    assert reread.reader is not first.reader and reread.types == ["F32", "Q4_0"] != first.types
