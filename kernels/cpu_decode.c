@@ -36,7 +36,7 @@ DEFINE_ATTENTION(f32, float, f32_load, f32_store, f32_loadv)
 
 #define DEFINE_KERNELS(SUFFIX, T, LOAD, STORE, LOADV)                                                   \
                                                                                                  \
-    /* out[b] = row . x[b, :] for nb <= 4 rows of x: one weight load feeds nb independent   \
+    /* out[b] = row . x[b, :] for nb <= XROWS rows of x: one weight load feeds nb independent \
      * accumulator chains. */                                                                   \
     static inline void dot_##SUFFIX(const T *row, const float *x, int64_t k, int64_t nb,       \
                                     float *out) {                                              \
@@ -44,7 +44,9 @@ DEFINE_ATTENTION(f32, float, f32_load, f32_store, f32_loadv)
         case 1: DOT_ROWS(LOADV, LOAD, 1); break;                                               \
         case 2: DOT_ROWS(LOADV, LOAD, 2); break;                                               \
         case 3: DOT_ROWS(LOADV, LOAD, 3); break;                                               \
-        default: DOT_ROWS(LOADV, LOAD, 4); break;                                              \
+        case 4: DOT_ROWS(LOADV, LOAD, 4); break;                                               \
+        case 5: DOT_ROWS(LOADV, LOAD, 5); break;                                               \
+        default: DOT_ROWS(LOADV, LOAD, XROWS); break;                                          \
         }                                                                                      \
     }                                                                                          \
                                                                                                \
@@ -54,7 +56,9 @@ DEFINE_ATTENTION(f32, float, f32_load, f32_store, f32_loadv)
         case 1: DOT2_ROWS(LOADV, LOAD, 1); break;                                              \
         case 2: DOT2_ROWS(LOADV, LOAD, 2); break;                                              \
         case 3: DOT2_ROWS(LOADV, LOAD, 3); break;                                              \
-        default: DOT2_ROWS(LOADV, LOAD, 4); break;                                             \
+        case 4: DOT2_ROWS(LOADV, LOAD, 4); break;                                              \
+        case 5: DOT2_ROWS(LOADV, LOAD, 5); break;                                              \
+        default: DOT2_ROWS(LOADV, LOAD, XROWS); break;                                         \
         }                                                                                      \
     }                                                                                          \
                                                                                                \
@@ -68,9 +72,9 @@ DEFINE_ATTENTION(f32, float, f32_load, f32_store, f32_loadv)
             int two = n + 1 < n_out;                                                           \
             const T *r0 = w + n * k, *r1 = two ? r0 + k : r0;                                  \
             float bias0 = bias ? LOAD(bias[n]) : 0.0f;                                         \
-            float bias1 = bias && two ? LOAD(bias[n + 1]) : 0.0f, d0[4], d1[4];                \
-            for (int64_t b0i = 0; b0i < batch; b0i += 4) {                                     \
-                int64_t nb = batch - b0i < 4 ? batch - b0i : 4;                                \
+            float bias1 = bias && two ? LOAD(bias[n + 1]) : 0.0f, d0[XROWS], d1[XROWS];        \
+            for (int64_t b0i = 0; b0i < batch; b0i += XROWS) {                                 \
+                int64_t nb = batch - b0i < XROWS ? batch - b0i : XROWS;                        \
                 if (two)                                                                       \
                     dot2_##SUFFIX(r0, r1, x + b0i * k, k, nb, d0, d1);                         \
                 else                                                                           \
@@ -90,9 +94,9 @@ DEFINE_ATTENTION(f32, float, f32_load, f32_store, f32_loadv)
         _Pragma("omp for schedule(static)")                                                    \
         for (int64_t i = 0; i < inter; i++) {                                                  \
             const T *g = w + i * k, *u = w + (inter + i) * k;                                  \
-            float gd[4], ud[4];                                                                \
-            for (int64_t b0i = 0; b0i < batch; b0i += 4) {                                     \
-                int64_t nb = batch - b0i < 4 ? batch - b0i : 4;                                \
+            float gd[XROWS], ud[XROWS];                                                        \
+            for (int64_t b0i = 0; b0i < batch; b0i += XROWS) {                                 \
+                int64_t nb = batch - b0i < XROWS ? batch - b0i : XROWS;                        \
                 dot2_##SUFFIX(g, u, x + b0i * k, k, nb, gd, ud);                               \
                 for (int64_t j = 0; j < nb; j++) act[(b0i + j) * inter + i] = silu(gd[j]) * ud[j]; \
             }                                                                                  \
