@@ -86,7 +86,7 @@ def _command_of(argv: list[str]) -> str | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from appliance.bench import offline, serve
+    from appliance.bench import cpu_kernels, offline, serve
     from appliance.console import cli as console_cli
     from appliance.tools import kv_eval, plan, quant_eval, router
     from appliance.tools.demo_model import add_demo_model_parser
@@ -125,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     offline.add_parser(bench_sub)
     serve.add_parser(bench_sub)
+    cpu_kernels.add_parser(bench_sub)
     return parser
 
 
