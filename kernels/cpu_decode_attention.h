@@ -9,13 +9,27 @@ static inline int64_t attention_parts(const Shape *s) {
     return s->batch >= s->threads ? 1 : s->threads / s->batch;
 }
 
-/* Floats of scratch rope_attention_ needs for the split (attention_parts > 1): per sequence and
- * range the rotated queries, the unnormalized outputs and each query head's max and sum; then
- * one completion counter per sequence. */
+/* Floats of one (sequence, range) slot of the split's scratch: the rotated queries, the
+ * unnormalized outputs, then each query head's max and sum. */
+static inline int64_t attention_part_floats(const Shape *s) { return s->heads * (2 * s->head_dim + 2); }
+
+/* Floats of scratch rope_attention_ needs for the split (attention_parts > 1): a slot per
+ * sequence and range, then one completion counter per sequence. */
 static inline size_t attention_scratch_floats(const Shape *s) {
     const int64_t parts = attention_parts(s);
     if (parts == 1) return 0;
-    return (size_t)s->batch * parts * s->heads * (2 * s->head_dim + 2) + (size_t)s->batch;
+    return (size_t)s->batch * parts * attention_part_floats(s) + (size_t)s->batch;
+}
+
+/* Rotate-half rotary of one head_dim-wide slice x into dst (dst == x: in place). */
+static inline void rotate_half(const float *x, float *dst, const float *c, const float *sn,
+                               int64_t d) {
+    const int64_t half = d / 2;
+    for (int64_t j = 0; j < half; j++) {
+        float x1 = x[j], x2 = x[j + half];
+        dst[j] = x1 * c[j] - x2 * sn[j];
+        dst[j + half] = x2 * c[j + half] + x1 * sn[j + half];
+    }
 }
 
 /* The ranges' partial results of one sequence into out [heads, head_dim]: each range's sums
@@ -209,15 +223,10 @@ static void merge_parts(const float *parts_base, int64_t parts, int64_t stride, 
                                             const float *cos_table, const float *sin_table,      \
                                             const int64_t *positions, const int64_t *slots,      \
                                             T *k_cache, T *v_cache, const Shape *s) {            \
-        const int64_t d = s->head_dim, half = d / 2;                                             \
+        const int64_t d = s->head_dim;                                                           \
         const int64_t width = (s->heads + 2 * s->kv_heads) * d;                                  \
         float *x = qkv + b * width + h * d;                                                      \
-        const float *c = cos_table + positions[b] * d, *sn = sin_table + positions[b] * d;       \
-        for (int64_t j = 0; j < half; j++) {                                                     \
-            float x1 = x[j], x2 = x[j + half];                                                   \
-            x[j] = x1 * c[j] - x2 * sn[j];                                                       \
-            x[j + half] = x2 * c[j + half] + x1 * sn[j + half];                                  \
-        }                                                                                        \
+        rotate_half(x, x, cos_table + positions[b] * d, sin_table + positions[b] * d, d);        \
         if (h >= s->heads && slots[b] >= 0) {                                                    \
             int64_t kv = h - s->heads;                                                           \
             T *kd = k_cache + (slots[b] * s->kv_heads + kv) * d;                                 \
@@ -227,21 +236,6 @@ static void merge_parts(const float *parts_base, int64_t parts, int64_t stride, 
                 kd[j] = STORE(x[j]);                                                             \
                 vd[j] = STORE(v[j]);                                                             \
             }                                                                                    \
-        }                                                                                        \
-    }                                                                                            \
-                                                                                                 \
-    /* Query head h of sequence b rotated into dst (rotate_head_'s arithmetic, qkv untouched). */ \
-    static inline void rotate_query_into_##SUFFIX(const float *qkv, int64_t b, int64_t h,       \
-                                                  const float *cos_table, const float *sin_table, \
-                                                  const int64_t *positions, const Shape *s,     \
-                                                  float *dst) {                                  \
-        const int64_t d = s->head_dim, half = d / 2;                                             \
-        const float *x = qkv + b * (s->heads + 2 * s->kv_heads) * d + h * d;                     \
-        const float *c = cos_table + positions[b] * d, *sn = sin_table + positions[b] * d;       \
-        for (int64_t j = 0; j < half; j++) {                                                     \
-            float x1 = x[j], x2 = x[j + half];                                                   \
-            dst[j] = x1 * c[j] - x2 * sn[j];                                                     \
-            dst[j + half] = x2 * c[j + half] + x1 * sn[j + half];                                \
         }                                                                                        \
     }                                                                                            \
                                                                                                  \
@@ -261,7 +255,7 @@ static void merge_parts(const float *parts_base, int64_t parts, int64_t stride, 
         int64_t per_item = MAX_QUERY_HEADS / group;                                              \
         if (per_item > s->kv_heads) per_item = s->kv_heads;                                      \
         const int64_t chunks = (s->kv_heads + per_item - 1) / per_item, items = chunks * parts;  \
-        const int64_t stride = heads * (2 * d + 2);                                              \
+        const int64_t stride = attention_part_floats(s);                                         \
         int32_t *done = (int32_t *)(split + s->batch * parts * stride);                          \
         _Pragma("omp for schedule(dynamic, 1)")                                                  \
         for (int64_t w = 0; w < s->batch * items; w++) {                                         \
@@ -271,9 +265,9 @@ static void merge_parts(const float *parts_base, int64_t parts, int64_t stride, 
             int64_t head = g0 * group, len = seq_lens[b];                                        \
             float *base = split + (b * parts + p) * stride;                                      \
             float *qr = base, *o = base + heads * d, *m = base + 2 * heads * d, *l = m + heads;  \
-            for (int64_t h = head; h < head + nkv * group; h++)                                  \
-                rotate_query_into_##SUFFIX(qkv, b, h, cos_table, sin_table, positions, s,        \
-                                           qr + h * d);                                          \
+            for (int64_t h = head; h < head + nkv * group; h++) /* qkv left as it is */          \
+                rotate_half(qkv + b * (heads + 2 * s->kv_heads) * d + h * d, qr + h * d,         \
+                            cos_table + positions[b] * d, sin_table + positions[b] * d, d);      \
             if (p == parts - 1)                                                                  \
                 for (int64_t kv = g0; kv < g0 + nkv; kv++)                                       \
                     rotate_head_##SUFFIX(qkv, b, s->heads + kv, cos_table, sin_table, positions, \

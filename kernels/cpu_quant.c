@@ -39,6 +39,17 @@ typedef int8_t vsb __attribute__((vector_size(VW)));
 #if defined(__F16C__)
 #include <immintrin.h>
 static inline float h2f(uint16_t h) { return _cvtsh_ss(h); }
+
+/* Groups whose scales (and mins) one pass converts to float32 up front (the AVX2 dot kernels). */
+#define GCHUNK 256
+
+/* fp16 -> float32 of n values (scales of up to GCHUNK groups), 8 at a time. */
+static inline void h2f_row(const uint16_t *h, int64_t n, float *out) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+    for (; i < n; i++) out[i] = h2f(h[i]);
+}
 #else
 static inline float h2f(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;

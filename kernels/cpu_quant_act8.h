@@ -16,15 +16,6 @@
 #define DOT_U8S8(w, x) _mm256_madd_epi16(_mm256_maddubs_epi16((w), (x)), _mm256_set1_epi16(1))
 #endif
 #define ACT8 1
-#ifndef GCHUNK
-#define GCHUNK 256
-static inline void h2f_row(const uint16_t *h, int64_t n, float *out) {
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
-    for (; i < n; i++) out[i] = h2f(h[i]);
-}
-#endif
 
 static inline float hsum256(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

@@ -76,17 +76,6 @@
  * above go through scalar inserts, ~3x slower than the 16-bit decode. Here each 32-column run
  * is one 16-byte load, two masks, four zero-extends and conversions, and four FMAs per row of
  * x into two accumulator chains (FMA latency, not throughput, bounds one chain). */
-/* Groups whose scales (and mins) one pass converts to float32 up front. */
-#define GCHUNK 256
-
-/* fp16 -> float32 of n values (scales of up to GCHUNK groups), 8 at a time. */
-static inline void h2f_row(const uint16_t *h, int64_t n, float *out) {
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
-    for (; i < n; i++) out[i] = h2f(h[i]);
-}
-
 #define Q4_DOT_AVX2(NB)                                                                        \
     do {                                                                                       \
         const __m128i mask = _mm_set1_epi8(0x0F);                                              \
