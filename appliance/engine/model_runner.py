@@ -180,7 +180,6 @@ class ModelRunner:
             for j in range(len(r.prompt_logprob_targets))
         ]
         row_list = [last_rows[i] for i, _ in sampling] + score_rows
-        rows = torch.tensor(row_list, device=self.device)
         decode = meta.decode
         if (
             meta.prefill is None
@@ -192,15 +191,17 @@ class ModelRunner:
             logits = self.cpu.fused_decode(
                 input_ids, positions, meta.slot_mapping, decode.block_tables, decode.seq_lens
             )
-            if row_list != list(range(logits.shape[0])):  # every row sampled: no copy
-                logits = logits.index_select(0, rows)
+            # When every row is sampled, in order, the logits are used as they are (no copy).
+            if row_list != list(range(logits.shape[0])):
+                logits = logits.index_select(0, torch.tensor(row_list, device=self.device))
             self.native_decode_steps += 1
         else:
             with self._matmuls(input_ids.shape[0]):
                 hidden = self.model(input_ids, positions, meta, self.kv.device_caches)
             if not sampling and not scoring:
                 return RunnerOutput({}, {})
-            with self._matmuls(rows.shape[0]):
+            rows = torch.tensor(row_list, device=self.device)
+            with self._matmuls(len(row_list)):
                 logits = self.model.compute_logits(hidden.index_select(0, rows))
         # TP workers ran the forward and the logits' all-gather with the driver; it samples.
         if not self.samples or (not sampling and not scoring):
