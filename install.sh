@@ -63,11 +63,24 @@ done
 # Development install: a venv with the package editable. The CPU build of torch that lies on
 # disk is taken because pyproject pins torch>=2.6,<2.14 (a range admitting 2.14 pulls
 # gigabytes of CUDA wheels).
+# pip byte-compiles every installed file on one core, about half of a fresh install here; the
+# venv's Python does it on every core instead, less transformers' code for the model
+# architectures the appliance never imports (it loads auto, llama and encoder_decoder). A file
+# left out still imports, compiled in memory. Compile errors (test data of some packages) are
+# ignored, as pip ignores them.
+compile_venv() {
+  local site
+  site=$("$1/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  "$1/bin/python" -m compileall -q -j 0 -x '/transformers/models/(?!(auto|llama|encoder_decoder)/)[^/]+/' \
+    "$site" >/dev/null 2>&1 || true
+}
+
 if [ "$mode" = dev ]; then
   python3 -m venv "$venv"
   "$venv/bin/python" -m pip install --quiet --upgrade pip >/dev/null 2>&1 || true
   # triton 3.6.0 lies on disk (the CPU path only runs its interpreter); CUDA torch brings its own.
-  "$venv/bin/python" -m pip install --quiet -e ".${extras}" "triton==3.6.0"
+  "$venv/bin/python" -m pip install --quiet --no-compile -e ".${extras}" "triton==3.6.0"
+  compile_venv "$venv"
   echo "installed into $venv: $("$venv/bin/python" -c 'import torch; print("torch", torch.__version__)')"
   exit 0
 fi
@@ -179,18 +192,20 @@ install_venv() {
   say "creating the venv in $prefix/venv (torch $req, $flavour build)"
   [ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
   # torch first, from the index of the wanted build; the package then finds it satisfied.
-  "$venv/bin/python" -m pip install --quiet ${index:+--extra-index-url "$index"} "$req"
+  "$venv/bin/python" -m pip install --quiet --no-compile ${index:+--extra-index-url "$index"} "$req"
   # Build from a copy: pip writes build/ and *.egg-info next to the sources.
   build=$(mktemp -d)
   cp -r pyproject.toml appliance kernels console templates "$build/"
   [ ! -f README.md ] || cp README.md "$build/"
   # On the CPU keep the triton that lies on disk; a CUDA torch has already pulled its pairing.
   if [ "$flavour" = cuda ]; then
-    "$venv/bin/python" -m pip install --quiet "$build"
+    "$venv/bin/python" -m pip install --quiet --no-compile "$build"
   else
-    "$venv/bin/python" -m pip install --quiet "$build" "triton==3.6.0"
+    "$venv/bin/python" -m pip install --quiet --no-compile "$build" "triton==3.6.0"
   fi
   rm -rf "$build"
+  # The service cannot write into its venv (ProtectSystem): what it imports is compiled here.
+  compile_venv "$venv"
   if [ -n "$root" ]; then
     # Scripts name the venv where it will live, not where it was staged.
     grep -rlIZ -- "$P/venv" "$venv/bin" "$venv/pyvenv.cfg" | xargs -0 -r sed -i "s#$P/venv#$prefix/venv#g"

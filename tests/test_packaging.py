@@ -230,6 +230,13 @@ def check_real_install(dest: Path, tmp_path: Path) -> None:
                           "import appliance, torch; print(appliance.__file__); print(torch.__version__)"],
                          capture_output=True, text=True, check=True, cwd=tmp_path).stdout.split()
     assert out[0].startswith(str(venv / "lib")) and out[1].endswith("+cpu")
+    # The service cannot write into its venv: what it imports was byte-compiled at install,
+    # the package itself too (pip's own compile is off; install.sh's compile_venv does it).
+    site = Path(out[0]).parent.parent
+    for module in ("torch/__init__.py", "appliance/engine/llm_engine.py",
+                   "transformers/models/llama/modeling_llama.py"):  # fmt: skip
+        src = site / module
+        assert list((src.parent / "__pycache__").glob(f"{src.stem}.*.pyc")), module
     again = run_install("--destdir", str(dest), "--torch", "cpu", "--torch-index", "")
     assert "up to date" in again.stdout
 
