@@ -59,10 +59,6 @@ while [ $# -gt 0 ]; do
   esac
 done
 
-# ---------------------------------------------------------------------------------------------
-# Development install: a venv with the package editable. The CPU build of torch that lies on
-# disk is taken because pyproject pins torch>=2.6,<2.14 (a range admitting 2.14 pulls
-# gigabytes of CUDA wheels).
 # pip byte-compiles every installed file on one core, about half of a fresh install here; the
 # venv's Python does it on every core instead, less transformers' code for the model
 # architectures the appliance never imports (it loads auto, llama and encoder_decoder). A file
@@ -75,6 +71,10 @@ compile_venv() {
     "$site" >/dev/null 2>&1 || true
 }
 
+# ---------------------------------------------------------------------------------------------
+# Development install: a venv with the package editable. The CPU build of torch that lies on
+# disk is taken because pyproject pins torch>=2.6,<2.14 (a range admitting 2.14 pulls
+# gigabytes of CUDA wheels).
 if [ "$mode" = dev ]; then
   python3 -m venv "$venv"
   "$venv/bin/python" -m pip install --quiet --upgrade pip >/dev/null 2>&1 || true
