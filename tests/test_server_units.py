@@ -175,6 +175,25 @@ def test_engine_counters_stay_monotonic_across_rebuilds() -> None:
     assert _sample(m, "appliance_kv_blocks", state="cached") == 2
 
 
+def test_series_exist_at_zero_from_the_engine_start_and_a_reload_keeps_them() -> None:
+    from appliance.core.request import FinishReason
+    from appliance.metrics.registry import FINISH_REASONS
+
+    # Every reason a request can finish with has its series from the start.
+    assert set(FINISH_REASONS) == {r.value for r in FinishReason}
+    m = Metrics("m")
+    m.engine_rebuilt("m", {"block_size": 16}, ["realtime", "batch"])
+    for reason in FINISH_REASONS:
+        assert _sample(m, "vllm:request_success_total", finished_reason=reason) == 0
+    assert _sample(m, "vllm:time_to_first_token_seconds_count") == 0
+    assert _sample(m, "appliance_preemptions_total", mode="swap", priority_class="batch") == 0
+    assert _sample(m, "appliance_drain_requests_total", outcome="cut") == 0
+    m.observe_finish("stop", 0.5, 0.1)
+    m.engine_rebuilt("m", {"block_size": 16}, ["realtime", "batch"])  # a reload: no reset
+    assert _sample(m, "vllm:request_success_total", finished_reason="stop") == 1
+    assert _sample(m, "vllm:e2e_request_latency_seconds_count") == 1
+
+
 def test_validation_errors_name_the_field() -> None:
     with pytest.raises(msgspec.ValidationError) as info:
         msgspec.json.decode(b'{"prompt": "x", "n": 0}', type=CompletionRequest)

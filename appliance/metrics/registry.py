@@ -10,6 +10,7 @@ totals into increments so the exported counters stay monotonic across reloads.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
@@ -93,6 +94,18 @@ BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 # vLLM builds its per-request token buckets as 1, 2, 5, 10, 20, 50, ... up to max_model_len;
 # the metrics exist before the model is known, so they go up to a 1M-token context.
 REQUEST_TOKEN_BUCKETS = [m * 10**e for e in range(7) for m in (1, 2, 5)]
+
+# Label values that exist at zero from the start (as vLLM pre-creates a child per finish reason),
+# so a dashboard shows flat zeros on a new server instead of "No data". Every finish reason the
+# engine and the API can report (vLLM's stop/length/abort/error; queue_full and queue_timeout
+# are admission refusals, counted under vLLM's name as well); vLLM's "repetition" never happens
+# here. A test holds this list to appliance.core.request.FinishReason.
+FINISH_REASONS = ("stop", "length", "abort", "error", "queue_full", "queue_timeout")
+PREEMPTION_MODES = ("recompute", "swap")  # swap falls back to recompute: both under either mode
+# The core refuses on queue_full and queue_timeout, the API on queue_full and estimated_wait.
+REJECTION_REASONS = ("queue_full", "queue_timeout", "estimated_wait")
+DRAIN_OUTCOMES = ("drained", "cut")
+KV_BLOCK_STATES = ("used", "cached", "free", "swapped")
 
 
 class _CounterMirror:
@@ -350,17 +363,66 @@ class Metrics:
             bs.observe(seqs)
 
     # -- engine level (copied from the core's stats at each scrape) ------------------------------
-    def engine_rebuilt(self, model_name: str, cache: dict[str, Any]) -> None:
-        """A new engine: counters restart at zero there, labels may change."""
+    def engine_rebuilt(
+        self, model_name: str, cache: dict[str, Any], priority_classes: Sequence[str] = ()
+    ) -> None:
+        """A new engine: counters restart at zero there, labels may change. Every series of
+        the new model name exists from here on (at zero until something happens)."""
         self.model_name = model_name
         for mirror in self._mirrors.values():
             mirror.reset()
+        self._prime(model_name, priority_classes)
         self.cache_info.clear()
         labels = {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in cache.items()}
         names = [n for n in self.cache_info._labelnames if n != "model_name"]
         self.cache_info.labels(model_name=model_name, **{n: labels.get(n, "") for n in names}).set(
             1
         )
+
+    def _prime(self, name: str, classes: Sequence[str]) -> None:
+        """Create every labelled child with the label values known now. prometheus_client
+        exports a labelled metric only once a child exists, so without this a counter or
+        histogram first appears at the first event (a new dashboard shows "No data", and a
+        rate() over a series that starts at its first increment misses that increment).
+        Gauges get 0 until the first scrape copies the engine's figures in. Children that
+        exist already keep their values: a reload must not reset exported counters."""
+        for gauge in (self.running, self.waiting, self.swapped, self.kv_usage):
+            gauge.labels(name)
+        self.gpu_cache_usage.labels(name)
+        for state in KV_BLOCK_STATES:
+            self.kv_blocks.labels(name, state)
+        for counter in (
+            self.preemptions,
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.prefix_queries,
+            self.prefix_hits,
+        ):
+            counter.labels(name)
+        for reason in FINISH_REASONS:
+            self.request_success.labels(name, reason)
+        for outcome in DRAIN_OUTCOMES:
+            self.drain.labels(name, outcome)
+        for cls in classes:
+            for mode in PREEMPTION_MODES:
+                self.preemptions_by.labels(name, mode, cls)
+            for reason in REJECTION_REASONS:
+                self.rejections.labels(name, reason, cls)
+        for histogram in (
+            self.ttft,
+            self.itl,
+            self.tpot,
+            self.e2e,
+            self.queue_time,
+            self.request_prompt_tokens,
+            self.request_generation_tokens,
+            self.request_max_generation_tokens,
+            self.prefill_time,
+            self.decode_time,
+            self.iteration_tokens,
+            self.batch_size,
+        ):
+            histogram.labels(name)
 
     def update_engine(self, s: EngineStats) -> None:
         name = self.model_name

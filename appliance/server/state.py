@@ -186,6 +186,9 @@ class ServerState:
                 "num_cpu_blocks": info.num_swap_blocks,
                 "swap_space_gib": cache.swap_space,
             },
+            # Class labels to create at zero: the configured classes; with none, "0" (what a
+            # preempted request of the default priority 0 is counted under).
+            list(config.priority_classes) or [config.class_of(0)],
         )
 
     async def stop_engine(self) -> None:
