@@ -1,0 +1,221 @@
+"""The generic tool-call format, for chat templates that have none of their own (ChatML such
+as SmolLM2's, the demo models' templates), after llama.cpp's generic format:
+
+- the tools are described to the model in a system message (names, descriptions, argument
+  schemas and the answer format), or in the first user turn when the template has no system
+  role (server/chat_caps.py);
+- the answer is constrained by a JSON schema (the structured-output grammar) to exactly one
+  object: `{"tool_calls": [{"name": ..., "arguments": {...}}, ...]}` (`{"tool_call": {...}}`
+  without parallel calls), arguments valid against that tool's schema, or, unless a call is
+  required, `{"response": "plain answer"}`;
+- the object is read back into OpenAI's shape: calls, or the answer's text as the content (never
+  the wrapper), streamed as it is generated (ResponseStream).
+
+A conversation's earlier assistant calls and tool results are written in the same format for
+templates that cannot render them (`adapt_conversation`), so the model sees its own format.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from appliance.server.tool_parsers import ParsedCall
+
+RESPONSE_KEY = "response"
+
+
+def _call_schema(fn: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": {"name": {"enum": [fn["name"]]}, "arguments": fn["parameters"]},
+        "required": ["name", "arguments"],
+    }
+
+
+def generic_schema(functions: list[dict[str, Any]], parallel: bool, required: bool) -> dict[str, Any]:
+    """One JSON object: a call (or several) of the tools, or a plain answer unless required."""
+    calls = [_call_schema(f) for f in functions]
+    item: dict[str, Any] = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    if parallel:
+        call: dict[str, Any] = {
+            "type": "object",
+            "properties": {"tool_calls": {"type": "array", "items": item, "minItems": 1}},
+            "required": ["tool_calls"],
+        }
+    else:
+        call = {"type": "object", "properties": {"tool_call": item}, "required": ["tool_call"]}
+    if required:
+        return call
+    answer = {
+        "type": "object",
+        "properties": {RESPONSE_KEY: {"type": "string"}},
+        "required": [RESPONSE_KEY],
+    }
+    return {"anyOf": [call, answer]}
+
+
+def _compact(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(", ", ": "))
+
+
+def instructions(functions: list[dict[str, Any]], parallel: bool, required: bool) -> str:
+    """The tool description the model reads. Kept short: small models have small contexts."""
+    lines = ["You can use these tools (name: description; JSON schema of the arguments):"]
+    for f in functions:
+        desc = f.get("description") or ""
+        lines.append(f"- {f['name']}: {desc}{'; ' if desc else ''}{_compact(f['parameters'])}")
+    one = '{"name": "<tool name>", "arguments": {<arguments>}}'
+    call = f'{{"tool_calls": [{one}]}}' if parallel else f'{{"tool_call": {one}}}'
+    what = "to call one or more tools" if parallel else "to call a tool"
+    if required:
+        lines.append(f"Answer with one JSON object {what}: {call}")
+    else:
+        lines.append(
+            f"Answer with one JSON object, either {call} {what}, "
+            f'or {{"{RESPONSE_KEY}": "<your answer>"}} to answer directly.'
+        )
+    return "\n".join(lines)
+
+
+# -- reading the answer back ---------------------------------------------------------------------
+def _calls(obj: dict[str, Any]) -> list[ParsedCall] | None:
+    items = obj["tool_calls"] if "tool_calls" in obj else [obj.get("tool_call")]
+    if not isinstance(items, list) or not items:
+        return None
+    out = []
+    for it in items:
+        if not isinstance(it, dict) or not isinstance(it.get("name"), str):
+            return None
+        args = it.get("arguments", {})
+        out.append(ParsedCall(it["name"], json.dumps(args, ensure_ascii=False)))
+    return out
+
+
+def parse_generic(text: str) -> tuple[str | None, list[ParsedCall]]:
+    """(content, calls) of a generic answer. A plain answer cut by max_tokens gives the text
+    generated so far (as streamed); anything else that does not parse is the content as is."""
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError:
+        stream = ResponseStream()
+        answer = stream.feed(text)
+        return (answer, []) if stream.mode == "response" else (text, [])
+    if isinstance(obj, dict) and isinstance(obj.get(RESPONSE_KEY), str):
+        return obj[RESPONSE_KEY], []
+    if isinstance(obj, dict) and ("tool_calls" in obj or "tool_call" in obj):
+        calls = _calls(obj)
+        if calls:
+            return None, calls
+    return text, []
+
+
+_HEAD = re.compile(r'\s*\{\s*"((?:[^"\\]|\\.)*)"\s*(?::\s*("?))?')
+
+
+def _string_prefix(text: str, start: int) -> tuple[str, int, bool]:
+    """Decode the JSON string body at text[start:] as far as it is complete: (text, end of
+    what was decoded, whether the closing quote was reached). An escape split across tokens
+    (`\\`, `\\u00`, half a surrogate pair) waits for its end."""
+    i, n, safe = start, len(text), start
+    closed = False
+    while i < n:
+        c = text[i]
+        if c == '"':
+            closed = True
+            break
+        if c == "\\":
+            if i + 1 >= n:
+                break
+            if text[i + 1] == "u":
+                if i + 6 > n:
+                    break
+                try:
+                    code = int(text[i + 2 : i + 6], 16)
+                except ValueError:
+                    code = 0
+                width = 12 if 0xD800 <= code < 0xDC00 else 6  # a high surrogate needs its pair
+                if i + width > n:
+                    break
+                i += width
+            else:
+                i += 2
+        else:
+            i += 1
+        safe = i
+    body = text[start:safe]
+    try:
+        decoded = json.loads('"' + body + '"', strict=False)
+    except json.JSONDecodeError:
+        decoded = body
+    # A lone surrogate cannot be sent as UTF-8: drop it rather than fail the response.
+    decoded = decoded.encode("utf-8", "ignore").decode("utf-8") if _has_surrogate(decoded) else decoded
+    return decoded, (safe + 1 if closed else safe), closed
+
+
+def _has_surrogate(s: str) -> bool:
+    return any("\ud800" <= ch <= "\udfff" for ch in s)
+
+
+class ResponseStream:
+    """Incremental reader of one generic answer: once the first key is known to be
+    `response`, the answer's text comes out as it is generated, JSON escapes decoded; a call
+    is held (mode "call") and read whole at the end."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.mode = ""  # "" undecided, "response", "call"
+        self.pos = 0  # where the undecoded rest of the answer string starts
+        self.closed = False
+
+    def feed(self, piece: str) -> str:
+        self.text += piece
+        if not self.mode:
+            m = _HEAD.match(self.text)
+            if m is None:
+                # Not even a key yet; anything but the start of an object is no answer.
+                stripped = self.text.lstrip()
+                if stripped and not stripped.startswith("{"):
+                    self.mode = "call"
+                return ""
+            if m.group(1) != RESPONSE_KEY:
+                self.mode = "call"
+                return ""
+            if m.group(2) is None or m.end() == len(self.text) and m.group(2) == "":
+                return ""  # the key, not yet its value
+            if m.group(2) != '"':
+                self.mode = "call"
+                return ""
+            self.mode, self.pos = "response", m.end()
+        if self.mode != "response" or self.closed:
+            return ""
+        out, self.pos, self.closed = _string_prefix(self.text, self.pos)
+        return out
+
+
+def calls_text(calls: list[dict[str, Any]], parallel: bool = True) -> str:
+    """An earlier assistant turn's calls (OpenAI's tool_calls, arguments as objects) written
+    as the generic answer, for templates that cannot render tool_calls; the ids stay, so
+    that the tool results (tool_result_text) can say which call they answer."""
+    items = []
+    for c in calls:
+        fn = c.get("function") or {}
+        item = {"name": fn.get("name"), "arguments": fn.get("arguments", {})}
+        if c.get("id"):
+            item["id"] = c["id"]
+        items.append(item)
+    if not parallel and len(items) == 1:
+        return _compact({"tool_call": items[0]})
+    return _compact({"tool_calls": items})
+
+
+def tool_result_text(content: str, name: str | None, call_id: str | None) -> str:
+    """A tool's answer as a user turn's text, naming the call it answers."""
+    result: dict[str, Any] = {}
+    if name:
+        result["name"] = name
+    if call_id:
+        result["id"] = call_id
+    result["content"] = content
+    return _compact({"tool_response": result})
