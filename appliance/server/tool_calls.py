@@ -3,14 +3,20 @@
 - `none`: the tools are not offered; plain text comes back.
 - a named function: the output is constrained to that function's parameter schema; the text
   *is* the call's arguments (valid by construction).
-- `required`: the output is constrained to a JSON array of {name, parameters} objects over
-  the tools (one item unless parallel_tool_calls), so some call is always made, validly.
-- `auto`: the tools are rendered by the model's chat template (transformers'
-  `apply_chat_template(tools=...)`) and the model's own call format is parsed back out by the
-  configured parser (model.tool_call_parser, server/tool_parsers.py).
+- `required`: on a template with its own tool format, the output is constrained to a JSON
+  array of {name, parameters} objects over the tools (one item unless parallel_tool_calls);
+  on any other template, to the generic format's calls (below). Some call is always made,
+  validly.
+- `auto` (also what `tools` without `tool_choice` means): when the chat template has a tool
+  format of its own (model.tool_call_parser, or detected from the template:
+  server/chat_caps.py), the template renders the tools and that format is parsed back out
+  (server/tool_parsers.py). Otherwise the generic format (server/tool_generic.py): the tools
+  described in a system message, the answer constrained to a call of a tool or a plain
+  answer, which comes back as the content.
 
-Checked before anything is queued: each tool's shape and parameter schema, a named function
-that is not in `tools`, `auto` on a model with no parser or a template that cannot render tools.
+Checked before anything is queued: each tool's shape and parameter schema (a 400 naming the
+tool and the keyword the grammar cannot enforce), a named function that is not in `tools`, a
+configured parser whose template cannot render tools.
 """
 
 from __future__ import annotations
@@ -20,14 +26,22 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from appliance.engine.guided_check import StructuredError, check_schema
+from appliance.engine.guided_check import StructuredError, check
 from appliance.sampling_params import StructuredOutputs
 from appliance.server import schemas as s
+from appliance.server.chat_caps import detect_parser
 from appliance.server.errors import bad_request
 from appliance.server.limits import check_tool_choice
+from appliance.server.tool_generic import (
+    ResponseStream,
+    generic_schema,
+    instructions,
+    parse_generic,
+)
 from appliance.server.tool_parsers import MARKERS, PARSERS, ParsedCall
 
-Mode = Literal["named", "required", "auto"]
+# generic: the generic JSON format (tool_generic.py), for auto and required alike.
+Mode = Literal["named", "required", "auto", "generic"]
 
 
 def call_id() -> str:
@@ -44,6 +58,22 @@ class ToolPlan:
     parser: str = ""
     parallel: bool = True
     structured: StructuredOutputs | None = None
+    # generic: the tool description for the system message, and whether a call is required.
+    preamble: str = ""
+    required: bool = False
+
+    @property
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools for the chat template: none in the generic format, whose description is
+        the preamble (a template without a tool format would drop or garble them)."""
+        return None if self.mode == "generic" else self.tools
+
+    @property
+    def choice(self) -> str:
+        """The tool_choice this plan answers, for messages."""
+        if self.mode == "generic":
+            return "required" if self.required else "auto"
+        return self.mode
 
     def extract(self, text: str) -> tuple[str | None, list[ParsedCall]]:
         """The message content and the calls a finished output holds."""
@@ -57,6 +87,8 @@ class ToolPlan:
             return None, [
                 ParsedCall(i["name"], json.dumps(i["parameters"], ensure_ascii=False)) for i in items
             ]
+        if self.mode == "generic":
+            return parse_generic(text)
         return PARSERS[self.parser](text)
 
 
@@ -69,11 +101,13 @@ def _function(i: int, tool: Any) -> dict[str, Any]:
         raise bad_request(f"{param}.function.name: required (a string)", param=f"{param}.function.name")
     params = fn.get("parameters", {"type": "object", "properties": {}})
     try:
-        text = check_schema(params)
+        # The grammar's own check too (not only the keyword list): a schema it cannot compile
+        # is refused naming this tool, not the whole request's combined schema.
+        so = check(StructuredOutputs(kind="json", spec=json.dumps(params)))
     except StructuredError as exc:
         p = f"{param}.function.parameters"
-        raise bad_request(f"{p}: {exc}", param=p) from None
-    return {**fn, "parameters": json.loads(text)}
+        raise bad_request(f"{p} (function {fn['name']!r}): {exc}", param=p) from None
+    return {**fn, "parameters": json.loads(so.spec)}
 
 
 def _required_schema(functions: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
@@ -93,10 +127,22 @@ def _required_schema(functions: list[dict[str, Any]], parallel: bool) -> dict[st
     return schema
 
 
+def _generic(functions: list[dict[str, Any]], tools: list[dict[str, Any]], parallel: bool,
+             required: bool) -> ToolPlan:
+    schema = json.dumps(generic_schema(functions, parallel, required))
+    return ToolPlan(
+        "generic", tools, parallel=parallel, required=required,
+        structured=StructuredOutputs(kind="json", spec=schema),
+        preamble=instructions(functions, parallel, required),
+    )  # fmt: skip
+
+
 def plan_tools(
     body: s.ChatCompletionRequest, parser: str, chat_template: str | None
 ) -> ToolPlan | None:
-    """The request's tool plan (None: no tools offered); 400 naming the field when bad."""
+    """The request's tool plan (None: no tools offered); 400 naming the field when bad.
+    `parser` is the configured one ("" : none); else the template's own format is used when
+    it has one, the generic format when not."""
     # The shape of tool_choice and its consistency with tools: one rule (server/limits.py).
     check_tool_choice(body.tools, body.tool_choice)
     choice = body.tool_choice
@@ -124,7 +170,11 @@ def plan_tools(
             )
         schema = json.dumps(by_name[name]["parameters"])
         return ToolPlan("named", tools, name=name, structured=StructuredOutputs(kind="json", spec=schema))
+    configured = bool(parser)
+    parser = parser or detect_parser(chat_template)
     if choice == "required":
+        if not parser:
+            return _generic(functions, tools, body.parallel_tool_calls, required=True)
         schema = json.dumps(_required_schema(functions, body.parallel_tool_calls))
         return ToolPlan(
             "required", tools, parallel=body.parallel_tool_calls,
@@ -136,12 +186,8 @@ def plan_tools(
             param="tool_choice",
         )
     if not parser:
-        raise bad_request(
-            "tool_choice: auto needs this model's tool-call parser; the server has none "
-            "(model.tool_call_parser: hermes, llama3_json or mistral)",
-            param="tool_choice",
-        )
-    if not chat_template or "tools" not in chat_template:
+        return _generic(functions, tools, body.parallel_tool_calls, required=False)
+    if configured and (not chat_template or "tools" not in chat_template):
         raise bad_request(
             f"tools: this model's chat template does not render tools (parser {parser!r})",
             param="tools",
@@ -175,8 +221,9 @@ def tool_calls(calls: list[ParsedCall]) -> list[s.ToolCall]:
 @dataclass
 class ToolStream:
     """One streamed choice's tool-call deltas: a named call streams its arguments as they
-    come; `required` and `auto` calls are parsed whole at the finish (plain `auto` text that
-    cannot start a call streams as content at once)."""
+    come; `required`, `auto` and generic calls are parsed whole at the finish (plain `auto`
+    text that cannot start a call streams as content at once, and so does a generic plain
+    answer's text, JSON escapes decoded, as its string is generated)."""
 
     plan: ToolPlan
     held: str = ""
@@ -185,9 +232,15 @@ class ToolStream:
     started: bool = False
     made_calls: bool = False
     ids: list[str] = field(default_factory=list)
+    answer: ResponseStream = field(default_factory=ResponseStream)
 
     def feed(self, text: str, finished: bool) -> tuple[str, list[s.DeltaToolCall]]:
         plan = self.plan
+        if plan.mode == "generic":
+            content = self.answer.feed(text)
+            if self.answer.mode == "response" or not finished:
+                return content, []  # a plain answer: all of it is out once generated
+            text, self.held = self.answer.text, ""
         if plan.mode == "named":
             deltas = []
             if not self.started:
