@@ -168,10 +168,16 @@ def test_the_stream_gives_what_the_whole_answer_gives(text: str, step: int) -> N
         assert content == json.loads(text)["response"]
 
 
-def test_unparsable_text_is_the_content() -> None:
+def test_unparsable_text_is_the_content_and_a_cut_list_keeps_its_whole_calls() -> None:
     assert parse_generic("no json") == ("no json", [])
     plan = ToolPlan("generic", TOOLS)
     assert plan.extract('{"tool_calls": [{"name": "get_') == ('{"tool_calls": [{"name": "get_', [])
+    one = '{"name": "get_time", "arguments": {"zone": "utc"}}'
+    content, calls = plan.extract(f'{{"tool_calls": [{one}, {one}, {{"name": "get_wea')
+    assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_time", {"zone": "utc"})] * 2  # fmt: skip
+    content, [call] = plan.extract(f'{{"tool_call": {one}')
+    assert content is None and call.name == "get_time"
 
 
 # -- over HTTP, the tiny random model ------------------------------------------------------------
@@ -224,8 +230,8 @@ def _check_openai_shape(outs: list[dict[str, Any]]) -> None:
                 jsonschema.validate(args, SCHEMAS[name])
         else:
             assert o["finish"] in ("stop", "length") and isinstance(o["content"], str), o
-            # The plain answer's text, not the JSON object around it; only a call cut short
-            # by max_tokens is left as the text generated.
+            # The plain answer's text, not the JSON object around it; only a call that
+            # max_tokens cut before any call was whole is left as the text generated.
             if o["finish"] == "stop" or not o["content"].startswith('{"tool_call'):
                 assert not o["content"].lstrip().startswith("{"), o
 

@@ -93,15 +93,41 @@ def _calls(obj: dict[str, Any]) -> list[ParsedCall] | None:
     return out
 
 
+_CALLS_HEAD = re.compile(r'\s*\{\s*"tool_call(s?)"\s*:\s*(\[?)')
+
+
+def _completed_calls(text: str) -> list[ParsedCall]:
+    """The whole calls at the start of a `tool_calls` array that max_tokens cut (or a whole
+    `tool_call` whose closing brace it cut): small models at temperature 0 tend to repeat
+    calls until the limit, and the ones they finished are valid (the grammar made them)."""
+    m = _CALLS_HEAD.match(text)
+    if m is None or bool(m.group(1)) != bool(m.group(2)):
+        return []
+    dec, pos, items = json.JSONDecoder(), m.end(), []
+    while not items or m.group(1):  # one item for "tool_call", as many as whole for a list
+        while pos < len(text) and (text[pos].isspace() or text[pos] == ","):
+            pos += 1
+        try:
+            item, pos = dec.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            break
+        items.append(item)
+    return _calls({"tool_calls": items}) or []
+
+
 def parse_generic(text: str) -> tuple[str | None, list[ParsedCall]]:
-    """(content, calls) of a generic answer. A plain answer cut by max_tokens gives the text
-    generated so far (as streamed); anything else that does not parse is the content as is."""
+    """(content, calls) of a generic answer. Cut by max_tokens, a plain answer gives the text
+    generated so far (as streamed) and a list of calls the calls it completed; anything else
+    that does not parse is the content as is."""
     try:
         obj = json.loads(text)
     except json.JSONDecodeError:
         stream = ResponseStream()
         answer = stream.feed(text)
-        return (answer, []) if stream.mode == "response" else (text, [])
+        if stream.mode == "response":
+            return answer, []
+        calls = _completed_calls(text)
+        return (None, calls) if calls else (text, [])
     if isinstance(obj, dict) and isinstance(obj.get(RESPONSE_KEY), str):
         return obj[RESPONSE_KEY], []
     if isinstance(obj, dict) and ("tool_calls" in obj or "tool_call" in obj):
