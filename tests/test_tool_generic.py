@@ -79,6 +79,16 @@ def test_a_template_format_is_used_and_a_configured_parser_wins() -> None:
     assert plan is not None and plan.parser == "llama3_json"
 
 
+def test_a_named_choice_is_described_where_the_template_has_no_tool_format() -> None:
+    named = {"type": "function", "function": {"name": "get_time"}}
+    body = ChatCompletionRequest(messages=[], tools=TOOLS, tool_choice=named)
+    plan = plan_tools(body, "", SMOLLM2_TEMPLATE)
+    assert plan is not None and plan.mode == "named" and plan.template_tools is None
+    assert "get_time" in plan.preamble and "get_weather" not in plan.preamble
+    plan = plan_tools(body, "", (TEMPLATES / "qwen2.5_hermes.jinja").read_text())
+    assert plan is not None and plan.preamble == "" and plan.template_tools == TOOLS
+
+
 @pytest.fixture(scope="module")
 def tokenizer(tiny_model_dir: Path) -> Any:
     return AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -146,6 +156,8 @@ def test_chatml_renders_the_calls_and_results_in_the_generic_format(tokenizer: A
     '{"response": "cut in an escape \\u00',
     '{"tool_calls": [{"name": "get_time", "arguments": {"zone": "utc"}}]}',
     '{"tool_call": {"name": "get_time", "arguments": {"zone": "cet"}}}',
+    '{"response": {"answer": "a \\"b\\"", "n": [1, 2]}}',
+    '{"response": {"answer": "cut',
 ])  # fmt: skip
 @pytest.mark.parametrize("step", [1, 2, 5])
 def test_the_stream_gives_what_the_whole_answer_gives(text: str, step: int) -> None:
@@ -161,9 +173,11 @@ def test_the_stream_gives_what_the_whole_answer_gives(text: str, step: int) -> N
     assert "".join(pieces) == (content or "")
     assert [(d.function.name, d.function.arguments) for d in deltas] == [
         (c.name, c.arguments) for c in calls]  # fmt: skip
-    if text.startswith('{"response"'):
+    if text.startswith('{"response": "'):
         assert calls == [] and content and not content.startswith("{")
         assert sum(1 for p in pieces if p) > 1  # the answer streams as it is generated
+    if text.startswith('{"response": {'):  # a JSON answer (response_format): the JSON itself
+        assert calls == [] and content == text[len('{"response": '):].removesuffix("}")
     if text.startswith('{"response": "plain'):
         assert content == json.loads(text)["response"]
 
@@ -264,6 +278,23 @@ def test_required_always_calls_with_valid_arguments(client: openai.OpenAI, strea
     for o in outs:
         assert o["finish"] == "tool_calls" and len(o["calls"]) == 1, o
         _check_openai_shape([o])
+
+
+ANSWER = {"type": "object", "properties": {"mood": {"enum": ["good", "bad"]}},
+          "required": ["mood"], "additionalProperties": False}  # fmt: skip
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_response_format_shapes_the_plain_answer(client: openai.OpenAI, stream: bool) -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": "mood", "schema": ANSWER}}
+    outs = _answers(client, stream, n=16, parallel_tool_calls=False, response_format=fmt,
+                    max_tokens=100)
+    answers = [o for o in outs if not o["calls"] and not o["content"].startswith('{"tool_call')]
+    assert answers and any(o["calls"] for o in outs)
+    _check_openai_shape([o for o in outs if o not in answers])
+    for o in answers:
+        assert o["finish"] == "stop", o
+        jsonschema.validate(json.loads(o["content"]), ANSWER)
 
 
 def test_tokenize_with_tools_shows_the_prompt(server: ServerProcess) -> None:

@@ -35,7 +35,7 @@ from appliance.server.generate import RETRYABLE, Generation
 from appliance.server.scoring import ResponsePlan
 from appliance.server.state import ServerState
 from appliance.server.structured import structured_outputs, validated
-from appliance.server.tool_calls import ToolPlan, plan_tools
+from appliance.server.tool_calls import ToolPlan, plan_tools, with_output_constraint
 
 T = TypeVar("T")
 JSON = "application/json"
@@ -113,11 +113,7 @@ async def _generate(request: Request[Any, Any, Any], chat: bool) -> Response[Any
         plan.tools = _tool_plan(state, body)
         if plan.tools is not None and plan.tools.structured is not None:
             if structured is not None:
-                raise bad_request(
-                    f"response_format: cannot be combined with tool_choice {plan.tools.choice}"
-                    + (" on a template without a tool format" if plan.tools.mode == "generic" else ""),
-                    param="response_format",
-                )
+                plan.tools = with_output_constraint(plan.tools, structured)
             structured = validated(plan.tools.structured, "tools")
         prompts = [prep.chat_prompt(state, body.messages, body.add_generation_prompt, plan.tools)]
         name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"

@@ -36,6 +36,7 @@ from appliance.server.tool_generic import (
     ResponseStream,
     generic_schema,
     instructions,
+    named_instructions,
     parse_generic,
 )
 from appliance.server.tool_parsers import MARKERS, PARSERS, ParsedCall
@@ -58,15 +59,16 @@ class ToolPlan:
     parser: str = ""
     parallel: bool = True
     structured: StructuredOutputs | None = None
-    # generic: the tool description for the system message, and whether a call is required.
+    # The tools' description for the system message where the template has no tool format
+    # (generic, and named on such a template); generic: whether a call is required.
     preamble: str = ""
     required: bool = False
 
     @property
     def template_tools(self) -> list[dict[str, Any]] | None:
-        """The tools for the chat template: none in the generic format, whose description is
-        the preamble (a template without a tool format would drop or garble them)."""
-        return None if self.mode == "generic" else self.tools
+        """The tools for the chat template: none where they are described in the preamble
+        (a template without a tool format would drop or garble them)."""
+        return None if self.preamble else self.tools
 
     @property
     def choice(self) -> str:
@@ -128,13 +130,28 @@ def _required_schema(functions: list[dict[str, Any]], parallel: bool) -> dict[st
 
 
 def _generic(functions: list[dict[str, Any]], tools: list[dict[str, Any]], parallel: bool,
-             required: bool) -> ToolPlan:
-    schema = json.dumps(generic_schema(functions, parallel, required))
+             required: bool, answer: dict[str, Any] | None = None) -> ToolPlan:
+    schema = json.dumps(generic_schema(functions, parallel, required, answer))
     return ToolPlan(
         "generic", tools, parallel=parallel, required=required,
         structured=StructuredOutputs(kind="json", spec=schema),
-        preamble=instructions(functions, parallel, required),
+        preamble=instructions(functions, parallel, required, answer),
     )  # fmt: skip
+
+
+def with_output_constraint(plan: ToolPlan, so: StructuredOutputs) -> ToolPlan:
+    """`plan` under the request's own output constraint too: the generic format's plain
+    answer follows a JSON schema or object (response_format, as llama.cpp does); anything
+    else cannot be combined with a constrained tool choice (400)."""
+    if plan.mode != "generic" or plan.required or so.kind not in ("json", "json_object"):
+        where = " on a template without a tool format" if plan.mode == "generic" else ""
+        raise bad_request(
+            f"response_format: cannot be combined with tool_choice {plan.choice}{where}"
+            + (" (only a JSON schema or object can)" if plan.choice == "auto" else ""),
+            param="response_format",
+        )
+    answer = json.loads(so.spec) if so.kind == "json" else {"type": "object", "additionalProperties": True}
+    return _generic([t["function"] for t in plan.tools], plan.tools, plan.parallel, False, answer)
 
 
 def plan_tools(
@@ -169,7 +186,13 @@ def plan_tools(
                 param="tool_choice",
             )
         schema = json.dumps(by_name[name]["parameters"])
-        return ToolPlan("named", tools, name=name, structured=StructuredOutputs(kind="json", spec=schema))
+        # A template without a tool format is told which tool it calls and its schema (the
+        # grammar alone would make valid arguments, but blind ones).
+        has_format = bool(parser or detect_parser(chat_template))
+        return ToolPlan(
+            "named", tools, name=name, structured=StructuredOutputs(kind="json", spec=schema),
+            preamble="" if has_format else named_instructions(by_name[name]),
+        )  # fmt: skip
     configured = bool(parser)
     parser = parser or detect_parser(chat_template)
     if choice == "required":

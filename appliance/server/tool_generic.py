@@ -34,8 +34,12 @@ def _call_schema(fn: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def generic_schema(functions: list[dict[str, Any]], parallel: bool, required: bool) -> dict[str, Any]:
-    """One JSON object: a call (or several) of the tools, or a plain answer unless required."""
+def generic_schema(
+    functions: list[dict[str, Any]], parallel: bool, required: bool,
+    answer: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One JSON object: a call (or several) of the tools, or a plain answer unless required
+    (a string; or a JSON value of the `answer` schema when response_format asks for one)."""
     calls = [_call_schema(f) for f in functions]
     item: dict[str, Any] = calls[0] if len(calls) == 1 else {"anyOf": calls}
     if parallel:
@@ -50,7 +54,7 @@ def generic_schema(functions: list[dict[str, Any]], parallel: bool, required: bo
         return call
     answer = {
         "type": "object",
-        "properties": {RESPONSE_KEY: {"type": "string"}},
+        "properties": {RESPONSE_KEY: answer or {"type": "string"}},
         "required": [RESPONSE_KEY],
     }
     return {"anyOf": [call, answer]}
@@ -60,23 +64,40 @@ def _compact(obj: Any) -> str:
     return json.dumps(obj, ensure_ascii=False, separators=(", ", ": "))
 
 
-def instructions(functions: list[dict[str, Any]], parallel: bool, required: bool) -> str:
+def _describe(f: dict[str, Any]) -> str:
+    desc = f.get("description") or ""
+    return f"- {f['name']}: {desc}{'; ' if desc else ''}{_compact(f['parameters'])}"
+
+
+def instructions(
+    functions: list[dict[str, Any]], parallel: bool, required: bool,
+    answer: dict[str, Any] | None = None,
+) -> str:
     """The tool description the model reads. Kept short: small models have small contexts."""
     lines = ["You can use these tools (name: description; JSON schema of the arguments):"]
-    for f in functions:
-        desc = f.get("description") or ""
-        lines.append(f"- {f['name']}: {desc}{'; ' if desc else ''}{_compact(f['parameters'])}")
+    lines += [_describe(f) for f in functions]
     one = '{"name": "<tool name>", "arguments": {<arguments>}}'
     call = f'{{"tool_calls": [{one}]}}' if parallel else f'{{"tool_call": {one}}}'
     what = "to call one or more tools" if parallel else "to call a tool"
     if required:
         lines.append(f"Answer with one JSON object {what}: {call}")
     else:
+        reply = "<your answer as JSON>" if answer else '"<your answer>"'
         lines.append(
             f"Answer with one JSON object, either {call} {what}, "
-            f'or {{"{RESPONSE_KEY}": "<your answer>"}} to answer directly.'
+            f'or {{"{RESPONSE_KEY}": {reply}}} to answer directly.'
         )
+        if answer:
+            lines.append(f"JSON schema of your answer: {_compact(answer)}")
     return "\n".join(lines)
+
+
+def named_instructions(f: dict[str, Any]) -> str:
+    """For a named tool_choice: the one tool, whose arguments are the whole answer."""
+    return "\n".join([
+        "Call this tool (name: description; JSON schema of the arguments):", _describe(f),
+        "Answer with the arguments of the call, as one JSON object.",
+    ])  # fmt: skip
 
 
 # -- reading the answer back ---------------------------------------------------------------------
@@ -126,10 +147,13 @@ def parse_generic(text: str) -> tuple[str | None, list[ParsedCall]]:
         answer = stream.feed(text)
         if stream.mode == "response":
             return answer, []
+        if stream.mode == "value":  # a JSON answer cut short: what there is of it
+            return text[stream.pos :], []
         calls = _completed_calls(text)
         return (None, calls) if calls else (text, [])
-    if isinstance(obj, dict) and isinstance(obj.get(RESPONSE_KEY), str):
-        return obj[RESPONSE_KEY], []
+    if isinstance(obj, dict) and RESPONSE_KEY in obj:
+        answer = obj[RESPONSE_KEY]
+        return (answer if isinstance(answer, str) else json.dumps(answer, ensure_ascii=False)), []
     if isinstance(obj, dict) and ("tool_calls" in obj or "tool_call" in obj):
         calls = _calls(obj)
         if calls:
@@ -186,12 +210,13 @@ def _has_surrogate(s: str) -> bool:
 
 class ResponseStream:
     """Incremental reader of one generic answer: once the first key is known to be
-    `response`, the answer's text comes out as it is generated, JSON escapes decoded; a call
-    is held (mode "call") and read whole at the end."""
+    `response` with a string, the answer's text comes out as it is generated, JSON escapes
+    decoded; a call (mode "call") or a JSON answer (mode "value", response_format) is held
+    and read whole at the end."""
 
     def __init__(self) -> None:
         self.text = ""
-        self.mode = ""  # "" undecided, "response", "call"
+        self.mode = ""  # "" undecided, "response", "value", "call"
         self.pos = 0  # where the undecoded rest of the answer string starts
         self.closed = False
 
@@ -211,7 +236,7 @@ class ResponseStream:
             if m.group(2) is None or m.end() == len(self.text) and m.group(2) == "":
                 return ""  # the key, not yet its value
             if m.group(2) != '"':
-                self.mode = "call"
+                self.mode, self.pos = "value", m.end()
                 return ""
             self.mode, self.pos = "response", m.end()
         if self.mode != "response" or self.closed:
