@@ -314,3 +314,18 @@ def test_an_unenforceable_schema_is_a_400_naming_the_tool_and_keyword(server: Se
     err = r.json()["error"]
     assert err["param"] == "tools[1].function.parameters", err
     assert "pick_number" in err["message"] and "multipleOf" in err["message"], err
+
+
+def test_a_schema_the_grammar_cannot_compile_names_the_tool() -> None:
+    from appliance.server.errors import APIError
+
+    odd = {"type": "function", "function": {"name": "odd", "parameters": {
+        "type": "object", "properties": {"x": {"type": "nonsense"}}}}}
+    body = ChatCompletionRequest(messages=[], tools=[WEATHER, odd])
+    with pytest.raises(APIError) as info:
+        plan_tools(body, "", SMOLLM2_TEMPLATE)  # generic: the grammar constrains the calls
+    assert info.value.status == 400 and info.value.param == "tools[1].function.parameters"
+    assert "'odd'" in info.value.message and "nonsense" in info.value.message
+    # A template's own format uses no grammar: the model's own call format is parsed.
+    plan = plan_tools(body, "", (TEMPLATES / "qwen2.5_hermes.jinja").read_text())
+    assert plan is not None and plan.mode == "auto"

@@ -26,7 +26,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from appliance.engine.guided_check import StructuredError, check
+from appliance.engine.guided_check import StructuredError, check, check_schema
 from appliance.sampling_params import StructuredOutputs
 from appliance.server import schemas as s
 from appliance.server.chat_caps import detect_parser
@@ -103,13 +103,27 @@ def _function(i: int, tool: Any) -> dict[str, Any]:
         raise bad_request(f"{param}.function.name: required (a string)", param=f"{param}.function.name")
     params = fn.get("parameters", {"type": "object", "properties": {}})
     try:
-        # The grammar's own check too (not only the keyword list): a schema it cannot compile
-        # is refused naming this tool, not the whole request's combined schema.
-        so = check(StructuredOutputs(kind="json", spec=json.dumps(params)))
+        text = check_schema(params)
     except StructuredError as exc:
-        p = f"{param}.function.parameters"
-        raise bad_request(f"{p} (function {fn['name']!r}): {exc}", param=p) from None
-    return {**fn, "parameters": json.loads(so.spec)}
+        raise _schema_error(i, fn["name"], exc) from None
+    return {**fn, "parameters": json.loads(text)}
+
+
+def _schema_error(i: int, name: str, exc: StructuredError) -> Exception:
+    p = f"tools[{i}].function.parameters"
+    return bad_request(f"{p} (function {name!r}): {exc}", param=p)
+
+
+def _compiles(functions: list[dict[str, Any]], only: str | None = None) -> None:
+    """The grammar's own check of each tool whose schema will constrain the output (`only`:
+    that one), so that a schema it cannot compile is refused naming the tool rather than as
+    the request's combined schema. Not for a template's own format: no grammar there."""
+    for i, fn in enumerate(functions):
+        if only is None or fn["name"] == only:
+            try:
+                check(StructuredOutputs(kind="json", spec=json.dumps(fn["parameters"])))
+            except StructuredError as exc:
+                raise _schema_error(i, fn["name"], exc) from None
 
 
 def _required_schema(functions: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
@@ -185,6 +199,7 @@ def plan_tools(
                 f"tool_choice: function {name!r} is not among the tools ({', '.join(by_name)})",
                 param="tool_choice",
             )
+        _compiles(functions, only=name)
         schema = json.dumps(by_name[name]["parameters"])
         # A template without a tool format is told which tool it calls and its schema (the
         # grammar alone would make valid arguments, but blind ones).
@@ -195,6 +210,8 @@ def plan_tools(
         )  # fmt: skip
     configured = bool(parser)
     parser = parser or detect_parser(chat_template)
+    if choice == "required" or not parser:
+        _compiles(functions)
     if choice == "required":
         if not parser:
             return _generic(functions, tools, body.parallel_tool_calls, required=True)

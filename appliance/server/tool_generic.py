@@ -9,10 +9,12 @@ as SmolLM2's, the demo models' templates), after llama.cpp's generic format:
   without parallel calls), arguments valid against that tool's schema, or, unless a call is
   required, `{"response": "plain answer"}`;
 - the object is read back into OpenAI's shape: calls, or the answer's text as the content (never
-  the wrapper), streamed as it is generated (ResponseStream).
+  the wrapper), streamed as it is generated (ResponseStream). With a JSON response_format the
+  plain answer is a JSON value of that schema instead of a string, and the content is it.
 
 A conversation's earlier assistant calls and tool results are written in the same format for
-templates that cannot render them (`adapt_conversation`), so the model sees its own format.
+templates that cannot render them (`calls_text`, `tool_result_text`, used by
+`chat_caps.adapt_conversation`), so the model sees its own format.
 """
 
 from __future__ import annotations
@@ -52,12 +54,12 @@ def generic_schema(
         call = {"type": "object", "properties": {"tool_call": item}, "required": ["tool_call"]}
     if required:
         return call
-    answer = {
+    plain = {
         "type": "object",
         "properties": {RESPONSE_KEY: answer or {"type": "string"}},
         "required": [RESPONSE_KEY],
     }
-    return {"anyOf": [call, answer]}
+    return {"anyOf": [call, plain]}
 
 
 def _compact(obj: Any) -> str:
@@ -137,8 +139,8 @@ def _completed_calls(text: str) -> list[ParsedCall]:
 
 
 def parse_generic(text: str) -> tuple[str | None, list[ParsedCall]]:
-    """(content, calls) of a generic answer. Cut by max_tokens, a plain answer gives the text
-    generated so far (as streamed) and a list of calls the calls it completed; anything else
+    """(content, calls) of a generic answer. Cut by max_tokens, a plain answer gives its text
+    generated so far (as streamed), a list of calls the calls it completed; anything else
     that does not parse is the content as is."""
     try:
         obj = json.loads(text)
@@ -153,7 +155,7 @@ def parse_generic(text: str) -> tuple[str | None, list[ParsedCall]]:
         return (None, calls) if calls else (text, [])
     if isinstance(obj, dict) and RESPONSE_KEY in obj:
         answer = obj[RESPONSE_KEY]
-        return (answer if isinstance(answer, str) else json.dumps(answer, ensure_ascii=False)), []
+        return (_clean(answer) if isinstance(answer, str) else json.dumps(answer, ensure_ascii=False)), []
     if isinstance(obj, dict) and ("tool_calls" in obj or "tool_call" in obj):
         calls = _calls(obj)
         if calls:
@@ -185,7 +187,12 @@ def _string_prefix(text: str, start: int) -> tuple[str, int, bool]:
                     code = int(text[i + 2 : i + 6], 16)
                 except ValueError:
                     code = 0
-                width = 12 if 0xD800 <= code < 0xDC00 else 6  # a high surrogate needs its pair
+                width = 6
+                if 0xD800 <= code < 0xDC00:  # a high surrogate: its pair may follow
+                    after = text[i + 6 : i + 8]
+                    if len(after) < 2 and "\\u".startswith(after):
+                        break
+                    width = 12 if after == "\\u" else 6
                 if i + width > n:
                     break
                 i += width
@@ -199,13 +206,15 @@ def _string_prefix(text: str, start: int) -> tuple[str, int, bool]:
         decoded = json.loads('"' + body + '"', strict=False)
     except json.JSONDecodeError:
         decoded = body
-    # A lone surrogate cannot be sent as UTF-8: drop it rather than fail the response.
-    decoded = decoded.encode("utf-8", "ignore").decode("utf-8") if _has_surrogate(decoded) else decoded
-    return decoded, (safe + 1 if closed else safe), closed
+    return _clean(decoded), (safe + 1 if closed else safe), closed
 
 
-def _has_surrogate(s: str) -> bool:
-    return any("\ud800" <= ch <= "\udfff" for ch in s)
+def _clean(s: str) -> str:
+    """A lone surrogate (a `\\ud83d` escape without its pair) cannot be sent as UTF-8: it is
+    dropped rather than fail the response."""
+    if any("\ud800" <= ch <= "\udfff" for ch in s):
+        return s.encode("utf-8", "ignore").decode("utf-8")
+    return s
 
 
 class ResponseStream:
