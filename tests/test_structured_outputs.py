@@ -233,7 +233,9 @@ BAD = [
      "structured_outputs.grammar", "undefined_rule"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice", "nope"),
-    ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice", "parser"),
+    ({"tools": [WEATHER, {"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer", "multipleOf": 5}}}}}]},
+     "tools[1].function.parameters", "'pick'"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "patternProperties": {"^x": {}}}}}], "tool_choice": "required"},
      "tools[0].function.parameters", "patternProperties"),

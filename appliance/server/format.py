@@ -112,10 +112,19 @@ def chat_logprobs(entries: list[Logprob], k: int, text_of: TokenText) -> s.ChatC
 
 def _message(ch: Choice, plan: ResponsePlan) -> tuple[s.ResponseMessage, str | None]:
     """The assistant message, and the finish reason (tool_calls when calls were made)."""
-    if plan.tools is None or ch.finish_reason not in ("stop", "length"):
+    tools = plan.tools
+    if tools is None:
         return s.ResponseMessage("assistant", ch.text), ch.finish_reason
-    content, calls = plan.tools.extract(ch.text)
-    if not calls or (ch.finish_reason == "length" and plan.tools.mode != "auto"):
+    if tools.mode == "generic":
+        # The content is the plain answer's text, never the JSON object around it.
+        content, calls = tools.extract(ch.text)
+        if calls:  # whole calls, even where max_tokens fell just after them
+            return s.ResponseMessage("assistant", content, tool_calls(calls)), "tool_calls"
+        return s.ResponseMessage("assistant", content or ""), ch.finish_reason
+    if ch.finish_reason not in ("stop", "length"):
+        return s.ResponseMessage("assistant", ch.text), ch.finish_reason
+    content, calls = tools.extract(ch.text)
+    if not calls or (ch.finish_reason == "length" and tools.mode != "auto"):
         return s.ResponseMessage("assistant", ch.text), ch.finish_reason
     return s.ResponseMessage("assistant", content, tool_calls(calls)), "tool_calls"
 
@@ -233,7 +242,7 @@ class StreamFormatter:
             content, calls = stream.feed(text, ro.finished)
             delta = s.DeltaMessage(content=content or None, tool_calls=calls or None)
             if ro.finished and stream.made_calls and reason in ("stop", "length"):
-                if reason == "stop" or tools.mode == "auto":
+                if reason == "stop" or tools.mode in ("auto", "generic"):
                     reason = "tool_calls"
             if not content and not calls and not has_lp and reason is None:
                 return None

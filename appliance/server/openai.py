@@ -35,7 +35,7 @@ from appliance.server.generate import RETRYABLE, Generation
 from appliance.server.scoring import ResponsePlan
 from appliance.server.state import ServerState
 from appliance.server.structured import structured_outputs, validated
-from appliance.server.tool_calls import plan_tools
+from appliance.server.tool_calls import ToolPlan, plan_tools, with_output_constraint
 
 T = TypeVar("T")
 JSON = "application/json"
@@ -110,18 +110,12 @@ async def _generate(request: Request[Any, Any, Any], chat: bool) -> Response[Any
     structured = structured_outputs(body)
     plan = ResponsePlan(prompt_logprobs=body.prompt_logprobs)
     if isinstance(body, s.ChatCompletionRequest):
-        plan.tools = plan_tools(
-            body, state.config.model.tool_call_parser, getattr(state.tokenizer, "chat_template", None)
-        )
-        tools = plan.tools.tools if plan.tools is not None else None
+        plan.tools = _tool_plan(state, body)
         if plan.tools is not None and plan.tools.structured is not None:
             if structured is not None:
-                raise bad_request(
-                    f"response_format: cannot be combined with tool_choice {plan.tools.mode}",
-                    param="response_format",
-                )
+                plan.tools = with_output_constraint(plan.tools, structured)
             structured = validated(plan.tools.structured, "tools")
-        prompts = [prep.chat_prompt(state, body.messages, body.add_generation_prompt, tools)]
+        prompts = [prep.chat_prompt(state, body.messages, body.add_generation_prompt, plan.tools)]
         name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         k = (body.top_logprobs or 0) if body.logprobs else None
@@ -169,6 +163,11 @@ async def _generate(request: Request[Any, Any, Any], chat: bool) -> Response[Any
     ctx.finish(200)
     build = chat_response if chat else completion_response
     return _json(build(gen, state.model_name, created, k, text_of, plan), {"x-request-id": rid})
+
+
+def _tool_plan(state: ServerState, body: s.ChatCompletionRequest) -> ToolPlan | None:
+    template = getattr(state.tokenizer, "chat_template", None)
+    return plan_tools(body, state.config.model.tool_call_parser, template)
 
 
 def _vocab_size(state: ServerState) -> int:
@@ -309,7 +308,12 @@ async def tokenize(request: Request[Any, Any, Any]) -> Response[bytes]:
         raise bad_request("give exactly one of prompt or messages", param="prompt")
     if body.messages is not None:
         limits.check_roles([m.role for m in body.messages])
-        ids = prep.chat_prompt(state, body.messages, body.add_generation_prompt)
+        chat = s.ChatCompletionRequest(
+            messages=body.messages, tools=body.tools, tool_choice=body.tool_choice,
+            parallel_tool_calls=body.parallel_tool_calls,
+        )  # fmt: skip
+        plan = _tool_plan(state, chat)
+        ids = prep.chat_prompt(state, body.messages, body.add_generation_prompt, plan)
     else:
         ids = list(state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
     limit = state.info.max_model_len if state.info else 0

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from appliance.config import ConfigError
 from appliance.sampling_params import SamplingParams
+from appliance.server.chat_caps import adapt_conversation, template_caps
 from appliance.server.errors import APIError, bad_request
 from appliance.server.schemas import (
     ChatCompletionRequest,
@@ -21,6 +22,7 @@ from appliance.server.tool_calls import template_tool_calls
 
 if TYPE_CHECKING:
     from appliance.server.state import ServerState
+    from appliance.server.tool_calls import ToolPlan
 
 Body = CompletionRequest | ChatCompletionRequest
 
@@ -157,12 +159,19 @@ def chat_prompt(
     state: ServerState,
     messages: list[ChatMessage],
     add_generation_prompt: bool,
-    tools: list[dict[str, Any]] | None = None,
+    plan: ToolPlan | None = None,
 ) -> list[int]:
+    """The prompt's token ids: the messages through the chat template, with the tools of
+    `plan` (rendered by the template, or described in the generic format's preamble) and
+    tool turns rewritten for a template that cannot render them (server/chat_caps.py)."""
     if not messages:
         raise bad_request("messages: must contain at least one message", param="messages")
     tok = state.tokenizer
     convo = [_message_dict(i, m) for i, m in enumerate(messages)]
+    preamble = plan.preamble if plan is not None else ""
+    parallel = plan.parallel if plan is not None else True
+    convo = adapt_conversation(convo, template_caps(tok), preamble, parallel)
+    tools = plan.template_tools if plan is not None else None
     try:
         text = tok.apply_chat_template(
             convo, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False

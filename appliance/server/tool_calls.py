@@ -3,14 +3,20 @@
 - `none`: the tools are not offered; plain text comes back.
 - a named function: the output is constrained to that function's parameter schema; the text
   *is* the call's arguments (valid by construction).
-- `required`: the output is constrained to a JSON array of {name, parameters} objects over
-  the tools (one item unless parallel_tool_calls), so some call is always made, validly.
-- `auto`: the tools are rendered by the model's chat template (transformers'
-  `apply_chat_template(tools=...)`) and the model's own call format is parsed back out by the
-  configured parser (model.tool_call_parser, server/tool_parsers.py).
+- `required`: on a template with its own tool format, the output is constrained to a JSON
+  array of {name, parameters} objects over the tools (one item unless parallel_tool_calls);
+  on any other template, to the generic format's calls (below). Some call is always made,
+  validly.
+- `auto` (also what `tools` without `tool_choice` means): when the chat template has a tool
+  format of its own (model.tool_call_parser, or detected from the template:
+  server/chat_caps.py), the template renders the tools and that format is parsed back out
+  (server/tool_parsers.py). Otherwise the generic format (server/tool_generic.py): the tools
+  described in a system message, the answer constrained to a call of a tool or a plain
+  answer, which comes back as the content.
 
-Checked before anything is queued: each tool's shape and parameter schema, a named function
-that is not in `tools`, `auto` on a model with no parser or a template that cannot render tools.
+Checked before anything is queued: each tool's shape and parameter schema (a 400 naming the
+tool and the keyword the grammar cannot enforce), a named function that is not in `tools`, a
+configured parser whose template cannot render tools.
 """
 
 from __future__ import annotations
@@ -20,14 +26,23 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from appliance.engine.guided_check import StructuredError, check_schema
+from appliance.engine.guided_check import StructuredError, check, check_schema
 from appliance.sampling_params import StructuredOutputs
 from appliance.server import schemas as s
+from appliance.server.chat_caps import detect_parser
 from appliance.server.errors import bad_request
 from appliance.server.limits import check_tool_choice
+from appliance.server.tool_generic import (
+    ResponseStream,
+    generic_schema,
+    instructions,
+    named_instructions,
+    parse_generic,
+)
 from appliance.server.tool_parsers import MARKERS, PARSERS, ParsedCall
 
-Mode = Literal["named", "required", "auto"]
+# generic: the generic JSON format (tool_generic.py), for auto and required alike.
+Mode = Literal["named", "required", "auto", "generic"]
 
 
 def call_id() -> str:
@@ -44,6 +59,23 @@ class ToolPlan:
     parser: str = ""
     parallel: bool = True
     structured: StructuredOutputs | None = None
+    # The tools' description for the system message where the template has no tool format
+    # (generic, and named on such a template); generic: whether a call is required.
+    preamble: str = ""
+    required: bool = False
+
+    @property
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools for the chat template: none where they are described in the preamble
+        (a template without a tool format would drop or garble them)."""
+        return None if self.preamble else self.tools
+
+    @property
+    def choice(self) -> str:
+        """The tool_choice this plan answers, for messages."""
+        if self.mode == "generic":
+            return "required" if self.required else "auto"
+        return self.mode
 
     def extract(self, text: str) -> tuple[str | None, list[ParsedCall]]:
         """The message content and the calls a finished output holds."""
@@ -57,6 +89,8 @@ class ToolPlan:
             return None, [
                 ParsedCall(i["name"], json.dumps(i["parameters"], ensure_ascii=False)) for i in items
             ]
+        if self.mode == "generic":
+            return parse_generic(text)
         return PARSERS[self.parser](text)
 
 
@@ -71,9 +105,25 @@ def _function(i: int, tool: Any) -> dict[str, Any]:
     try:
         text = check_schema(params)
     except StructuredError as exc:
-        p = f"{param}.function.parameters"
-        raise bad_request(f"{p}: {exc}", param=p) from None
+        raise _schema_error(i, fn["name"], exc) from None
     return {**fn, "parameters": json.loads(text)}
+
+
+def _schema_error(i: int, name: str, exc: StructuredError) -> Exception:
+    p = f"tools[{i}].function.parameters"
+    return bad_request(f"{p} (function {name!r}): {exc}", param=p)
+
+
+def _compiles(functions: list[dict[str, Any]], only: str | None = None) -> None:
+    """The grammar's own check of each tool whose schema will constrain the output (`only`:
+    that one), so that a schema it cannot compile is refused naming the tool rather than as
+    the request's combined schema. Not for a template's own format: no grammar there."""
+    for i, fn in enumerate(functions):
+        if only is None or fn["name"] == only:
+            try:
+                check(StructuredOutputs(kind="json", spec=json.dumps(fn["parameters"])))
+            except StructuredError as exc:
+                raise _schema_error(i, fn["name"], exc) from None
 
 
 def _required_schema(functions: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
@@ -93,10 +143,37 @@ def _required_schema(functions: list[dict[str, Any]], parallel: bool) -> dict[st
     return schema
 
 
+def _generic(functions: list[dict[str, Any]], tools: list[dict[str, Any]], parallel: bool,
+             required: bool, answer: dict[str, Any] | None = None) -> ToolPlan:
+    schema = json.dumps(generic_schema(functions, parallel, required, answer))
+    return ToolPlan(
+        "generic", tools, parallel=parallel, required=required,
+        structured=StructuredOutputs(kind="json", spec=schema),
+        preamble=instructions(functions, parallel, required, answer),
+    )  # fmt: skip
+
+
+def with_output_constraint(plan: ToolPlan, so: StructuredOutputs) -> ToolPlan:
+    """`plan` under the request's own output constraint too: the generic format's plain
+    answer follows a JSON schema or object (response_format, as llama.cpp does); anything
+    else cannot be combined with a constrained tool choice (400)."""
+    if plan.mode != "generic" or plan.required or so.kind not in ("json", "json_object"):
+        where = " on a template without a tool format" if plan.mode == "generic" else ""
+        raise bad_request(
+            f"response_format: cannot be combined with tool_choice {plan.choice}{where}"
+            + (" (only a JSON schema or object can)" if plan.choice == "auto" else ""),
+            param="response_format",
+        )
+    answer = json.loads(so.spec) if so.kind == "json" else {"type": "object", "additionalProperties": True}
+    return _generic([t["function"] for t in plan.tools], plan.tools, plan.parallel, False, answer)
+
+
 def plan_tools(
     body: s.ChatCompletionRequest, parser: str, chat_template: str | None
 ) -> ToolPlan | None:
-    """The request's tool plan (None: no tools offered); 400 naming the field when bad."""
+    """The request's tool plan (None: no tools offered); 400 naming the field when bad.
+    `parser` is the configured one ("" : none); else the template's own format is used when
+    it has one, the generic format when not."""
     # The shape of tool_choice and its consistency with tools: one rule (server/limits.py).
     check_tool_choice(body.tools, body.tool_choice)
     choice = body.tool_choice
@@ -122,9 +199,22 @@ def plan_tools(
                 f"tool_choice: function {name!r} is not among the tools ({', '.join(by_name)})",
                 param="tool_choice",
             )
+        _compiles(functions, only=name)
         schema = json.dumps(by_name[name]["parameters"])
-        return ToolPlan("named", tools, name=name, structured=StructuredOutputs(kind="json", spec=schema))
+        # A template without a tool format is told which tool it calls and its schema (the
+        # grammar alone would make valid arguments, but blind ones).
+        has_format = bool(parser or detect_parser(chat_template))
+        return ToolPlan(
+            "named", tools, name=name, structured=StructuredOutputs(kind="json", spec=schema),
+            preamble="" if has_format else named_instructions(by_name[name]),
+        )  # fmt: skip
+    configured = bool(parser)
+    parser = parser or detect_parser(chat_template)
+    if choice == "required" or not parser:
+        _compiles(functions)
     if choice == "required":
+        if not parser:
+            return _generic(functions, tools, body.parallel_tool_calls, required=True)
         schema = json.dumps(_required_schema(functions, body.parallel_tool_calls))
         return ToolPlan(
             "required", tools, parallel=body.parallel_tool_calls,
@@ -136,12 +226,8 @@ def plan_tools(
             param="tool_choice",
         )
     if not parser:
-        raise bad_request(
-            "tool_choice: auto needs this model's tool-call parser; the server has none "
-            "(model.tool_call_parser: hermes, llama3_json or mistral)",
-            param="tool_choice",
-        )
-    if not chat_template or "tools" not in chat_template:
+        return _generic(functions, tools, body.parallel_tool_calls, required=False)
+    if configured and (not chat_template or "tools" not in chat_template):
         raise bad_request(
             f"tools: this model's chat template does not render tools (parser {parser!r})",
             param="tools",
@@ -175,8 +261,9 @@ def tool_calls(calls: list[ParsedCall]) -> list[s.ToolCall]:
 @dataclass
 class ToolStream:
     """One streamed choice's tool-call deltas: a named call streams its arguments as they
-    come; `required` and `auto` calls are parsed whole at the finish (plain `auto` text that
-    cannot start a call streams as content at once)."""
+    come; `required`, `auto` and generic calls are parsed whole at the finish (plain `auto`
+    text that cannot start a call streams as content at once, and so does a generic plain
+    answer's text, JSON escapes decoded, as its string is generated)."""
 
     plan: ToolPlan
     held: str = ""
@@ -185,9 +272,15 @@ class ToolStream:
     started: bool = False
     made_calls: bool = False
     ids: list[str] = field(default_factory=list)
+    answer: ResponseStream = field(default_factory=ResponseStream)
 
     def feed(self, text: str, finished: bool) -> tuple[str, list[s.DeltaToolCall]]:
         plan = self.plan
+        if plan.mode == "generic":
+            content = self.answer.feed(text)
+            if self.answer.mode == "response" or not finished:
+                return content, []  # a plain answer: all of it is out once generated
+            text, self.held = self.answer.text, ""
         if plan.mode == "named":
             deltas = []
             if not self.started:
