@@ -96,3 +96,25 @@ def test_int8_activation_dot_matches_its_torch_reference(cpu_path: str, name: st
     if eligible:  # and it is a rounding of the float32 product, not something else
         exact = x @ w.dequantize().T
         assert (got - exact).abs().max() < 0.05 * exact.abs().max()
+
+
+def test_packed_linear_with_a_dense_copy_reads_the_copy() -> None:
+    """A packed MatmulWeight the CPU backend gave a dense copy (on AMX) runs its torch-path
+    passes on the copy, at any width (the packed bytes then serve the fused decode only):
+    the result equals the torch reference, and a poisoned copy shows in every pass."""
+    from appliance.layers.linear import MatmulWeight, reference_quant_matmul
+
+    w = _q4(96, 128, 32, seed=5)
+    layer = MatmulWeight()
+    layer.quant = w
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 128, generator=gen)
+    packed = layer._matmul(x, None)  # no copy: the packed kernel (the reference here)
+    torch.testing.assert_close(packed, reference_quant_matmul(x, w, None))
+    layer.matmul_weight = w.dequantize(torch.float32)
+    for rows in (1, 3, 40):
+        x = torch.randn(rows, 128, generator=gen)
+        torch.testing.assert_close(layer._matmul(x, None), reference_quant_matmul(x, w, None),
+                                   rtol=1e-5, atol=1e-4)  # fmt: skip
+    layer.matmul_weight = torch.full_like(layer.matmul_weight, float("nan"))
+    assert torch.isnan(layer._matmul(torch.randn(1, 128, generator=gen), None)).all()

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from appliance.config import ApplianceConfig
-from appliance.cpu.choice import CpuChoice, choose
+from appliance.cpu.choice import QUANT_COPY_FUSED_MAX, CpuChoice, choose
 from appliance.cpu.features import CpuFeatures, detect
 from appliance.cpu.fused_decode import FusedCpuDecode
 from appliance.cpu.primitive_cache import bound_primitive_caches, warm_primitive_caches
@@ -244,8 +244,10 @@ class CpuBackend:
         for module in model.modules():
             if isinstance(module, MatmulWeight) and module.quant is not None:
                 # Packed weights: the native dequantizing kernels where built (cpu_quant.c),
-                # else the torch reference; no dense copy either way.
+                # else the torch reference; a dense copy for the torch forward on AMX.
                 module.quant_matmul = self._quant_matmul()
+                if plan.choice.quant_dense_copy:
+                    self._set_quant_dense_copy(module, batch_hint)
             elif isinstance(module, MatmulWeight):
                 self._set_matmul_weight(module, batch_hint)
         if self.act8 and self._quant_matmul() is not reference_quant_matmul:
@@ -284,6 +286,14 @@ class CpuBackend:
                 return cpu_quant.quant_matmul_act8
             return cpu_quant.quant_matmul
         return reference_quant_matmul
+
+    def _set_quant_dense_copy(self, module: MatmulWeight, batch_hint: int) -> None:
+        """Packed weights on AMX: a prepacked copy in the compute dtype for the torch forward
+        (dequantized once, before the packed bytes are reordered into row tiles)."""
+        assert module.quant is not None and self.plan.prepack
+        dense = module.quant.dequantize(self.plan.compute_dtype)
+        module.matmul_weight = torch.ops.mkldnn._reorder_linear_weight(dense, batch_hint)
+        module.onednn_packed = True
 
     def _set_matmul_weight(self, module: MatmulWeight, batch_hint: int) -> None:
         plan = self.plan
@@ -362,6 +372,8 @@ class CpuBackend:
         if self.fused_decode is None:
             return 0
         if getattr(self.fused_decode, "tiled", False):
+            if self.plan.choice.quant_dense_copy:
+                return QUANT_COPY_FUSED_MAX  # wider steps read the dense copy (AMX)
             return max(self.plan.fused_max_batch, TILED_FUSED_MAX)
         return self.plan.fused_max_batch
 

@@ -18,6 +18,16 @@ from appliance.cpu.features import CpuFeatures
 NATIVE_DTYPES = ("bfloat16", "float32")
 NATIVE_MAX_QUERY_HEADS = 64
 BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+# Packed (GGUF/AWQ/GPTQ/INT8) weights on AMX keep a oneDNN-prepacked bf16 copy (AMX tiles)
+# beside the packed bytes: decode steps of up to this many sequences run the fused packed
+# decode (int8 activations), every other pass (prefills, mixed steps, wider decodes) the copy.
+# SmolLM2 Q4_1, continuous 128/128, 2 threads, Sapphire Rapids, tok/s, fused packed decode vs
+# the bf16 copy at that width: 16 at once 333 vs 243, 32: 528 vs 368, 48: 427 vs 408, 64:
+# 214-257 vs 457-494 (the 16-bit model itself: 248, 381, 490, 467-571 in the same runs). A
+# prefill through the copy also computes the first token as the 16-bit model does: SmolLM2's
+# "The capital of France is Paris." starts with a 0.1-nat lead over "La" that int8 activations
+# overturn (docs/quantized-weights.md).
+QUANT_COPY_FUSED_MAX = 48
 
 
 def c_compiler() -> str | None:
@@ -35,6 +45,9 @@ class CpuChoice:
     prepack: bool
     native_ops: bool
     native_decode: bool
+    # Packed weights: a prepacked copy in the compute dtype for every pass but the fused
+    # decode's (AMX only: QUANT_COPY_FUSED_MAX).
+    quant_dense_copy: bool = False
     notes: list[str] = field(default_factory=list)
     # Set when the configuration asks for something slow on this CPU (logged as a warning).
     warning: str = ""
@@ -88,6 +101,15 @@ def choose(
     elif not config.model.cpu_prepack_weights:
         notes.append("prepacking off (model.cpu_prepack_weights = false)")
 
+    # AMX's bf16 GEMM outruns the packed kernels on wide passes (measured above); on other CPUs
+    # the packed kernels were faster at every width (docs/quantized-weights.md), so no copy.
+    quant_dense_copy = prepack and compute == "bfloat16" and features.has("amx_bf16")
+    if quant_dense_copy:
+        notes.append(
+            "packed weights: a prepacked bf16 copy (AMX) for prefills and decode steps of more "
+            f"than {QUANT_COPY_FUSED_MAX} sequences; the packed kernels for the others"
+        )
+
     native_ops = native_decode = False
     if not config.model.cpu_native_kernels:
         notes.append("native kernels off (model.cpu_native_kernels = false)")
@@ -117,6 +139,7 @@ def choose(
         prepack=prepack,
         native_ops=native_ops,
         native_decode=native_decode,
+        quant_dense_copy=quant_dense_copy,
         notes=notes,
         warning=warning,
     )

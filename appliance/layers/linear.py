@@ -42,7 +42,9 @@ class MatmulWeight(nn.Module):
 
     A quantized checkpoint sets `quant` (packed integers and scales, appliance.layers.quant)
     and leaves `weight` empty: no dequantized copy is held; `quant_matmul` (the backend's
-    kernel, the torch reference by default) reads the packed bytes."""
+    kernel, the torch reference by default) reads the packed bytes. Where the backend also gives
+    it a dense `matmul_weight` (AMX), this module's passes read that, and the packed bytes serve
+    the fused native decode only."""
 
     weight: nn.Parameter
     matmul_weight: torch.Tensor | None = None
@@ -66,9 +68,9 @@ class MatmulWeight(nn.Module):
         return self.weight.data
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.quant is not None:
-            return self.quant_matmul(x, self.quant, bias)
         w = self.matmul_weight
+        if self.quant is not None and w is None:
+            return self.quant_matmul(x, self.quant, bias)
         if w is None or (
             x.shape[0] <= self.plain_max_rows
             and self.weight.numel() > 0
