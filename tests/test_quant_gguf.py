@@ -64,9 +64,12 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _engine(path: Path, **extra: object) -> Engine:
+    # float32 activations: the exact reference's arithmetic, compared with transformers token
+    # for token (int8, the default, is checked against its own reference below).
     return Engine(load_config(None, {
         "model.path": str(path), "model.dtype": "float32", "cache.kv_cache_memory": 0.1,
-        "cache.swap_space": 0.0, "hardware.device": "cpu", **extra,
+        "cache.swap_space": 0.0, "hardware.device": "cpu",
+        "model.cpu_quant_activations": "float32", **extra,
     }))  # fmt: skip
 
 

@@ -20,17 +20,22 @@ from typing import Any
 import torch
 
 from appliance.config import ApplianceConfig, load_config
+from appliance.tools.kv_answers import QUESTIONS
 
 # Format name -> (model.path key: "hf" or "gguf", config overrides).
 FORMATS: dict[str, tuple[str, dict[str, Any]]] = {
     "fp32 (reference)": ("hf", {"model.dtype": "float32"}),
     "bf16": ("hf", {"model.dtype": "bfloat16"}),
-    "int8 per-channel": ("hf", {"model.dtype": "float32", "model.quantization": "int8"}),
+    "int8 per-channel": ("hf", {"model.dtype": "float32", "model.quantization": "int8",
+                                "model.cpu_quant_activations": "float32"}),
     "int8, int8 activations": ("hf", {"model.dtype": "float32", "model.quantization": "int8",
                                       "model.cpu_quant_activations": "int8"}),
-    "gguf Q4_1": ("gguf", {"model.dtype": "float32"}),
+    "gguf Q4_1": ("gguf", {"model.dtype": "float32", "model.cpu_quant_activations": "float32"}),
     "gguf Q4_1, int8 activations": ("gguf", {"model.dtype": "float32",
                                            "model.cpu_quant_activations": "int8"}),
+    # As the cpu-demo template serves the file: the CPU's own compute dtype and, where the
+    # backend keeps one (AMX), the prepacked copy that wide passes read.
+    "gguf Q4_1, as served": ("gguf", {"model.dtype": "auto", "model.cpu_prepack_weights": True}),
 }
 
 
@@ -40,6 +45,10 @@ class FormatScore:
     perplexity: float
     top1_agreement: float
     weight_bytes: int
+    # Greedy chat answers to kv_answers.QUESTIONS token-for-token equal to the reference's
+    # (None when not asked for), and the mean share of each reproduced before a change.
+    answers_identical: float | None = None
+    answers_prefix: float | None = None
 
 
 # Teacher-forced chunk: 16 rows, so packed weights are read by the narrow native kernels (the
@@ -122,18 +131,22 @@ def config_for(path: str, overrides: dict[str, Any]) -> ApplianceConfig:
 
 def evaluate(
     paths: dict[str, str], formats: Sequence[str], tokens: int = 512, window: int = 256,
-    chunk: int = CHUNK,
+    chunk: int = CHUNK, answer_tokens: int = 0,
 ) -> list[FormatScore]:
-    """Each format of FORMATS (the first is the reference) on the held-out corpus windows."""
+    """Each format of FORMATS (the first is the reference) on the held-out corpus windows and,
+    with `answer_tokens`, on greedy chat answers of up to that many tokens (one Engine each,
+    the serving path: batched prefill and decode steps)."""
     from appliance.engine.executor import load_model
-    from appliance.tools.kv_answers import heldout_windows
+    from appliance.tools.kv_answers import greedy_answers, heldout_windows, score_answers
 
     scores: list[FormatScore] = []
     reference: list[torch.Tensor] | None = None
+    reference_answers: list[list[int]] | None = None
     windows: list[list[int]] | None = None
     for name in formats:
         kind, overrides = FORMATS[name]
-        loaded = load_model(config_for(paths[kind], overrides))
+        config = config_for(paths[kind], overrides)
+        loaded = load_model(config)
         try:
             if windows is None:
                 windows = heldout_windows(loaded.tokenizer, tokens, window)
@@ -142,17 +155,32 @@ def evaluate(
         finally:
             loaded.close()
         reference = reference or logp
-        scores.append(FormatScore(name, perplexity(logp, windows), top1_agreement(logp, reference), size))
+        score = FormatScore(name, perplexity(logp, windows), top1_agreement(logp, reference), size)
+        if answer_tokens:
+            answers = greedy_answers(config, max_tokens=answer_tokens)
+            reference_answers = reference_answers or answers
+            kept = score_answers(name, reference_answers, answers)
+            score.answers_identical, score.answers_prefix = kept.identical, kept.matched_prefix
+        scores.append(score)
     return scores
 
 
 def format_table(scores: Sequence[FormatScore]) -> str:
     ref = scores[0].perplexity
-    lines = ["| weights | bytes held | perplexity | vs reference | top-1 agreement |",
-             "|---|---:|---:|---:|---:|"]  # fmt: skip
+    answers = any(s.answers_identical is not None for s in scores)
+    head = "| weights | bytes held | perplexity | vs reference | top-1 agreement |"
+    rule = "|---|---:|---:|---:|---:|"
+    if answers:
+        head += " greedy answers identical | matched prefix |"
+        rule += "---:|---:|"
+    lines = [head, rule]
     for s in scores:
-        lines.append(f"| {s.name} | {s.weight_bytes / 2**20:.1f} MiB | {s.perplexity:.3f} | "
-                     f"{100 * (s.perplexity / ref - 1):+.2f}% | {100 * s.top1_agreement:.1f}% |")  # fmt: skip
+        line = (f"| {s.name} | {s.weight_bytes / 2**20:.1f} MiB | {s.perplexity:.3f} | "
+                f"{100 * (s.perplexity / ref - 1):+.2f}% | {100 * s.top1_agreement:.1f}% |")  # fmt: skip
+        if s.answers_identical is not None and s.answers_prefix is not None:
+            n = len(QUESTIONS)
+            line += f" {round(s.answers_identical * n)}/{n} | {100 * s.answers_prefix:.1f}% |"
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -163,6 +191,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--tokens", type=int, default=512, help="held-out corpus tokens")
     p.add_argument("--window", type=int, default=256)
     p.add_argument("--chunk", type=int, default=CHUNK, help="tokens per teacher-forced step")
+    p.add_argument("--answer-tokens", type=int, default=64,
+                   help="greedy chat answers to 16 questions of up to this many tokens, compared "
+                   "with the reference's (0: skip)")  # fmt: skip
     p.set_defaults(func=main)
 
 
@@ -170,5 +201,6 @@ def main(ns: argparse.Namespace) -> int:
     from appliance.tools.smollm2 import build_smollm2, gguf_file
 
     paths = {"hf": str(build_smollm2()), "gguf": str(gguf_file())}
-    print(format_table(evaluate(paths, ns.formats, ns.tokens, ns.window, ns.chunk)))
+    scores = evaluate(paths, ns.formats, ns.tokens, ns.window, ns.chunk, ns.answer_tokens)
+    print(format_table(scores))
     return 0
