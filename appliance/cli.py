@@ -8,7 +8,7 @@ import logging
 import sys
 from typing import Any
 
-from appliance.config import ConfigError, list_templates, load_config, parse_sets
+from appliance.config import ConfigError, list_templates, load_config, model_override, parse_sets
 
 
 def cmd_templates(ns: argparse.Namespace) -> int:
@@ -32,7 +32,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 
     overrides = parse_sets(ns.set)
     if ns.model:
-        overrides["model.path"] = ns.model
+        overrides = {**model_override(ns.model), **overrides}
     engine = Engine.from_template(ns.template, overrides)
     params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, seed=ns.seed)
     for result in engine.generate(ns.prompt, params):

@@ -373,6 +373,14 @@ def parse_sets(items: list[str]) -> dict[str, Any]:
     return out
 
 
+def model_override(path: str) -> dict[str, Any]:
+    """`--model DIR`: the model a user brings in place of the template's. Its provisioning
+    (a packaged fetch, a demo build) and the name it serves under go with the template's model:
+    nothing is fetched into the user's folder, and the folder's name serves. `--set` keys given
+    beside it still win (callers merge them after)."""
+    return {"model.path": path, "model.name": "", "model.packaged": "", "model.demo_shape": ""}
+
+
 def apply_overrides(raw: dict[str, Any], overrides: dict[str, Any] | None) -> dict[str, Any]:
     for dotted, value in (overrides or {}).items():
         parts = dotted.split(".")

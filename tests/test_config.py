@@ -134,3 +134,15 @@ def test_engine_threads_field_sets_the_core_threads(monkeypatch: pytest.MonkeyPa
     monkeypatch.delenv("OMP_NUM_THREADS")
     assert core_threads(0) == len(os.sched_getaffinity(0))  # every core (measured over HTTP)
     assert load_config(None, {"hardware.engine_threads": 1}).hardware.engine_threads == 1
+
+
+def test_a_model_the_user_brings_drops_the_templates_provisioning_and_name() -> None:
+    """`--model DIR` on cpu-demo: no SmolLM2 fetch into the user's folder, and the folder's name
+    serves rather than "SmolLM2-135M-Instruct"; a --set beside it still wins."""
+    from appliance.config import model_override
+
+    cfg = load_config("cpu-demo", model_override("/models/mine"))
+    assert (cfg.model.path, cfg.model.name, cfg.model.packaged) == ("/models/mine", "", "")
+    named = load_config("cpu-demo", {**model_override("/models/mine"), "model.name": "mine"})
+    assert named.model.name == "mine"
+    assert load_config("cpu-bench", model_override("/m")).model.demo_shape == ""

@@ -17,7 +17,7 @@ import torch
 
 from appliance.bench import mixed, structured
 from appliance.bench.hardware import copy_bandwidth, matmul_flops
-from appliance.config import load_config, parse_override_value
+from appliance.config import load_config, model_override, parse_override_value
 from appliance.engine.executor import load_model
 from appliance.engine.llm_engine import Engine
 from appliance.engine.loader import LoadedModel
@@ -240,7 +240,7 @@ def add_parser(sub: Any) -> None:
 
 
 def main(ns: argparse.Namespace) -> int:
-    overrides: dict[str, Any] = {"model.path": ns.model, "model.demo_shape": ""}
+    overrides: dict[str, Any] = model_override(ns.model)
     for item in ns.set:
         key, _, value = item.partition("=")
         overrides[key] = parse_override_value(value)

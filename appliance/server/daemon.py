@@ -43,12 +43,12 @@ class _Server(uvicorn.Server):
 
 
 def cmd_up(ns: argparse.Namespace) -> int:
-    from appliance.config import parse_sets
+    from appliance.config import model_override, parse_sets
 
     t0 = time.monotonic()
     overrides = parse_sets(ns.set)
     if ns.model:
-        overrides["model.path"] = ns.model
+        overrides = {**model_override(ns.model), **overrides}
     if ns.host:
         overrides["server.host"] = ns.host
     if ns.port is not None:
