@@ -310,7 +310,13 @@ def test_cpu_demo_plan_counts_the_bf16_copy_of_packed_weights_on_amx(
     prepacked bf16 copy of the linears and the LM head beside the packed bytes, and the plan
     counts it (2 bytes a weight); elsewhere the packed bytes are all there is."""
     from appliance.cpu import features
+    from appliance.models.packaged import ModelUnavailable, fetch
 
+    demo = load_config("cpu-demo").model
+    try:  # in place after ./install.sh; the plan itself fetches nothing
+        fetch(demo.packaged, Path(demo.path).expanduser(), lambda _: None)
+    except ModelUnavailable as exc:
+        pytest.skip(f"cpu-demo's model could not be fetched: {exc}")
     flags = ("fma avx f16c avx2 avx512f avx512dq avx512cd avx512bw avx512vl avx512_bf16 "
              "avx512_vnni amx_bf16 amx_tile amx_int8")  # fmt: skip
     fake = features.CpuFeatures(
@@ -326,3 +332,11 @@ def test_cpu_demo_plan_counts_the_bf16_copy_of_packed_weights_on_amx(
     assert c["matmul_copy_bytes"] == (2 * (linears + lm_head) if amx else 0)
     assert ("prepacked bfloat16 copy" in c["cpu_path"]) == amx
     assert c["cpu_path"].startswith("weights gguf (packed")
+
+
+def test_plan_of_a_packaged_model_not_fetched_yet_says_how_and_fetches_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(ConfigError, match=r"holds no model yet; `appliance fetch`"):
+        main(["plan", "--template", "cpu-demo", "--set", f"model.path={tmp_path / 'none'}"])
+    assert not (tmp_path / "none").exists()

