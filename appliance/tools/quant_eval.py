@@ -108,7 +108,8 @@ def top1_agreement(logprobs: Sequence[torch.Tensor], reference: Sequence[torch.T
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the weights as held: packed linears and tables at their packed size."""
+    """Bytes of the weights as held: packed linears and tables at their packed size, plus the
+    dense copy the CPU backend keeps beside packed linears on AMX."""
     from appliance.layers.embedding import VocabParallelEmbedding
     from appliance.layers.linear import MatmulWeight
 
@@ -120,6 +121,9 @@ def weight_bytes(model: torch.nn.Module) -> int:
         )
         if quant is not None and own:
             total += quant.nbytes()
+        copy = getattr(m, "matmul_weight", None)
+        if quant is not None and copy is not None:
+            total += copy.numel() * copy.element_size()
     return total
 
 
