@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections import deque
 from dataclasses import dataclass
 
 from appliance.config import ApplianceConfig
 from appliance.core.block_pool import KVBlock
 from appliance.core.kv_cache_manager import KVCacheManager
 from appliance.core.policy import make_policy
+from appliance.core.preemption_log import PreemptionLog
 from appliance.core.request import FinishReason, Request, RequestStatus
 from appliance.core.scheduler_output import ScheduledRequest, SchedulerOutput
-from appliance.stats import PreemptionEvent, SchedulerCounters
+from appliance.stats import SchedulerCounters
 
 
 @dataclass
@@ -41,7 +41,7 @@ class Scheduler:
         self.swapped: list[Request] = []
         self.running: list[Request] = []
         self.counters = SchedulerCounters()
-        self.preemption_log: deque[PreemptionEvent] = deque(maxlen=256)
+        self.preemption_log = PreemptionLog()
         self.finished: list[FinishedRequest] = []
         self._pressure_steps = 0
         self._dropped_tables: list[str] = []
@@ -172,22 +172,16 @@ class Scheduler:
 
     def preempt(self, victim: Request, cause: str) -> list[tuple[int, int]]:
         """Take `victim` off the running list; returns device->host copies for a swap."""
-        usage_before = self.kv.usage_fraction()
-        blocks_held = len(victim.blocks)
+        usage_before, blocks_held = self.kv.usage_fraction(), len(victim.blocks)
         self.running.remove(victim)
-        mode = self.cfg.preemption_mode
-        mapping: list[tuple[int, int]] = []
-        fallback = False
-        if mode == "swap":
-            swapped = self.kv.swap_out(victim)
-            if swapped is None:
-                fallback = True
-                mode = "recompute"
-                self.counters.swap_fallbacks += 1
-            else:
-                mapping = swapped
+        wants_swap = self.cfg.preemption_mode == "swap"
+        # None: recompute, by choice or because the swap pool is full (a fallback).
+        mapping = self.kv.swap_out(victim) if wants_swap else None
+        fallback = wants_swap and mapping is None
+        if fallback:
+            self.counters.swap_fallbacks += 1
         recompute_tokens = 0
-        if mode == "swap":
+        if mapping is not None:
             victim.status = RequestStatus.SWAPPED
             self._insert(self.swapped, victim)
             self.counters.blocks_swapped_out += len(mapping)
@@ -201,25 +195,14 @@ class Scheduler:
         self._drop_table(victim)
         victim.num_preemptions += 1
         victim.preempted_at = time.monotonic()
+        mode = "recompute" if mapping is None else "swap"
         self.counters.count_preemption(mode, victim.priority_class or str(victim.priority))
-        self.preemption_log.append(
-            PreemptionEvent(
-                time=time.time(),
-                request_id=victim.request_id,
-                priority_class=victim.priority_class or str(victim.priority),
-                priority=victim.priority,
-                mode=mode,
-                swap_fallback=fallback,
-                cause=cause,
-                tokens_to_recompute=recompute_tokens,
-                blocks_swapped=len(mapping),
-                blocks_held=blocks_held,
-                kv_usage_before=usage_before,
-                kv_usage_after=self.kv.usage_fraction(),
-                times_preempted=victim.num_preemptions,
-            )
+        # What happened goes to the log; the log adds nothing to what happened.
+        usage = (usage_before, self.kv.usage_fraction())
+        self.preemption_log.record(
+            victim, cause, mapping, fallback, recompute_tokens, blocks_held, usage
         )
-        return mapping
+        return mapping or []
 
     # -- after the forward pass ------------------------------------------------------------------
     def update_from_output(
