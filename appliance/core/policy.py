@@ -56,8 +56,8 @@ class SchedulingPolicy:
         return max(candidates, key=self.victim_key)
 
     def arrival_may_preempt(self, cause: str, pressure_steps: int) -> bool:
-        """May a waiting request preempt running work? Never under arrival order (vLLM's rule:
-        an urgent arrival only jumps the queue)."""
+        """May a waiting request preempt running work? Never under arrival order: a request
+        that arrived later is served later, so it has no claim on anyone's seat or blocks."""
         return False
 
     def arrival_victim(
