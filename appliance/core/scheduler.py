@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections import deque
 from dataclasses import dataclass
 
 from appliance.config import ApplianceConfig
 from appliance.core.block_pool import KVBlock
 from appliance.core.kv_cache_manager import KVCacheManager
+from appliance.core.policy import make_policy
+from appliance.core.preemption_log import PreemptionLog
 from appliance.core.request import FinishReason, Request, RequestStatus
 from appliance.core.scheduler_output import ScheduledRequest, SchedulerOutput
-from appliance.stats import PreemptionEvent, SchedulerCounters
+from appliance.stats import SchedulerCounters
 
 
 @dataclass
@@ -32,15 +33,15 @@ class Scheduler:
         self.cfg = config.scheduler
         self.kv = kv
         self.max_model_len = max_model_len
-        self.by_priority = self.cfg.policy == "priority"
-        self.static = self.cfg.policy == "static"
+        # Queue order, victims, arrival preemption, static batches: asked, never re-derived.
+        self.policy = make_policy(self.cfg)
         self.requests: dict[str, Request] = {}
-        # Waiting (new and recompute-preempted) and swapped queues, kept sorted by _key.
+        # Waiting (new and recompute-preempted) and swapped queues, kept in the policy's order.
         self.waiting: list[Request] = []
         self.swapped: list[Request] = []
         self.running: list[Request] = []
         self.counters = SchedulerCounters()
-        self.preemption_log: deque[PreemptionEvent] = deque(maxlen=256)
+        self.preemption_log = PreemptionLog()
         self.finished: list[FinishedRequest] = []
         self._pressure_steps = 0
         self._dropped_tables: list[str] = []
@@ -50,16 +51,9 @@ class Scheduler:
         self._started: list[str] = []
 
     # -- queues ----------------------------------------------------------------------------------
-    def _key(self, req: Request) -> tuple[int, float]:
-        return req.sort_key() if self.by_priority else (0, req.arrival_time)
-
-    def _victim_key(self, req: Request) -> tuple[int, float]:
-        # Victims: least urgent, then latest arrival; urgency counts under every policy.
-        return req.sort_key()
-
     def _insert(self, queue: list[Request], req: Request) -> None:
-        keys = [self._key(r) for r in queue]
-        queue.insert(bisect.bisect_right(keys, self._key(req)), req)
+        key = self.policy.queue_key
+        queue.insert(bisect.bisect_right([key(r) for r in queue], key(req)), req)
 
     @property
     def num_unfinished(self) -> int:
@@ -176,31 +170,18 @@ class Scheduler:
         else:
             self._pressure_steps = 0
 
-    def arrival_preemption_allowed(self) -> bool:
-        return self._pressure_steps >= self.cfg.preemption_patience_steps
-
-    def is_protected(self, req: Request) -> bool:
-        """Thrash guard: a request preempted this many times is not preempted again."""
-        return req.num_preemptions >= self.cfg.max_preemptions_per_request
-
     def preempt(self, victim: Request, cause: str) -> list[tuple[int, int]]:
         """Take `victim` off the running list; returns device->host copies for a swap."""
-        usage_before = self.kv.usage_fraction()
-        blocks_held = len(victim.blocks)
+        usage_before, blocks_held = self.kv.usage_fraction(), len(victim.blocks)
         self.running.remove(victim)
-        mode = self.cfg.preemption_mode
-        mapping: list[tuple[int, int]] = []
-        fallback = False
-        if mode == "swap":
-            swapped = self.kv.swap_out(victim)
-            if swapped is None:
-                fallback = True
-                mode = "recompute"
-                self.counters.swap_fallbacks += 1
-            else:
-                mapping = swapped
+        wants_swap = self.cfg.preemption_mode == "swap"
+        # None: recompute, by choice or because the swap pool is full (a fallback).
+        mapping = self.kv.swap_out(victim) if wants_swap else None
+        fallback = wants_swap and mapping is None
+        if fallback:
+            self.counters.swap_fallbacks += 1
         recompute_tokens = 0
-        if mode == "swap":
+        if mapping is not None:
             victim.status = RequestStatus.SWAPPED
             self._insert(self.swapped, victim)
             self.counters.blocks_swapped_out += len(mapping)
@@ -214,25 +195,14 @@ class Scheduler:
         self._drop_table(victim)
         victim.num_preemptions += 1
         victim.preempted_at = time.monotonic()
+        mode = "recompute" if mapping is None else "swap"
         self.counters.count_preemption(mode, victim.priority_class or str(victim.priority))
-        self.preemption_log.append(
-            PreemptionEvent(
-                time=time.time(),
-                request_id=victim.request_id,
-                priority_class=victim.priority_class or str(victim.priority),
-                priority=victim.priority,
-                mode=mode,
-                swap_fallback=fallback,
-                cause=cause,
-                tokens_to_recompute=recompute_tokens,
-                blocks_swapped=len(mapping),
-                blocks_held=blocks_held,
-                kv_usage_before=usage_before,
-                kv_usage_after=self.kv.usage_fraction(),
-                times_preempted=victim.num_preemptions,
-            )
+        # What happened goes to the log; the log adds nothing to what happened.
+        usage = (usage_before, self.kv.usage_fraction())
+        self.preemption_log.record(
+            victim, cause, mapping, fallback, recompute_tokens, blocks_held, usage
         )
-        return mapping
+        return mapping or []
 
     # -- after the forward pass ------------------------------------------------------------------
     def update_from_output(
@@ -310,7 +280,7 @@ class _StepBuilder:
     # Running requests: decodes first so a long prefill never stalls them.
     def schedule_running(self) -> None:
         s = self.s
-        running = sorted(s.running, key=s._victim_key)
+        running = s.policy.serve_order(s.running)
         decodes = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
         prefills = [r for r in running if r.num_tokens - r.num_computed_tokens > 1]
         for req in decodes + prefills:
@@ -329,8 +299,7 @@ class _StepBuilder:
     def _allocate_or_preempt(self, req: Request, tokens: int) -> bool:
         s = self.s
         while not self.kv.allocate_slots(req, tokens):
-            candidates = [r for r in s.running if not s.is_protected(r) or r is req]
-            victim = max(candidates, key=s._victim_key)
+            victim = s.policy.out_of_blocks_victim(req, s.running)
             if victim is req:
                 if len(s.running) == 1 and not s.swapped and self._alone_cannot_fit(req, tokens):
                     s.finish_request(
@@ -353,9 +322,9 @@ class _StepBuilder:
     # Waiting and swapped requests, most urgent first.
     def admit(self) -> None:
         s = self.s
-        if s.static and (s.running or self.order):
+        if not s.policy.may_admit(bool(s.running or self.order)):
             return  # a static batch runs until all of its members finish
-        candidates = sorted(s.waiting + s.swapped, key=s._key)
+        candidates = sorted(s.waiting + s.swapped, key=s.policy.queue_key)
         for req in candidates:
             if req.status is RequestStatus.FINISHED:
                 continue
@@ -376,15 +345,12 @@ class _StepBuilder:
                 break
 
     def _make_room(self, req: Request, cause: str) -> bool:
-        """Arrival-triggered preemption: only strictly less urgent, unprotected victims, and
-        only once the pressure has lasted `preemption_patience_steps` steps."""
+        """Arrival-triggered preemption, as far as the policy allows it (whom, and when)."""
         s = self.s
-        if not s.by_priority or (cause == "kv_pressure" and not s.arrival_preemption_allowed()):
+        victim = s.policy.arrival_victim(req, s.running, cause, s._pressure_steps)
+        if victim is None:
             return False
-        victims = [r for r in s.running if r.priority > req.priority and not s.is_protected(r)]
-        if not victims:
-            return False
-        self._preempt(max(victims, key=s._victim_key), cause)
+        self._preempt(victim, cause)
         return True
 
     def _admit_swapped(self, req: Request) -> bool:
@@ -443,7 +409,7 @@ class _StepBuilder:
         guard protects, its whole remaining length so it never needs preempting again."""
         remaining = req.num_tokens - num_hits * self.kv.block_size
         chunk = self._chunk(req, remaining)
-        if self.s.is_protected(req):
+        if self.s.policy.is_protected(req):
             params = req.sampling_params
             final = min(req.num_prompt_tokens + params.max_tokens, self.s.max_model_len)
             # A reservation the whole pool cannot hold would never be admitted: fall back.

@@ -22,6 +22,7 @@ from typing import Any
 import msgspec
 
 from appliance.config import ApplianceConfig
+from appliance.core.policy import SchedulingPolicy, make_policy
 from appliance.core.wait_estimate import estimated_wait_s
 from appliance.engine import ipc
 from appliance.engine.core_process import core_main
@@ -48,6 +49,9 @@ class EngineClient:
         on_death: Callable[[str], None] | None = None,
     ) -> None:
         self.config = config
+        # The core's scheduler builds its policy from the same config with the same factory:
+        # the API's queue checks ask this one instead of keeping a copy of the rule.
+        self.policy: SchedulingPolicy = make_policy(config.scheduler)
         self.log_level = log_level
         self.on_status = on_status or (lambda text: log.info("core: %s", text))
         self.on_frame = on_frame

@@ -103,9 +103,9 @@ def _queues(engine: Engine) -> list[QueueInfo]:
     out = []
     for name, cls in sorted(cfg.priority_classes.items(), key=lambda kv: kv[1].priority):
         queued = [r for r in waiting if r.priority_class == name]
-        # Served before a new arrival of this class: every waiting request under arrival order,
-        # the equally or more urgent ones under the priority policy.
-        ahead = sum(1 for r in waiting if not sched.by_priority or r.priority <= cls.priority)
+        # Served before a new arrival of this class, as the policy says (the API's
+        # estimated-wait check asks the same rule).
+        ahead = sum(1 for r in waiting if sched.policy.counts_ahead(r.priority, cls.priority))
         limits = cfg.class_limits(name)
         out.append(
             QueueInfo(

@@ -72,12 +72,8 @@ def check_estimated_wait(state: ServerState, priority_class: str) -> None:
     client = state.client
     if not cfg.scheduler.estimated_wait_admission or not timeout or client is None:
         return
-    classes = cfg.priority_classes
-    mine = classes[priority_class].priority if priority_class in classes else None
-    by_priority = cfg.scheduler.policy == "priority" and mine is not None
-    ahead = [c for c, pc in classes.items() if not by_priority or pc.priority <= mine]
-    if priority_class not in ahead:
-        ahead.append(priority_class)
+    # The classes served before this one: the running core's policy says (engine client).
+    ahead = client.policy.classes_ahead(cfg.priority_classes, priority_class)
     wait = client.estimated_wait_s(ahead)
     if wait is not None and wait > timeout:
         state.metrics.count_rejection("estimated_wait", priority_class)
