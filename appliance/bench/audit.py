@@ -45,7 +45,9 @@ def classify(o: Outcome) -> str:
     if o.status == 200:
         return "completed"
     if o.status in (429, 503):
-        return f"{o.status} with Retry-After" if o.retry_after else f"{o.status} WITHOUT Retry-After"
+        return (
+            f"{o.status} with Retry-After" if o.retry_after else f"{o.status} WITHOUT Retry-After"
+        )
     return f"other: {o.status}"
 
 
@@ -70,8 +72,9 @@ class ServerAudit:
 
     async def _stats(self, client: Any, count_objects: bool = False) -> dict[str, Any]:
         params = {"count_objects": "true"} if count_objects else {}
-        r = await client.get(self.base_url + "/admin/stats", headers=self.headers, params=params,
-                             timeout=30)
+        r = await client.get(
+            self.base_url + "/admin/stats", headers=self.headers, params=params, timeout=30
+        )
         r.raise_for_status()
         return r.json()
 
@@ -140,13 +143,18 @@ class ServerAudit:
                 "samples": len(v),
                 "series_mib": [round(x / 2**20, 1) for x in v],
             }
-            for name, v in self.rss.items() if v
+            for name, v in self.rss.items()
+            if v
         }
         return {
             "outcomes": counts,
             "limits_s": self.limits,
-            "late": {"count": len(lates), "max_over_s": round(max(lates), 2) if lates else 0.0,
-                     "grace_s": GRACE_S, **answered},
+            "late": {
+                "count": len(lates),
+                "max_over_s": round(max(lates), 2) if lates else 0.0,
+                "grace_s": GRACE_S,
+                **answered,
+            },
             "idle_after": {
                 "engine_requests": len(s["requests"]),
                 "blocks_used": eng.get("blocks_used"),
@@ -163,17 +171,23 @@ def print_audit(a: dict[str, Any]) -> None:
     print("\naudit:")
     print(f"  outcomes: {a['outcomes']}")
     lt = a["late"]
-    print(f"  late past class limit + {lt['grace_s']:.0f} s: {lt['count']} "
-          f"(max {lt['max_over_s']:.2f} s over); limits {a['limits_s']}")
+    print(
+        f"  late past class limit + {lt['grace_s']:.0f} s: {lt['count']} "
+        f"(max {lt['max_over_s']:.2f} s over); limits {a['limits_s']}"
+    )
     for kind, what in (("refused", "refusal came"), ("completed", "first token came")):
         k = lt[kind]
         print(f"    {kind}: {k['late']} late; latest {what} after {k['max_s']} s")
     i = a["idle_after"]
-    print(f"  after the load: engine requests {i['engine_requests']}, KV blocks used "
-          f"{i['blocks_used']} (cached free {i['blocks_cached']}), API tracked "
-          f"{i['api_requests_tracked']}, in flight {i['api_in_flight']}; live engine objects "
-          f"{i['engine_objects']}")
+    print(
+        f"  after the load: engine requests {i['engine_requests']}, KV blocks used "
+        f"{i['blocks_used']} (cached free {i['blocks_cached']}), API tracked "
+        f"{i['api_requests_tracked']}, in flight {i['api_in_flight']}; live engine objects "
+        f"{i['engine_objects']}"
+    )
     for name, r in a["rss"].items():
-        print(f"  RSS {name}: idle before -> idle after the load {r['first_mib']} -> "
-              f"{r['last_mib']} MiB ({r['change_pct']:+.2f}%), max under load {r['max_mib']} "
-              f"MiB ({r['max_change_pct']:+.2f}%), {r['samples']} samples")
+        print(
+            f"  RSS {name}: idle before -> idle after the load {r['first_mib']} -> "
+            f"{r['last_mib']} MiB ({r['change_pct']:+.2f}%), max under load {r['max_mib']} "
+            f"MiB ({r['max_change_pct']:+.2f}%), {r['samples']} samples"
+        )

@@ -161,7 +161,12 @@ def plan_cpu(
         return cpu_native.load(features) is not None, cpu_native.load_error(features)
 
     c = choose(
-        config, num_heads, num_kv_heads, features, torch.backends.mkldnn.is_available(), native_built
+        config,
+        num_heads,
+        num_kv_heads,
+        features,
+        torch.backends.mkldnn.is_available(),
+        native_built,
     )
     fused_max = BF16_FUSED_MAX if c.compute == "bfloat16" else FP32_FUSED_MAX
     return CpuPlan(features=features, choice=c, fused_max_batch=fused_max)
@@ -343,11 +348,16 @@ class CpuBackend:
                     act8=self.act8,
                 )
                 if self.fused_decode.tiled:  # type: ignore[attr-defined]
-                    log.info("packed weights in row tiles: native decode for steps of up to %d "
-                             "sequences", self.fused_max_batch())  # fmt: skip
+                    log.info(
+                        "packed weights in row tiles: native decode for steps of up to %d "
+                        "sequences",
+                        self.fused_max_batch(),
+                    )
             else:
-                log.info("packed weights: no fused native decode (%s)",
-                         cpu_quant.load_error(self.plan.features) or "some linears are dense")
+                log.info(
+                    "packed weights: no fused native decode (%s)",
+                    cpu_quant.load_error(self.plan.features) or "some linears are dense",
+                )
         elif self.plan.native_decode:
             lib = cpu_native.load(self.plan.features)
             assert lib is not None, "plan_cpu checked that the kernels built"
@@ -365,8 +375,11 @@ class CpuBackend:
         start-up then already holds them. After `wire` (the native decode's limit is known)."""
         first = max(self.fused_max_batch(), BF16_GEMV_MAX_ROWS) + 1
         self.warm_matmuls = warm_primitive_caches(model.modules(), first)
-        log.info("matmul primitive caches %s, filled with %d matmuls", self.primitive_caches,
-                 self.warm_matmuls)
+        log.info(
+            "matmul primitive caches %s, filled with %d matmuls",
+            self.primitive_caches,
+            self.warm_matmuls,
+        )
 
     def fused_max_batch(self) -> int:
         if self.fused_decode is None:

@@ -61,9 +61,13 @@ class QuantFusedCpuDecode:
         self.tiled = head.tile_rows != 1 and all(  # type: ignore[union-attr]
             lin.quant.tile_rows != 1  # type: ignore[union-attr]
             for layer in layers
-            for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                        layer.mlp.gate_up_proj, layer.mlp.down_proj)
-        )  # fmt: skip
+            for lin in (
+                layer.self_attn.qkv_proj,
+                layer.self_attn.o_proj,
+                layer.mlp.gate_up_proj,
+                layer.mlp.down_proj,
+            )
+        )
         self.vocab = self._need(head, "lm_head").out_features
         self.embedding = model.model.embed_tokens
         self.cos = model.model.rotary.cos.float().contiguous()
@@ -79,8 +83,12 @@ class QuantFusedCpuDecode:
         """Every linear and the LM head packed (a GGUF file with some dense linears runs the
         layer-by-layer path instead)."""
         for layer in model.model.layers:
-            for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                        layer.mlp.gate_up_proj, layer.mlp.down_proj):  # fmt: skip
+            for lin in (
+                layer.self_attn.qkv_proj,
+                layer.self_attn.o_proj,
+                layer.mlp.gate_up_proj,
+                layer.mlp.down_proj,
+            ):
                 if lin.quant is None:
                     return False
         return model.lm_head.quant is not None
@@ -105,8 +113,10 @@ class QuantFusedCpuDecode:
 
     def _cache(self, t: torch.Tensor) -> int:
         if t.dtype != self.dtype or not t.is_contiguous() or t.device.type != "cpu":
-            raise ValueError(f"quantized native decode: the KV cache must be a contiguous CPU "
-                             f"{self.dtype} tensor (got {t.dtype})")  # fmt: skip
+            raise ValueError(
+                f"quantized native decode: the KV cache must be a contiguous CPU "
+                f"{self.dtype} tensor (got {t.dtype})"
+            )
         return t.data_ptr()
 
     def __call__(
@@ -122,9 +132,18 @@ class QuantFusedCpuDecode:
         table = self.embedding.quant
         # A packed table is dequantized straight to float32 (the lookup would round to the
         # model dtype first).
-        hidden = (cpu_quant.dequant_rows(table, input_ids) if table is not None
-                  else self.embedding(input_ids).float().contiguous())  # fmt: skip
+        hidden = (
+            cpu_quant.dequant_rows(table, input_ids)
+            if table is not None
+            else self.embedding(input_ids).float().contiguous()
+        )
         return run_decode_forward(
-            self, self.lm_head_desc, hidden, positions, slots, block_tables, seq_lens,
+            self,
+            self.lm_head_desc,
+            hidden,
+            positions,
+            slots,
+            block_tables,
+            seq_lens,
             "quantized native decode",
-        )  # fmt: skip
+        )

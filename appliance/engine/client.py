@@ -288,8 +288,13 @@ class EngineClient:
         output, and the core drops it (freeing anything it held) between its steps."""
         self.output.process(
             [
-                EngineOutput(request_id=rid, new_token_ids=[], finished=True,
-                             finish_reason="queue_timeout", finish_detail=detail)
+                EngineOutput(
+                    request_id=rid,
+                    new_token_ids=[],
+                    finished=True,
+                    finish_reason="queue_timeout",
+                    finish_detail=detail,
+                )
                 for rid in request_ids
             ]
         )

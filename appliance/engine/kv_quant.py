@@ -102,9 +102,12 @@ class RotatedKV:
         self.inner_write(key.float() @ self.rot, value.float() @ self.rot, *rest)  # type: ignore[operator]
 
     def paged_attention(
-        self, query: torch.Tensor, *rest: object,
-        key: torch.Tensor | None = None, value: torch.Tensor | None = None,
-    ) -> torch.Tensor:  # fmt: skip
+        self,
+        query: torch.Tensor,
+        *rest: object,
+        key: torch.Tensor | None = None,
+        value: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         q = (query.float() @ self.rot).to(query.dtype)
         if key is not None and value is not None:
             fresh = (key.float() @ self.rot, value.float() @ self.rot)
@@ -225,9 +228,7 @@ def apply_kv_specs(
 ) -> None:
     """Give each attention layer its format, scales and backend (`apply_layer_spec`)."""
     for i, (attn, layer) in enumerate(zip(model.attention_layers(), layers, strict=True)):
-        apply_layer_spec(
-            attn, _as_layer(layer), absmax[i] if absmax is not None else None, device
-        )
+        apply_layer_spec(attn, _as_layer(layer), absmax[i] if absmax is not None else None, device)
 
 
 def apply_layer_spec(

@@ -110,8 +110,9 @@ class MergedColumnLinear(MatmulWeight):
         if isinstance(tensor, QuantWeight):
             # Packed parts are merged once all have arrived (rows concatenate; TP is 1).
             if tensor.out_features != rows:
-                raise ValueError(f"{part}: quantized weight has {tensor.out_features} rows, "
-                                 f"expected {rows}")  # fmt: skip
+                raise ValueError(
+                    f"{part}: quantized weight has {tensor.out_features} rows, expected {rows}"
+                )
             self._quant_parts[part] = tensor
             if len(self._quant_parts) == len(self.parts):
                 self.quant = QuantWeight.cat_rows([self._quant_parts[p] for p, _, _ in self.parts])

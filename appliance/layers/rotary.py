@@ -61,7 +61,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The tables at absolute `positions` [T], as [T, 1, D]: looked up once per forward
         pass and shared by every layer."""
         cos = self.cos.index_select(0, positions).to(dtype).unsqueeze(1)

@@ -44,9 +44,7 @@ class LlamaAttention(nn.Module):
             self.qkv_proj.shard_index["k"] = replica
             self.qkv_proj.shard_index["v"] = replica
         self.o_proj = RowParallelLinear(args.num_heads * self.head_dim, args.hidden_size)
-        self.attn = Attention(
-            self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5
-        )
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
 
     def forward(
         self,
@@ -128,7 +126,9 @@ class LlamaForCausalLM(nn.Module):
     def set_ops(self, ops: LayerOps) -> None:
         self.ops = ops
 
-    def decode_tensors(self) -> tuple[list[dict[str, torch.Tensor | None]], dict[str, torch.Tensor]]:
+    def decode_tensors(
+        self,
+    ) -> tuple[list[dict[str, torch.Tensor | None]], dict[str, torch.Tensor]]:
         """The tensors a whole-forward kernel reads, by role: per layer (ln1, wqkv, bqkv, wo,
         ln2, wgu, wdown; q|k|v and gate|up merged, rows = output features) and for the model
         (embed, norm, lm_head). The same tensors the forward uses, not copies."""
@@ -238,4 +238,6 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"checkpoint tensor {name!r} does not belong to this model")
         missing = expected - loaded
         if missing:
-            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+            raise ValueError(
+                f"checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:3]}"
+            )

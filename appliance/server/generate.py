@@ -237,9 +237,18 @@ class Generation:
         for ch in open_choices:
             ch.finish_detail = message
             if self.stream:
-                self.events.put_nowait((ch, RequestOutput(
-                    request_id=ch.request_id, new_token_ids=[], finished=True,
-                    finish_reason="abort", finish_detail=message)))
+                self.events.put_nowait(
+                    (
+                        ch,
+                        RequestOutput(
+                            request_id=ch.request_id,
+                            new_token_ids=[],
+                            finished=True,
+                            finish_reason="abort",
+                            finish_detail=message,
+                        ),
+                    )
+                )
         self.abort(message)
 
     def close(self) -> None:

@@ -73,7 +73,9 @@ def vllm_prompt_logprobs(ch: Choice, k: int, text_of: TokenText) -> s.PromptLogp
     prompt token itself and its top k (the first prompt token: null)."""
     out: s.PromptLogprobs = [None]
     for e, tid in zip(ch.prompt_logprobs, ch.prompt_token_ids[1:], strict=False):
-        entry = {str(t): s.PromptLogprob(lp, r + 1, text_of(t)) for r, (t, lp) in enumerate(e.top[:k])}
+        entry = {
+            str(t): s.PromptLogprob(lp, r + 1, text_of(t)) for r, (t, lp) in enumerate(e.top[:k])
+        }
         if str(tid) not in entry:
             entry[str(tid)] = s.PromptLogprob(e.logprob, None, text_of(tid))
         out.append(entry)

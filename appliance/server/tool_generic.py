@@ -37,7 +37,9 @@ def _call_schema(fn: dict[str, Any]) -> dict[str, Any]:
 
 
 def generic_schema(
-    functions: list[dict[str, Any]], parallel: bool, required: bool,
+    functions: list[dict[str, Any]],
+    parallel: bool,
+    required: bool,
     answer: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One JSON object: a call (or several) of the tools, or a plain answer unless required
@@ -72,7 +74,9 @@ def _describe(f: dict[str, Any]) -> str:
 
 
 def instructions(
-    functions: list[dict[str, Any]], parallel: bool, required: bool,
+    functions: list[dict[str, Any]],
+    parallel: bool,
+    required: bool,
     answer: dict[str, Any] | None = None,
 ) -> str:
     """The tool description the model reads. Kept short: small models have small contexts."""
@@ -96,10 +100,13 @@ def instructions(
 
 def named_instructions(f: dict[str, Any]) -> str:
     """For a named tool_choice: the one tool, whose arguments are the whole answer."""
-    return "\n".join([
-        "Call this tool (name: description; JSON schema of the arguments):", _describe(f),
-        "Answer with the arguments of the call, as one JSON object.",
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            "Call this tool (name: description; JSON schema of the arguments):",
+            _describe(f),
+            "Answer with the arguments of the call, as one JSON object.",
+        ]
+    )
 
 
 # -- reading the answer back ---------------------------------------------------------------------
@@ -155,7 +162,9 @@ def parse_generic(text: str) -> tuple[str | None, list[ParsedCall]]:
         return (None, calls) if calls else (text, [])
     if isinstance(obj, dict) and RESPONSE_KEY in obj:
         answer = obj[RESPONSE_KEY]
-        return (_clean(answer) if isinstance(answer, str) else json.dumps(answer, ensure_ascii=False)), []
+        return (
+            _clean(answer) if isinstance(answer, str) else json.dumps(answer, ensure_ascii=False)
+        ), []
     if isinstance(obj, dict) and ("tool_calls" in obj or "tool_call" in obj):
         calls = _calls(obj)
         if calls:

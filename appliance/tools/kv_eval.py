@@ -194,7 +194,9 @@ class Run:
     head: int | None = None
 
 
-def evaluate(forcer: TeacherForcer, windows: list[list[int]], runs: Sequence[Run]) -> tuple[list[Score], float]:
+def evaluate(
+    forcer: TeacherForcer, windows: list[list[int]], runs: Sequence[Run]
+) -> tuple[list[Score], float]:
     """Scores of each run against the 16-bit run, and the 16-bit NLL."""
     accs = [_Accumulator(r.name, r.quantized, r.head) for r in runs]
     ref_nll, ref_n = 0.0, 0
@@ -227,7 +229,10 @@ def propose_head_keep_list(
         chosen.setdefault(s.quantized_layers[0], set()).add(s.head)
     whole = sorted(layer for layer, hs in chosen.items() if len(hs) == heads)
     entries = [
-        f"{layer}:{h}" for layer in sorted(chosen) if layer not in whole for h in sorted(chosen[layer])
+        f"{layer}:{h}"
+        for layer in sorted(chosen)
+        if layer not in whole
+        for h in sorted(chosen[layer])
     ]
     return whole, entries
 
@@ -398,7 +403,11 @@ def format_report(r: Report) -> str:
         ]
         if r.with_head_keep_list is not None:
             lines.append(row(r.with_head_keep_list))
-            gain = r.all_quantized.kl / r.with_head_keep_list.kl if r.with_head_keep_list.kl > 0 else math.inf
+            gain = (
+                r.all_quantized.kl / r.with_head_keep_list.kl
+                if r.with_head_keep_list.kl > 0
+                else math.inf
+            )
             lines.append(
                 f"proposed kv_cache_keep_16bit = {r.head_keep_layers}, kv_cache_keep_16bit_heads = "
                 f"{r.head_keep_heads} (the layer keep-list's memory): KL {gain:.1f}x lower than "
