@@ -67,8 +67,8 @@ class BlockMap(Widget):
     BlockMap { height: 2; width: 1fr; }
     """
 
-    def __init__(self, **kw: object) -> None:
-        super().__init__(**kw)  # type: ignore[arg-type]
+    def __init__(self, *, id: str | None = None, classes: str | None = None) -> None:
+        super().__init__(id=id, classes=classes)
         self.states: str | None = None
         self.counts = (0, 0, 0)
 

@@ -23,6 +23,7 @@ from textual import work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import VerticalScroll
+from textual.coordinate import Coordinate
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, ProgressBar, Static
 
@@ -106,7 +107,7 @@ class TemplatesScreen(Screen[None]):
         if not self.templates or table.row_count == 0:
             return None
         row = min(table.cursor_row, len(self.templates) - 1)
-        name = table.coordinate_to_cell_key((row, 0)).row_key.value
+        name = table.coordinate_to_cell_key(Coordinate(row, 0)).row_key.value
         return next((t for t in self.templates if t.name == name), None)
 
     def select(self, name: str) -> None:

@@ -213,13 +213,14 @@ def check_per_token(device: str = "cuda") -> list[dict[str, Any]]:
     same = min((a == b).float().mean().item() for a, b in zip(ours, ref_c, strict=True))
     results = [{"check": "write_kv int8_token", "bit_exact_share": same, "ok": same == 1.0}]
     q, scale = inputs["query"], inputs["scale"]
+    k8, v8, k_scales, v_scales = ours
     qsl = torch.arange(5, device=device, dtype=torch.int32)
     ref = paged_attention(
-        q.float(), *ours[:2], bt, sl, qsl, scale, 1, 1000, PER_TOKEN_KIND, *ours[2:]
+        q.float(), k8, v8, bt, sl, qsl, scale, 1, 1000, PER_TOKEN_KIND, k_scales, v_scales
     )
     for split in (None, 128):
         out = paged_attention_decode(
-            q, *ours[:2], bt, sl, scale, 1000, PER_TOKEN_KIND, *ours[2:], split_size=split
+            q, k8, v8, bt, sl, scale, 1000, PER_TOKEN_KIND, k_scales, v_scales, split_size=split
         )
         err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
         results.append(
@@ -230,9 +231,11 @@ def check_per_token(device: str = "cuda") -> list[dict[str, Any]]:
     qsl[1:] = qlens.cumsum(0)
     qp = torch.randn(int(qlens.sum()), NUM_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
     ref = paged_attention(
-        qp.float(), *ours[:2], bt, sl, qsl, scale, 100, 1000, PER_TOKEN_KIND, *ours[2:]
+        qp.float(), k8, v8, bt, sl, qsl, scale, 100, 1000, PER_TOKEN_KIND, k_scales, v_scales
     )
-    out = paged_attention_prefill(qp, *ours[:2], bt, sl, qsl, scale, 100, PER_TOKEN_KIND, *ours[2:])
+    out = paged_attention_prefill(
+        qp, k8, v8, bt, sl, qsl, scale, 100, PER_TOKEN_KIND, k_scales, v_scales
+    )
     err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
     results.append({"check": "prefill int8_token", "rel_err": err, "ok": err < 2e-2})
     return results

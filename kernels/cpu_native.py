@@ -16,6 +16,7 @@ import logging
 import os
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -239,7 +240,7 @@ def paged_decode_attention(
 # -- element-wise steps of the torch forward (DEFINE_LAYER_OPS in cpu_decode.c) -----------------
 
 
-def _op(name: str, dtype: torch.dtype):  # type: ignore[no-untyped-def]
+def _op(name: str, dtype: torch.dtype) -> Callable[..., object]:
     lib = load()
     assert lib is not None and dtype in SUFFIX, f"{name}: native kernels unavailable for {dtype}"
     return getattr(lib, f"{name}_{SUFFIX[dtype]}")

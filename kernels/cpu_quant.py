@@ -193,6 +193,7 @@ def act8_reference(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
         from appliance.layers.quant import unpack_q4
 
         q = unpack_q4(w.qweight).float()
-        mins = w.mins.float().repeat_interleave(w.group, dim=1)  # type: ignore[union-attr]
+        assert w.mins is not None  # a q4 weight carries mins (checked at construction)
+        mins = w.mins.float().repeat_interleave(w.group, dim=1)
         return xq @ (q * scale).T + x.float() @ mins.T
     return xq @ (w.qweight.float() * scale).T

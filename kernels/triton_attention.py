@@ -132,7 +132,7 @@ class _Launch:
         self.block_tables = block_tables.to(torch.int32)
         if self.block_tables.stride(1) != 1:
             self.block_tables = self.block_tables.contiguous()
-        scale_strides = (0, 0, 0)  # per-token INT8's scale caches only
+        scale_strides: tuple[int, ...] = (0, 0, 0)  # per-token INT8's scale caches only
         if self.fmt == FMT_AUTO:
             self.k_scale = self.v_scale = block_tables  # never read
         elif self.fmt == FMT_INT8_TOKEN:

@@ -11,7 +11,7 @@ where oneDNN's matmuls win once a step is compute-bound.
 from __future__ import annotations
 
 import ctypes
-from typing import Any, Protocol
+from typing import Any, Protocol, overload
 
 import torch
 import torch.nn.functional as F
@@ -156,6 +156,10 @@ class FusedCpuDecode:
         self.layer_ptrs = torch.tensor(rows, dtype=torch.int64)
         self.vocab = self.lm_head.shape[0]
 
+    @overload
+    def _own(self, t: torch.Tensor, name: str) -> torch.Tensor: ...
+    @overload
+    def _own(self, t: torch.Tensor | None, name: str) -> torch.Tensor | None: ...
     def _own(self, t: torch.Tensor | None, name: str) -> torch.Tensor | None:
         """The tensor itself, or for a small one in another dtype a copy this object keeps."""
         if t is None or t.dtype == self.dtype or name not in SMALL_TENSORS:

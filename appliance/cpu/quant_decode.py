@@ -55,11 +55,11 @@ class QuantFusedCpuDecode:
             rows.append([named[name] for name in cpu_quant.QLAYER_FIELDS])
         self.layer_ptrs = torch.tensor(rows, dtype=torch.int64)
         self.final_norm = self._small(model.model.norm.weight)
-        head = model.lm_head.quant
-        self.lm_head_desc = cpu_quant.descriptor(self._need(head, "lm_head"), act8)
+        head = self._need(model.lm_head.quant, "lm_head")
+        self.lm_head_desc = cpu_quant.descriptor(head, act8)
         # Every matrix in row tiles (int8 activations): the backend lets wider steps in.
-        self.tiled = head.tile_rows != 1 and all(  # type: ignore[union-attr]
-            lin.quant.tile_rows != 1  # type: ignore[union-attr]
+        self.tiled = head.tile_rows != 1 and all(
+            self._need(lin.quant, "a linear").tile_rows != 1
             for layer in layers
             for lin in (
                 layer.self_attn.qkv_proj,
@@ -68,7 +68,7 @@ class QuantFusedCpuDecode:
                 layer.mlp.down_proj,
             )
         )
-        self.vocab = self._need(head, "lm_head").out_features
+        self.vocab = head.out_features
         self.embedding = model.model.embed_tokens
         self.cos = model.model.rotary.cos.float().contiguous()
         self.sin = model.model.rotary.sin.float().contiguous()

@@ -85,7 +85,10 @@ class KVCachePool:
         ) -> tuple[torch.Tensor, ...]:
             side = storage.side_heads[i]
             main = (blocks, block_size, num_kv_heads - side, head_dim)
-            out = (alloc(main, storage.dtypes[i]), alloc(main, storage.dtypes[i]))
+            out: tuple[torch.Tensor, ...] = (
+                alloc(main, storage.dtypes[i]),
+                alloc(main, storage.dtypes[i]),
+            )
             if side:
                 apart = (blocks, block_size, side, head_dim)
                 out += (alloc(apart, storage.side_dtype), alloc(apart, storage.side_dtype))

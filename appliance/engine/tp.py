@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import msgspec
 import torch
@@ -277,7 +277,8 @@ class TPExecutor:
             for sentinel in wait(list(by_sentinel), timeout=MONITOR_POLL_S):
                 if self._stopping.is_set():
                     return
-                self._fail(self._death_message(by_sentinel[sentinel]))
+                # wait() gives back what it was given: the sentinels, ints.
+                self._fail(self._death_message(by_sentinel[cast(int, sentinel)]))
                 return
 
     def _death_message(self, w: _Worker) -> str:

@@ -166,7 +166,8 @@ def dequantize_rows(w: QuantWeight, rows: torch.Tensor | None) -> torch.Tensor:
     k = w.in_features
     if w.fmt == "q4":
         values = unpack_q4(q).float()
-        mins = (w.mins if rows is None else w.mins[rows]).float()  # type: ignore[index]
+        assert w.mins is not None  # a q4 weight carries mins (checked at construction)
+        mins = (w.mins if rows is None else w.mins[rows]).float()
         scale = scales.repeat_interleave(w.group, dim=1)
         return values * scale + mins.repeat_interleave(w.group, dim=1)
     scale = scales.repeat_interleave(w.group, dim=1)[:, :k]

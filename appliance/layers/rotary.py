@@ -27,6 +27,11 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Te
 
 
 class RotaryEmbedding(nn.Module):
+    # Registered buffers (not persistent): declared for the type checker, which reads
+    # nn.Module's __getattr__ as "a Tensor or a Module".
+    cos: torch.Tensor
+    sin: torch.Tensor
+
     def __init__(
         self,
         head_dim: int,

@@ -72,7 +72,7 @@ class Checkpoint:
 
             stream = packed_weights(self.path, self.kind)
         else:
-            stream = hf_files.iter_safetensors(self.path)  # type: ignore[assignment]
+            stream = hf_files.iter_safetensors(self.path)
         for name, value in stream:
             if isinstance(value, torch.Tensor):
                 if self.int8 and _int8_target(name, tied):

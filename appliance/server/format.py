@@ -54,7 +54,10 @@ def usage(gen: Generation, plan: ResponsePlan | None = None) -> s.Usage:
 def completion_logprobs(
     entries: list[Logprob], k: int, text_of: TokenText, offset: int
 ) -> tuple[s.CompletionLogprobs, int]:
-    tokens, lps, tops, offsets = [], [], [], []
+    tokens: list[str] = []
+    lps: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    offsets: list[int] = []
     for e in entries:
         tok = text_of(e.token_id)
         tokens.append(tok)

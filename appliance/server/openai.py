@@ -116,6 +116,8 @@ async def _generate(request: Request[Any, Any, Any], chat: bool) -> Response[Any
         if plan.tools is not None and plan.tools.structured is not None:
             if structured is not None:
                 plan.tools = with_output_constraint(plan.tools, structured)
+            # (a generic plan, which with_output_constraint returns, constrains its output)
+            assert plan.tools.structured is not None
             structured = validated(plan.tools.structured, "tools")
         prompts = [prep.chat_prompt(state, body.messages, body.add_generation_prompt, plan.tools)]
         name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"

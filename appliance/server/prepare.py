@@ -75,7 +75,11 @@ def check_estimated_wait(state: ServerState, priority_class: str) -> None:
     classes = cfg.priority_classes
     mine = classes[priority_class].priority if priority_class in classes else None
     by_priority = cfg.scheduler.policy == "priority" and mine is not None
-    ahead = [c for c, pc in classes.items() if not by_priority or pc.priority <= mine]
+    ahead = [
+        c
+        for c, pc in classes.items()
+        if not by_priority or (mine is not None and pc.priority <= mine)
+    ]
     if priority_class not in ahead:
         ahead.append(priority_class)
     wait = client.estimated_wait_s(ahead)

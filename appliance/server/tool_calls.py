@@ -319,14 +319,14 @@ class ToolStream:
             return self._auto_content(), []
         if not finished:
             return "", []
-        content, calls = plan.extract(self.held)
+        body, calls = plan.extract(self.held)
         self.held = ""
         self.made_calls = bool(calls)
         deltas = [
             s.DeltaToolCall(j, call_id(), "function", s.DeltaFunction(c.name, c.arguments))
             for j, c in enumerate(calls)
         ]
-        return content or "", deltas
+        return body or "", deltas
 
     def _auto_content(self) -> str:
         """Release what cannot be (the start of) a call; hold the rest."""

@@ -133,7 +133,8 @@ def _completed_calls(text: str) -> list[ParsedCall]:
     m = _CALLS_HEAD.match(text)
     if m is None or bool(m.group(1)) != bool(m.group(2)):
         return []
-    dec, pos, items = json.JSONDecoder(), m.end(), []
+    dec, pos = json.JSONDecoder(), m.end()
+    items: list[Any] = []
     while not items or m.group(1):  # one item for "tool_call", as many as whole for a list
         while pos < len(text) and (text[pos].isspace() or text[pos] == ","):
             pos += 1
@@ -166,9 +167,9 @@ def parse_generic(text: str) -> tuple[str | None, list[ParsedCall]]:
             _clean(answer) if isinstance(answer, str) else json.dumps(answer, ensure_ascii=False)
         ), []
     if isinstance(obj, dict) and ("tool_calls" in obj or "tool_call" in obj):
-        calls = _calls(obj)
-        if calls:
-            return None, calls
+        found = _calls(obj)
+        if found:
+            return None, found
     return text, []
 
 

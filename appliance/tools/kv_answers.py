@@ -214,7 +214,8 @@ def table(
         )
 
     lists: list[KeepList] = [([], []), *keep_lists]
-    runs = [("auto", [], [])] + [(f, k, h) for f in formats for k, h in lists]
+    runs: list[tuple[str, list[int], list[str]]] = [("auto", [], [])]
+    runs += [(f, k, h) for f in formats for k, h in lists]
     reference = greedy_answers(config("auto", [], []), max_tokens=max_tokens)
     ppl = kv_perplexities(config("auto", [], []), [r for r in runs if r[0] != "auto"])
     rows = [

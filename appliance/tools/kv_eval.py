@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -86,7 +86,7 @@ class Report:
 
 
 class _Accumulator:
-    def __init__(self, name: str, layers: Sequence[int], head: int | None = None) -> None:
+    def __init__(self, name: str, layers: Iterable[int], head: int | None = None) -> None:
         self.name, self.layers, self.head = name, sorted(layers), head
         self.kl = self.agree = self.nll = 0.0
         self.positions = self.nll_positions = 0

@@ -319,10 +319,11 @@ class Router:
 
     async def _ready(self, send: Send) -> None:
         assert self.client is not None
+        client = self.client
 
         async def probe(url: str) -> bool:
             try:
-                r = await self.client.get(url.rstrip("/") + "/ready", timeout=2.0)  # type: ignore[union-attr]
+                r = await client.get(url.rstrip("/") + "/ready", timeout=2.0)
                 return r.status_code == 200
             except httpx.HTTPError:
                 return False

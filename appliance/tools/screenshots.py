@@ -27,8 +27,10 @@ import time
 from pathlib import Path
 
 import httpx
+from textual.pilot import Pilot
 
 from appliance.console.app import ConsoleApp
+from appliance.console.templates import TemplatesScreen
 
 TEXT_RE = re.compile(
     r'<text class="([^"]*)" x="([\d.]+)" y="([\d.]+)" textLength="([\d.]+)"[^>]*>([^<]*)</text>'
@@ -79,11 +81,11 @@ def svg_text(svg: str) -> list[str]:
     return lines
 
 
-async def wait_polls(app: ConsoleApp, pilot: object, n: int, timeout_s: float = 30.0) -> None:
+async def wait_polls(app: ConsoleApp, pilot: Pilot[None], n: int, timeout_s: float = 30.0) -> None:
     target = app.polls + n
     t0 = time.monotonic()
     while app.polls < target and time.monotonic() - t0 < timeout_s:
-        await pilot.pause(0.1)  # type: ignore[attr-defined]
+        await pilot.pause(0.1)
 
 
 async def capture(
@@ -104,7 +106,9 @@ async def capture(
             await app.switch_mode(mode)
         await wait_polls(app, pilot, settle_polls)
         if select is not None:
-            app.screen.select(select)  # type: ignore[attr-defined]
+            screen = app.screen
+            assert isinstance(screen, TemplatesScreen), "select is for the templates screen"
+            screen.select(select)
         await pilot.pause(0.3)
         app.save_screenshot(path.name, str(path.parent))
     return svg_text(path.read_text())
