@@ -9,16 +9,17 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from appliance.config import ApplianceConfig, CacheConfig, ConfigError, served_model_name
+from appliance.core.scheduler_output import SchedulerOutput
 from appliance.cpu.backend import CpuBackend
 from appliance.engine import memory
 from appliance.engine.guided import GuidedDecoder
 from appliance.engine.kv_quant import configure_kv_cache
-from appliance.engine.model_runner import KVCachePool, KVStorage, ModelRunner
+from appliance.engine.model_runner import KVCachePool, KVStorage, ModelRunner, RunnerOutput
 from appliance.kernels import get_attention_backend
 from appliance.kv_layout import kv_bytes_per_token as kv_layout_bytes_per_token
 from appliance.layers.linear import MatmulWeight
@@ -33,6 +34,12 @@ log = logging.getLogger("appliance.loader")
 
 GiB = 1024**3
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class StepExecutor(Protocol):
+    """Runs one scheduled step on the model (every rank's, at TP > 1)."""
+
+    def execute(self, out: SchedulerOutput) -> RunnerOutput: ...
 
 
 @dataclass
@@ -54,9 +61,9 @@ class LoadedModel:
     block_size: int
     bytes_per_block: int
     phase_times: dict[str, float]
-    # What the engine calls each step (`execute(SchedulerOutput) -> RunnerOutput`): the runner
-    # itself at TP 1, a TPExecutor that drives the worker ranks at TP > 1 (appliance.engine.tp).
-    executor: Any = None
+    # What the engine calls each step: the runner itself at TP 1, a TPExecutor that drives the
+    # worker ranks at TP > 1 (appliance.engine.tp). Set by __post_init__ when not given.
+    executor: StepExecutor | None = None
     compute_dtype: torch.dtype | None = None
     # The CPU backend's decisions (None on CUDA): for logs, /admin/stats and the benches.
     cpu: CpuBackend | None = None
