@@ -6,6 +6,7 @@ from typing import Any
 
 import msgspec
 
+from appliance.engine.detokenizer import TokenDecoder
 from appliance.engine.outputs import Logprob, RequestOutput
 from appliance.server import schemas as s
 from appliance.server.generate import Choice, Generation
@@ -28,7 +29,7 @@ def sse(obj: Any) -> bytes:
 class TokenText:
     """Token id -> its text, as one-token decodes (what OpenAI's logprobs show), cached."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: TokenDecoder) -> None:
         self.tokenizer = tokenizer
         self.cache: dict[int, str] = {}
 

@@ -6,11 +6,12 @@ log-probabilities, the first one null, before the generated ones) and vLLM's
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from appliance.server import schemas as s
 
 if TYPE_CHECKING:
+    from appliance.engine.detokenizer import TokenDecoder
     from appliance.server.format import TokenText
     from appliance.server.generate import Choice
     from appliance.server.tool_calls import ToolPlan
@@ -29,7 +30,7 @@ class ResponsePlan:
     tools: ToolPlan | None = None
 
 
-def prompt_text(tokenizer: Any, ch: Choice) -> str:
+def prompt_text(tokenizer: TokenDecoder, ch: Choice) -> str:
     return tokenizer.decode(ch.prompt_token_ids, skip_special_tokens=True)
 
 
