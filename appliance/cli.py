@@ -6,7 +6,6 @@ import argparse
 import json
 import logging
 import sys
-from typing import Any
 
 from appliance.config import ConfigError, list_templates, load_config, model_override, parse_sets
 
@@ -65,7 +64,7 @@ def cmd_up(ns: argparse.Namespace) -> int:
     return run(ns)
 
 
-def _add_up_parser(sub: Any) -> None:
+def _add_up_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("up", help="serve the OpenAI-compatible API (the appliance daemon)")
     p.add_argument(
         "--template",

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
 
 POLL_S = 1.0
 
 
-def add_parser(sub: Any) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("console", help="the operator's terminal UI (Textual) for a running server")
     p.add_argument("--url", default="http://127.0.0.1:8000", help="the server (appliance up)")
     p.add_argument(

@@ -22,7 +22,10 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import httpx
 
 GRACE_S = 5.0
 SAMPLE_EVERY_S = 10.0
@@ -70,7 +73,9 @@ class ServerAudit:
     rss: dict[str, list[int]] = field(default_factory=dict)
     _task: asyncio.Task[None] | None = None
 
-    async def _stats(self, client: Any, count_objects: bool = False) -> dict[str, Any]:
+    async def _stats(
+        self, client: httpx.AsyncClient, count_objects: bool = False
+    ) -> dict[str, Any]:
         params = {"count_objects": "true"} if count_objects else {}
         r = await client.get(
             self.base_url + "/admin/stats", headers=self.headers, params=params, timeout=30
@@ -78,7 +83,7 @@ class ServerAudit:
         r.raise_for_status()
         return r.json()
 
-    async def start(self, client: Any) -> None:
+    async def start(self, client: httpx.AsyncClient) -> None:
         s = await self._stats(client)
         self.limits = {q["priority_class"]: q["queue_timeout_s"] for q in s["queues"]}
         self.pids = {"api": s["server"]["pid"]}
@@ -101,7 +106,7 @@ class ServerAudit:
             await asyncio.sleep(SAMPLE_EVERY_S)
             self._sample()
 
-    async def finish(self, client: Any, outcomes: list[Outcome]) -> dict[str, Any]:
+    async def finish(self, client: httpx.AsyncClient, outcomes: list[Outcome]) -> dict[str, Any]:
         if self._task is not None:
             self._task.cancel()
         # The load is over: wait for the engine to let go of everything.

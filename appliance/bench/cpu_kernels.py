@@ -101,7 +101,7 @@ def run(
     return results
 
 
-def add_parser(sub: Any) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("cpu-kernels", help="packed-weight CPU matmuls vs torch's float32 GEMM")
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"of {', '.join(SHAPES)}")
     p.add_argument("--formats", default="q4,q8")

@@ -214,7 +214,7 @@ def kv_summary(loaded: LoadedModel, config: Any, seq_len: int) -> dict[str, Any]
     }
 
 
-def add_parser(sub: Any) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("offline", help="offline throughput per scheduling mode")
     p.add_argument("--model", required=True, help="Hugging Face model directory")
     p.add_argument("--template", default="cpu-demo")

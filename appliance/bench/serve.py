@@ -17,10 +17,13 @@ import json
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from appliance.bench.audit import Outcome, ServerAudit, print_audit
 from appliance.bench.workload import PROFILES, Item, make_workload
+
+if TYPE_CHECKING:
+    import httpx
 
 
 @dataclass
@@ -66,7 +69,7 @@ class SLO:
 
 # -- HTTP ----------------------------------------------------------------------------------------
 async def _one(
-    client: Any,
+    client: httpx.AsyncClient,
     url: str,
     item: Item,
     ns: argparse.Namespace,
@@ -82,7 +85,9 @@ async def _one(
         return await _send(client, url, item, ns, max(t0 + item.arrival_s, time.perf_counter()))
 
 
-async def _send(client: Any, url: str, item: Item, ns: argparse.Namespace, start: float) -> Result:
+async def _send(
+    client: httpx.AsyncClient, url: str, item: Item, ns: argparse.Namespace, start: float
+) -> Result:
     # Without the priority extra the server picks the class (its default): say so in the rows.
     label = "(default)" if ns.no_priority else item.priority_class
     res = Result(item.index, label, len(item.prompt))
@@ -300,7 +305,7 @@ def print_table(
     print(f"\nerrors by status: {errors or 'none'}")
 
 
-def add_parser(sub: Any) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("serve", help="load-test an OpenAI-compatible server (or --offline)")
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--api-key", default=None)

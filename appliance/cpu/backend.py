@@ -32,7 +32,7 @@ from appliance.cpu.features import CpuFeatures, detect
 from appliance.cpu.fused_decode import FusedCpuDecode
 from appliance.cpu.primitive_cache import bound_primitive_caches, warm_primitive_caches
 from appliance.kernels import cpu_native, get_attention_backend
-from appliance.layers.linear import MatmulWeight, reference_quant_matmul
+from appliance.layers.linear import MatmulWeight, QuantMatmul, reference_quant_matmul
 from appliance.layers.norm import RMSNorm
 from appliance.layers.ops import LayerOps
 from appliance.layers.rotary import RotaryEmbedding
@@ -288,7 +288,7 @@ class CpuBackend:
             if module.quant is not None:
                 module.quant = cpu_quant.tiled_for_int8(module.quant, self.plan.features)
 
-    def _quant_matmul(self) -> Any:
+    def _quant_matmul(self) -> QuantMatmul:
         from appliance.kernels import cpu_quant
 
         if self.plan.native_ops and cpu_quant.load(self.plan.features) is not None:

@@ -416,7 +416,7 @@ def format_report(r: Report) -> str:
     return "\n".join(lines)
 
 
-def add_parser(sub: Any) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "kv-eval",
         help="measure the effect of a quantized KV cache per layer and propose a keep-list",

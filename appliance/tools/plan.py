@@ -524,7 +524,7 @@ def render(plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def add_parser(sub: Any) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "plan",
         help="memory plan of a template: what fits per GPU, without loading weights",

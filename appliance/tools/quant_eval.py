@@ -222,7 +222,7 @@ def format_table(scores: Sequence[FormatScore]) -> str:
     return "\n".join(lines)
 
 
-def add_parser(sub: Any) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "quant-eval",
         help="perplexity and top-1 agreement of weight formats "

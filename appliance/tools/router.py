@@ -440,7 +440,7 @@ def cmd_route(ns: argparse.Namespace) -> int:
     return 0
 
 
-def add_parser(sub: Any) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "route", help="route OpenAI requests to pool instances by prompt length and class"
     )
