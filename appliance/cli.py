@@ -6,7 +6,6 @@ import argparse
 import json
 import logging
 import sys
-from typing import Any
 
 from appliance.config import ConfigError, list_templates, load_config, model_override, parse_sets
 
@@ -72,10 +71,13 @@ def cmd_up(ns: argparse.Namespace) -> int:
     return run(ns)
 
 
-def _add_up_parser(sub: Any) -> None:
+def _add_up_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("up", help="serve the OpenAI-compatible API (the appliance daemon)")
-    p.add_argument("--template", default="cpu-demo",
-                   help="template name or path to a .toml (default: cpu-demo, SmolLM2 on the CPU)")  # fmt: skip
+    p.add_argument(
+        "--template",
+        default="cpu-demo",
+        help="template name or path to a .toml (default: cpu-demo, SmolLM2 on the CPU)",
+    )
     p.add_argument("--model", help="model directory (overrides model.path)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--host", help="overrides server.host")

@@ -431,9 +431,7 @@ def _check_consistency(cfg: ApplianceConfig, source: str) -> None:
         raise ConfigError(f"{source}: {exc}") from None
     for entry, (layer, head) in zip(cache.kv_cache_keep_16bit_heads, heads, strict=True):
         if heads.count((layer, head)) > 1:
-            raise ConfigError(
-                f"{source}: cache.kv_cache_keep_16bit_heads lists {entry!r} twice"
-            )
+            raise ConfigError(f"{source}: cache.kv_cache_keep_16bit_heads lists {entry!r} twice")
         if layer in cache.kv_cache_keep_16bit:
             raise ConfigError(
                 f"{source}: cache.kv_cache_keep_16bit_heads: {entry!r} is in layer {layer}, "

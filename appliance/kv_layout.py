@@ -50,7 +50,9 @@ def check_keep_lists(cache: CacheConfig, num_layers: int, num_kv_heads: int) -> 
                 f"cache.kv_cache_keep_16bit: layer {index} does not exist: the model has "
                 f"{num_layers} layers (valid indices 0..{num_layers - 1})"
             )
-    for entry, (layer, head) in zip(cache.kv_cache_keep_16bit_heads, cache.kept_heads(), strict=True):
+    for entry, (layer, head) in zip(
+        cache.kv_cache_keep_16bit_heads, cache.kept_heads(), strict=True
+    ):
         if layer >= num_layers or head >= num_kv_heads:
             raise _config_error(
                 f"cache.kv_cache_keep_16bit_heads: {entry!r} does not exist: the model has "
@@ -97,14 +99,20 @@ def layer_bytes_per_token(layer: LayerKV, heads: int, head_dim: int, dtype_bytes
     if layer.kind == "auto":
         return 2 * heads * head_dim * dtype_bytes
     kept = len(layer.kept_heads)
-    per_head = head_dim * QUANTIZED_BYTES + (TOKEN_SCALE_BYTES if layer.kind == PER_TOKEN_KIND else 0)
+    per_head = head_dim * QUANTIZED_BYTES + (
+        TOKEN_SCALE_BYTES if layer.kind == PER_TOKEN_KIND else 0
+    )
     return 2 * (kept * head_dim * dtype_bytes + (heads - kept) * per_head)
 
 
 def kv_bytes_per_token(
-    cache: CacheConfig, num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int,
+    cache: CacheConfig,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype_bytes: int,
     tp: int = 1,
-) -> int:  # fmt: skip
+) -> int:
     """K and V of one token over all layers, on the largest rank (what each rank sizes with)."""
     heads = max(1, num_kv_heads // tp)
     return max(

@@ -22,7 +22,7 @@ def bits_per_weight(kind: str, group: int = 128) -> float:
 
 
 def weight_format(config: ApplianceConfig, raw: dict[str, Any]) -> str:
-    """"awq", "gptq", "int8" or "" (16-bit): the installed config.json's quantization_config
+    """ "awq", "gptq", "int8" or "" (16-bit): the installed config.json's quantization_config
     wins, else model.quantization states it."""
     qc = raw.get("quantization_config") or {}
     method = str(qc.get("quant_method", "")).lower()

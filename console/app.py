@@ -44,8 +44,14 @@ class ConsoleApp(App[None]):
 
     snapshot: reactive[Snapshot | None] = reactive(None, always_update=True, init=False)
 
-    def __init__(self, url: str, token: str | None = None, readonly: bool = False,
-                 poll_s: float = POLL_S, client: AdminClient | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        token: str | None = None,
+        readonly: bool = False,
+        poll_s: float = POLL_S,
+        client: AdminClient | None = None,
+    ) -> None:
         super().__init__()
         self.url = url.rstrip("/")
         self.readonly = readonly
@@ -91,7 +97,9 @@ class ConsoleApp(App[None]):
         since = snap.age_s
         history_s = 60.0 if since is None else min(60.0, since + HISTORY_MARGIN_S)
         stats, metrics, host = await asyncio.gather(
-            self.client.stats(history_s), self.client.metrics(), asyncio.to_thread(read_host),
+            self.client.stats(history_s),
+            self.client.metrics(),
+            asyncio.to_thread(read_host),
             return_exceptions=True,
         )
         if isinstance(host, BaseException):

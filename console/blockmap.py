@@ -16,8 +16,14 @@ from textual.widget import Widget
 USED, CACHED, FREE, NONE = "U", "C", "F", " "
 # Glyphs differ as well as colours, so the map reads on a monochrome terminal and in tests.
 GLYPHS = {USED: ("█", "#e06c75"), CACHED: ("▒", "#e5c07b"), FREE: ("·", "#5c8a5c"), NONE: (" ", "")}
-LEGEND = Text.assemble(("█", GLYPHS[USED][1]), " used  ", ("▒", GLYPHS[CACHED][1]), " cached  ",
-                       ("·", GLYPHS[FREE][1]), " free")
+LEGEND = Text.assemble(
+    ("█", GLYPHS[USED][1]),
+    " used  ",
+    ("▒", GLYPHS[CACHED][1]),
+    " cached  ",
+    ("·", GLYPHS[FREE][1]),
+    " free",
+)
 
 
 def _majority(used: int, cached: int, free: int) -> str:
@@ -36,7 +42,7 @@ def cells_from_states(states: str, n_cells: int) -> list[str]:
         return [s if s in GLYPHS else FREE for s in states.upper()] + [NONE] * (n_cells - n)
     out = []
     for i in range(n_cells):
-        chunk = states[i * n // n_cells:(i + 1) * n // n_cells].upper()
+        chunk = states[i * n // n_cells : (i + 1) * n // n_cells].upper()
         out.append(_majority(chunk.count(USED), chunk.count(CACHED), chunk.count(FREE)))
     return out
 
@@ -61,8 +67,8 @@ class BlockMap(Widget):
     BlockMap { height: 2; width: 1fr; }
     """
 
-    def __init__(self, **kw: object) -> None:
-        super().__init__(**kw)  # type: ignore[arg-type]
+    def __init__(self, *, id: str | None = None, classes: str | None = None) -> None:
+        super().__init__(id=id, classes=classes)
         self.states: str | None = None
         self.counts = (0, 0, 0)
 
@@ -93,7 +99,7 @@ class BlockMap(Widget):
         for row in range(height):
             if row:
                 text.append("\n")
-            line = cells[row * width:(row + 1) * width]
+            line = cells[row * width : (row + 1) * width]
             start = 0
             # One segment per run of equal cells, not per cell: thousands of cells a second.
             for i in range(1, len(line) + 1):

@@ -64,8 +64,17 @@ def scan_templates() -> list[TemplateInfo]:
         except ConfigError as exc:
             out.append(TemplateInfo(name, path, source, None, error=str(exc), model="invalid"))
             continue
-        out.append(TemplateInfo(name, path, source, cfg, model=model_label(cfg),
-                                tp=cfg.parallel.tensor_parallel_size, plan=plan_summary(cfg, name)))
+        out.append(
+            TemplateInfo(
+                name,
+                path,
+                source,
+                cfg,
+                model=model_label(cfg),
+                tp=cfg.parallel.tensor_parallel_size,
+                plan=plan_summary(cfg, name),
+            )
+        )
     return out
 
 
@@ -88,8 +97,11 @@ def config_diff(template: ApplianceConfig, running: dict[str, Any]) -> list[tupl
     new = flatten(config_to_toml_dict(template))
     old = flatten(running)
     keys = sorted(set(new) | set(old))
-    return [(k, old.get(k, MISSING), new.get(k, MISSING)) for k in keys
-            if old.get(k, MISSING) != new.get(k, MISSING)]
+    return [
+        (k, old.get(k, MISSING), new.get(k, MISSING))
+        for k in keys
+        if old.get(k, MISSING) != new.get(k, MISSING)
+    ]
 
 
 def show_value(v: Any) -> str:

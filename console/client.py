@@ -55,7 +55,9 @@ def read_token(path: str | None) -> str | None:
         try:
             lines = p.read_text().splitlines()
         except OSError as exc:
-            raise ConsoleError(f"--admin-token-file: cannot read {str(p)!r}: {exc.strerror}") from None
+            raise ConsoleError(
+                f"--admin-token-file: cannot read {str(p)!r}: {exc.strerror}"
+            ) from None
         for line in lines:
             if line.strip() and not line.startswith("#"):
                 return line.strip()
@@ -76,19 +78,22 @@ def error_message(resp: httpx.Response) -> tuple[str, str | None]:
 
 
 class AdminClient:
-    def __init__(self, url: str, token: str | None = None,
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+    def __init__(
+        self, url: str, token: str | None = None, transport: httpx.AsyncBaseTransport | None = None
+    ) -> None:
         self.url = url.rstrip("/")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.has_token = token is not None
-        self._http = httpx.AsyncClient(base_url=self.url, headers=headers, timeout=POLL_TIMEOUT_S,
-                                       transport=transport)
+        self._http = httpx.AsyncClient(
+            base_url=self.url, headers=headers, timeout=POLL_TIMEOUT_S, transport=transport
+        )
 
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    async def _request(self, method: str, path: str, timeout: float = POLL_TIMEOUT_S,
-                       **kw: Any) -> httpx.Response:
+    async def _request(
+        self, method: str, path: str, timeout: float = POLL_TIMEOUT_S, **kw: Any
+    ) -> httpx.Response:
         try:
             resp = await self._http.request(method, path, timeout=timeout, **kw)
         except httpx.TimeoutException:
@@ -98,13 +103,20 @@ class AdminClient:
             raise Unreachable(f"server unreachable at {self.url} ({reason})") from None
         if resp.status_code == 401:
             message, _ = error_message(resp)
-            hint = ("the token given was rejected" if self.has_token
-                    else "none was given: pass --admin-token-file (the file the template's "
-                         "server.admin_token_file names)")
-            raise Unauthorized(f"admin token refused by {self.url} (401): {hint}. Server: {message}")
+            hint = (
+                "the token given was rejected"
+                if self.has_token
+                else "none was given: pass --admin-token-file (the file the template's "
+                "server.admin_token_file names)"
+            )
+            raise Unauthorized(
+                f"admin token refused by {self.url} (401): {hint}. Server: {message}"
+            )
         if resp.status_code >= 400:
             message, code = error_message(resp)
-            raise ServerError(resp.status_code, f"{method} {path}: {resp.status_code}: {message}", code)
+            raise ServerError(
+                resp.status_code, f"{method} {path}: {resp.status_code}: {message}", code
+            )
         return resp
 
     async def stats(self, history_s: float) -> AdminStats:
@@ -121,9 +133,13 @@ class AdminClient:
     async def config(self) -> dict[str, Any]:
         return (await self._request("GET", "/admin/config")).json()
 
-    async def reload(self, template: str | None, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    async def reload(
+        self, template: str | None, overrides: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
         body = {"template": template, "overrides": overrides or {}}
-        return (await self._request("POST", "/admin/reload", timeout=RELOAD_TIMEOUT_S, json=body)).json()
+        return (
+            await self._request("POST", "/admin/reload", timeout=RELOAD_TIMEOUT_S, json=body)
+        ).json()
 
     async def abort(self, request_id: str) -> dict[str, Any]:
         return (await self._request("POST", f"/admin/abort/{request_id}")).json()

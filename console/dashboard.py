@@ -28,8 +28,10 @@ class Panel(Static):
             text-wrap: nowrap; text-overflow: ellipsis; }
     """
 
-    def __init__(self, title: str, render_fn: Renderer, **kw: str) -> None:
-        super().__init__(**kw)
+    def __init__(
+        self, title: str, render_fn: Renderer, *, id: str | None = None, classes: str | None = None
+    ) -> None:
+        super().__init__(id=id, classes=classes)
         self.border_title = title
         self.render_fn = render_fn
 
@@ -80,6 +82,8 @@ class DashboardScreen(Screen[None]):
     DashboardScreen.-wide #kv {{ column-span: 3; }}
     DashboardScreen.-wide #engine {{ display: block; }}
     """
+    # The grid rows last set by _layout ("": none yet, the CSS's).
+    _grid_rows = ""
 
     def compose(self) -> ComposeResult:
         yield StatusLine(id="status")
@@ -117,9 +121,11 @@ class DashboardScreen(Screen[None]):
             kv_h = 5 + min(most, max(2, -(-blocks // map_w)))
             row_h = (h - 2 - kv_h) // 2
             rows = f"{kv_h} {row_h} {row_h}"
-        grid = self.query_one("#grid")
-        if grid.styles.grid_rows != rows:  # re-layout only when the shape changes
-            grid.styles.grid_rows = rows
+        # Re-layout only when the shape changes. (The styles give the rows back parsed, as
+        # scalars: compared with this string they always differed.)
+        if rows != self._grid_rows:
+            self._grid_rows = rows
+            self.query_one("#grid").styles.grid_rows = rows
 
     def _redraw(self) -> None:
         self.show(getattr(self.app, "snapshot", None))

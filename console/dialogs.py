@@ -79,7 +79,9 @@ class HelpScreen(ModalScreen[None]):
         self.readonly = readonly
 
     def compose(self) -> ComposeResult:
-        note = "[b]read-only[/b]: apply, roll back and abort are hidden.\n\n" if self.readonly else ""
+        note = (
+            "[b]read-only[/b]: apply, roll back and abort are hidden.\n\n" if self.readonly else ""
+        )
         with VerticalScroll():
             yield Static(note + HELP)
 

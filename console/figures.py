@@ -76,7 +76,9 @@ def batch_histogram(steps: Sequence[StepRecord], max_num_seqs: int) -> list[tupl
         else:
             if rec.num_seqs > max_num_seqs:  # a reload lowered the limit mid-window
                 counts[-1] += 1
-    return [(str(lo) if lo == hi else f"{lo}-{hi}", n) for (lo, hi), n in zip(bins, counts, strict=True)]
+    return [
+        (str(lo) if lo == hi else f"{lo}-{hi}", n) for (lo, hi), n in zip(bins, counts, strict=True)
+    ]
 
 
 def bound_shares(steps: Sequence[StepRecord]) -> dict[str, float]:
@@ -89,8 +91,9 @@ def bound_shares(steps: Sequence[StepRecord]) -> dict[str, float]:
     return shares
 
 
-def tokens_per_second(steps: Sequence[StepRecord], now: float, seconds: int = int(WINDOW_S)
-                      ) -> tuple[list[float], list[float]]:
+def tokens_per_second(
+    steps: Sequence[StepRecord], now: float, seconds: int = int(WINDOW_S)
+) -> tuple[list[float], list[float]]:
     """Prompt and generation tokens per second, one value per second, oldest first."""
     prompt = [0.0] * seconds
     gen = [0.0] * seconds
@@ -105,12 +108,13 @@ def tokens_per_second(steps: Sequence[StepRecord], now: float, seconds: int = in
 
 def recent_mean(values: Sequence[float], n: int = 5) -> float:
     """Tokens/s over the last n full seconds (the current second is still filling)."""
-    tail = list(values[-n - 1:-1]) if len(values) > n else list(values)
+    tail = list(values[-n - 1 : -1]) if len(values) > n else list(values)
     return sum(tail) / len(tail) if tail else 0.0
 
 
-def preemption_rate(events: Sequence[PreemptionEvent], now: float, window_s: float = WINDOW_S
-                    ) -> tuple[int, bool]:
+def preemption_rate(
+    events: Sequence[PreemptionEvent], now: float, window_s: float = WINDOW_S
+) -> tuple[int, bool]:
     """Preemptions in the last window from the server's bounded log; True when the log's
     oldest entry is itself inside the window (the log overflowed: the count is a lower bound)."""
     recent = [e for e in events if now - e.time <= window_s]
@@ -119,7 +123,7 @@ def preemption_rate(events: Sequence[PreemptionEvent], now: float, window_s: flo
 
 
 def split_counts(by: dict[str, int]) -> tuple[dict[str, int], dict[str, int]]:
-    """"mode/class" -> n into totals by mode and by class."""
+    """ "mode/class" -> n into totals by mode and by class."""
     modes: dict[str, int] = {}
     classes: dict[str, int] = {}
     for key, n in by.items():

@@ -57,9 +57,18 @@ def read_gpus() -> tuple[list[GpuInfo], str]:
                 limit = pynvml.nvmlDeviceGetEnforcedPowerLimit(h) / 1000.0
             except pynvml.NVMLError:
                 power = limit = None
-            gpus.append(GpuInfo(i, name.decode() if isinstance(name, bytes) else str(name),
-                                float(util.gpu), int(mem.used), int(mem.total), float(temp),
-                                power, limit))
+            gpus.append(
+                GpuInfo(
+                    i,
+                    name.decode() if isinstance(name, bytes) else str(name),
+                    float(util.gpu),
+                    int(mem.used),
+                    int(mem.total),
+                    float(temp),
+                    power,
+                    limit,
+                )
+            )
         return gpus, "" if gpus else "NVML found no device"
     except pynvml.NVMLError as exc:
         return [], _nvml_reason(exc)

@@ -31,16 +31,20 @@ def kv_text(snap: Snapshot, width: int) -> Text:
     if e is None:
         return NO_ENGINE
     pct = f" {e.kv_usage * 100:3.0f}% used"
-    used = bar([(e.blocks_used, "█", BAD), (e.blocks_cached, "▒", WARN), (e.blocks_free, "·", DIM)],
-               max(4, width - len(pct)))
+    used = bar(
+        [(e.blocks_used, "█", BAD), (e.blocks_cached, "▒", WARN), (e.blocks_free, "·", DIM)],
+        max(4, width - len(pct)),
+    )
     text = used.append(pct, "bold")
     # The glyphs double as the legend of the bar and of the block map below.
     text.append("\n█", BAD).append(f" used {e.blocks_used} ").append("▒", WARN)
     text.append(f" cached {e.blocks_cached} ").append("·", DIM).append(f" free {e.blocks_free}")
     text.append(f" / {e.num_blocks}" + (f" blocks of {e.block_size} tokens" if width >= 60 else ""))
     slots = f"{e.slot_utilisation * 100:.0f}%" if e.slots_allocated else "–"
-    text.append(f"\nslots {slots}, peak {e.slot_utilisation_at_peak * 100:.0f}%"
-                f" · swap {e.swap_blocks_used}/{e.swap_blocks_total}")
+    text.append(
+        f"\nslots {slots}, peak {e.slot_utilisation_at_peak * 100:.0f}%"
+        f" · swap {e.swap_blocks_used}/{e.swap_blocks_total}"
+    )
     return text
 
 
@@ -71,8 +75,14 @@ def batch_text(snap: Snapshot, width: int, rows: int) -> Text:
     e = stats.engine if stats else None
     if e is None:
         return NO_ENGINE
-    text = Text.assemble("running ", (str(e.num_running), "bold"), " · waiting ",
-                         (str(e.num_waiting), "bold"), " · swapped ", (str(e.num_swapped), "bold"))
+    text = Text.assemble(
+        "running ",
+        (str(e.num_running), "bold"),
+        " · waiting ",
+        (str(e.num_waiting), "bold"),
+        " · swapped ",
+        (str(e.num_swapped), "bold"),
+    )
     max_seqs = max([r.num_seqs for r in snap.steps] + [1])
     cfg_max = snap.config_max_num_seqs or max_seqs
     hist = batch_histogram(snap.steps, cfg_max)
@@ -94,8 +104,12 @@ def preemption_text(snap: Snapshot, width: int, rows: int) -> Text:
         return NO_ENGINE
     modes, classes = split_counts(e.counters.preemptions_by)
     n_min, overflow = preemption_rate(stats.preemptions, stats.time)
-    text = Text.assemble("total ", (str(e.counters.preemptions), "bold"), " · last minute ",
-                         (f"{'≥' if overflow else ''}{n_min}", "bold"))
+    text = Text.assemble(
+        "total ",
+        (str(e.counters.preemptions), "bold"),
+        " · last minute ",
+        (f"{'≥' if overflow else ''}{n_min}", "bold"),
+    )
     text.append("\n" + " · ".join(f"{mode} {modes.get(mode, 0)}" for mode in ("recompute", "swap")))
     by_class = " · ".join(f"{c} {n}" for c, n in sorted(classes.items())) or "by class: none yet"
     text.append(f"\n{by_class}", DIM if not classes else "")
@@ -126,8 +140,12 @@ def throughput_text(snap: Snapshot, width: int, rows: int) -> Text:
     val_w = 7
     w = max(4, width - label_w - val_w)
     text = Text(no_wrap=True, overflow="crop")
-    text.append("prompt tok/s ", DIM).append(spark(prompt, w)).append(f"{rate(recent_mean(prompt)):>{val_w}}")
-    text.append("\ngen    tok/s ", DIM).append(spark(gen, w)).append(f"{rate(recent_mean(gen)):>{val_w}}")
+    text.append("prompt tok/s ", DIM).append(spark(prompt, w)).append(
+        f"{rate(recent_mean(prompt)):>{val_w}}"
+    )
+    text.append("\ngen    tok/s ", DIM).append(spark(gen, w)).append(
+        f"{rate(recent_mean(gen)):>{val_w}}"
+    )
     # "TTFT " + 2 x ("p50 " + spark + value(6) + " ")
     half = max(2, (width - 5 - 2 * (4 + 6 + 1)) // 2)
     for name, label in ((TTFT, "TTFT"), (TPOT, "TPOT")):
@@ -167,7 +185,9 @@ def slow_text(snap: Snapshot, width: int, rows: int) -> Text:
             text.append("bound ", DIM).append(bar(parts, max(4, width - 6))).append("\n")
         text.append("bound: ", DIM)
         for b in ("kv_blocks", "token_budget", "max_num_seqs"):
-            text.append(f"{BOUND_LABEL[b]} ", DIM).append(f"{shares[b] * 100:.0f}% ", BOUND_STYLE[b])
+            text.append(f"{BOUND_LABEL[b]} ", DIM).append(
+                f"{shares[b] * 100:.0f}% ", BOUND_STYLE[b]
+            )
         text.append(f"idle {shares['none'] * 100:.0f}%", DIM)
     text.append(f"\n{'class':<{name_w}} {'wait':>4} {'est':>5} {'oldest':>6}/{'limit':<5}", DIM)
     room = width - (name_w + 1 + 4 + 1 + 5 + 1 + 6 + 1 + 5)
@@ -222,20 +242,28 @@ def engine_text(snap: Snapshot, width: int, rows: int) -> Text:
         return NO_ENGINE
     s = stats.server
     text = Text(no_wrap=True, overflow="crop")
-    text.append(f"{stats.model_name} on {stats.device or '?'} ({stats.dtype or '?'}), "
-                f"max_model_len {stats.max_model_len}")
+    text.append(
+        f"{stats.model_name} on {stats.device or '?'} ({stats.dtype or '?'}), "
+        f"max_model_len {stats.max_model_len}"
+    )
     text.append(f"\ntemplate {stats.config.template or 'defaults'}", DIM)
     if stats.config.overrides:
         text.append(f"\noverrides {stats.config.overrides}", DIM)
-    ready = f"ready after {secs(s.ready_after_s)}" if s.ready_after_s is not None else "not ready yet"
+    ready = (
+        f"ready after {secs(s.ready_after_s)}" if s.ready_after_s is not None else "not ready yet"
+    )
     text.append(f"\n{ready} · engine #{s.engine_generation}")
     text.append(f"\nrequests in flight {s.requests_in_flight} · served {s.requests_served}")
     e = stats.engine
     if e is not None:
         hit = e.prefix_cache_hits / e.prefix_cache_queries if e.prefix_cache_queries else 0.0
-        text.append(f"\nprefix cache hits {hit * 100:.0f}% of {e.prefix_cache_queries} tokens"
-                    f" · step {e.step}")
-        text.append(f"\ntokens: prompt {e.prompt_tokens_total} · generated {e.generation_tokens_total}")
+        text.append(
+            f"\nprefix cache hits {hit * 100:.0f}% of {e.prefix_cache_queries} tokens"
+            f" · step {e.step}"
+        )
+        text.append(
+            f"\ntokens: prompt {e.prompt_tokens_total} · generated {e.generation_tokens_total}"
+        )
     if s.last_reload:
         ok = s.last_reload.get("ok")
         when = time.strftime("%H:%M:%S", time.localtime(s.last_reload.get("time", 0)))

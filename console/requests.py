@@ -59,15 +59,23 @@ class RequestsScreen(Screen[None]):
             return
         reqs = sorted(stats.requests, key=lambda r: (ORDER.get(r.status, 9), -r.age_s))
         counts = {s: sum(1 for r in reqs if r.status == s) for s in ORDER}
-        summary = Text.assemble(*(part for s in ORDER for part in ((f"{s} ", DIM), (f"{counts[s]}  ", "bold"))))
+        summary = Text.assemble(
+            *(part for s in ORDER for part in ((f"{s} ", DIM), (f"{counts[s]}  ", "bold")))
+        )
         self.query_one("#summary", Static).update(summary)
         table = self.query_one(DataTable)
         selected = self.selected_id()
         table.clear()
         for r in reqs:
             table.add_row(
-                r.request_id, r.priority_class, Text(r.status, STATUS_STYLE.get(r.status, "")),
-                r.prompt_tokens, r.output_tokens, r.blocks_held, secs(r.age_s), r.num_preemptions,
+                r.request_id,
+                r.priority_class,
+                Text(r.status, STATUS_STYLE.get(r.status, "")),
+                r.prompt_tokens,
+                r.output_tokens,
+                r.blocks_held,
+                secs(r.age_s),
+                r.num_preemptions,
                 key=r.request_id,
             )
         if selected is not None and selected in {r.request_id for r in reqs}:
@@ -96,8 +104,11 @@ class RequestsScreen(Screen[None]):
                 self.abort(request_id)
 
         self.app.push_screen(
-            ConfirmScreen(f"Abort request {request_id}?\nThe client receives what was generated so "
-                          "far with finish reason 'abort'; its KV blocks are freed.", yes="Abort"),
+            ConfirmScreen(
+                f"Abort request {request_id}?\nThe client receives what was generated so "
+                "far with finish reason 'abort'; its KV blocks are freed.",
+                yes="Abort",
+            ),
             confirmed,
         )
 

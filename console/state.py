@@ -65,7 +65,9 @@ def status_line(snap: Snapshot | None) -> tuple[Text, str]:
     if stats is None:
         return Text(f"connecting to {snap.url} …") + ro, ""
     phase = stats.server.phase
-    colour = OK if phase == "ready" else WARN if phase in ("starting", "reloading", "draining") else BAD
+    colour = (
+        OK if phase == "ready" else WARN if phase in ("starting", "reloading", "draining") else BAD
+    )
     text = Text.assemble(("● ", colour), (stats.model_name, "bold"), " · ", (phase, colour))
     if stats.server.phase_detail:
         text.append(f" ({stats.server.phase_detail})", colour)

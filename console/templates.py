@@ -23,6 +23,7 @@ from textual import work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import VerticalScroll
+from textual.coordinate import Coordinate
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, ProgressBar, Static
 
@@ -91,8 +92,14 @@ class TemplatesScreen(Screen[None]):
         table = self.query_one(DataTable)
         table.clear()
         for t in templates:
-            table.add_row(t.name, t.source, t.model, "-" if t.tp is None else str(t.tp),
-                          Text(t.error, BAD) if t.error else t.plan, key=t.name)
+            table.add_row(
+                t.name,
+                t.source,
+                t.model,
+                "-" if t.tp is None else str(t.tp),
+                Text(t.error, BAD) if t.error else t.plan,
+                key=t.name,
+            )
         self.show(getattr(self.app, "snapshot", None))
 
     def selected(self) -> TemplateInfo | None:
@@ -100,7 +107,7 @@ class TemplatesScreen(Screen[None]):
         if not self.templates or table.row_count == 0:
             return None
         row = min(table.cursor_row, len(self.templates) - 1)
-        name = table.coordinate_to_cell_key((row, 0)).row_key.value
+        name = table.coordinate_to_cell_key(Coordinate(row, 0)).row_key.value
         return next((t for t in self.templates if t.name == name), None)
 
     def select(self, name: str) -> None:
@@ -120,8 +127,11 @@ class TemplatesScreen(Screen[None]):
         if self.applying is not None and stats is not None:
             detail = f" ({stats.server.phase_detail})" if stats.server.phase_detail else ""
             self.query_one("#outcome", Static).update(
-                Text(f"applying {self.applying}: server {stats.server.phase}{detail} …", WARN))
-        self._mark_running(stats.config.template if stats else None, stats.config.path if stats else "")
+                Text(f"applying {self.applying}: server {stats.server.phase}{detail} …", WARN)
+            )
+        self._mark_running(
+            stats.config.template if stats else None, stats.config.path if stats else ""
+        )
         self.query_one("#diff", Static).update(self._details(snap))
 
     def _mark_running(self, template: str | None, path: str) -> None:
@@ -146,10 +156,14 @@ class TemplatesScreen(Screen[None]):
         diff = config_diff(t.config, running.get("config", {}))
         if not diff:
             return text.append("\nsame as the running configuration", OK)
-        text.append(f"\n{len(diff)} settings differ from the running configuration "
-                    f"({running.get('template') or 'defaults'}):")
+        text.append(
+            f"\n{len(diff)} settings differ from the running configuration "
+            f"({running.get('template') or 'defaults'}):"
+        )
         for key, old, new in diff[:MAX_DIFF_LINES]:
-            text.append(f"\n  {key}: ").append(show_value(old), BAD).append(" → ").append(show_value(new), OK)
+            text.append(f"\n  {key}: ").append(show_value(old), BAD).append(" → ").append(
+                show_value(new), OK
+            )
         if len(diff) > MAX_DIFF_LINES:
             text.append(f"\n  … and {len(diff) - MAX_DIFF_LINES} more", DIM)
         return text
@@ -165,10 +179,14 @@ class TemplatesScreen(Screen[None]):
         snap: Snapshot | None = getattr(self.app, "snapshot", None)
         running = snap.running if snap else None
         n = len(config_diff(t.config, running.get("config", {}))) if t.config and running else None
-        changes = f"{n} settings change." if n is not None else "The running configuration is unknown."
-        question = (f"Apply template [b]{t.name}[/b] to {getattr(self.app, 'url', 'the server')}?\n\n"
-                    "The server stops taking new requests, drains the ones in flight, restarts the "
-                    f"engine with this template and resumes. {changes}")
+        changes = (
+            f"{n} settings change." if n is not None else "The running configuration is unknown."
+        )
+        question = (
+            f"Apply template [b]{t.name}[/b] to {getattr(self.app, 'url', 'the server')}?\n\n"
+            "The server stops taking new requests, drains the ones in flight, restarts the "
+            f"engine with this template and resumes. {changes}"
+        )
 
         def confirmed(yes: bool | None) -> None:
             if yes:
@@ -181,7 +199,8 @@ class TemplatesScreen(Screen[None]):
             return
         template, overrides = self.previous
         question = f"Roll back to [b]{template or 'defaults'}[/b]" + (
-            f" with overrides {overrides}?" if overrides else "?")
+            f" with overrides {overrides}?" if overrides else "?"
+        )
 
         def confirmed(yes: bool | None) -> None:
             if yes and self.previous is not None:
@@ -190,10 +209,16 @@ class TemplatesScreen(Screen[None]):
         self.app.push_screen(ConfirmScreen(question, yes="Roll back"), confirmed)
 
     @work(exclusive=True, group="apply")
-    async def apply(self, template: str | None, overrides: dict[str, Any] | None, rollback: bool) -> None:
+    async def apply(
+        self, template: str | None, overrides: dict[str, Any] | None, rollback: bool
+    ) -> None:
         app: Any = self.app
         snap: Snapshot | None = app.snapshot
-        before = (snap.stats.config.template, dict(snap.stats.config.overrides)) if snap and snap.stats else None
+        before = (
+            (snap.stats.config.template, dict(snap.stats.config.overrides))
+            if snap and snap.stats
+            else None
+        )
         label = template or "defaults"
         self.applying = label
         self.add_class("-applying")
@@ -203,14 +228,23 @@ class TemplatesScreen(Screen[None]):
         try:
             result = await app.client.reload(template, overrides)
         except ConsoleError as exc:
-            self._outcome(Text.assemble(("✗ apply failed", BAD), f" after {secs(time.monotonic() - t0)}; ",
-                                        ("the previous configuration is still running", "bold"),
-                                        f".\n{exc}"))
+            self._outcome(
+                Text.assemble(
+                    ("✗ apply failed", BAD),
+                    f" after {secs(time.monotonic() - t0)}; ",
+                    ("the previous configuration is still running", "bold"),
+                    f".\n{exc}",
+                )
+            )
         else:
             took = result.get("seconds", time.monotonic() - t0)
             self.previous = before
             what = "rolled back to" if rollback else "applied"
-            back = f" · b rolls back to {before[0] or 'defaults'}" if before and not self.readonly else ""
+            back = (
+                f" · b rolls back to {before[0] or 'defaults'}"
+                if before and not self.readonly
+                else ""
+            )
             self._outcome(Text.assemble(("✓ ", OK), f"{what} {label} in {secs(took)}", (back, DIM)))
         finally:
             self.applying = None

@@ -40,8 +40,9 @@ def meter(fraction: float, width: int, warn: float = 0.75, bad: float = 0.9) -> 
 
 def spark(values: Sequence[float | None], width: int, style: str = OK) -> Text:
     """The last `width` values as ▁..█ scaled to their maximum; None (no data) as a space."""
-    vals = list(values)[-width:] if width > 0 else []
-    vals = [None] * (width - len(vals)) + vals
+    vals: list[float | None] = list(values)[-width:] if width > 0 else []
+    pad: list[float | None] = [None] * (width - len(vals))
+    vals = pad + vals
     top = max((v for v in vals if v is not None), default=0.0)
     out = []
     for v in vals:

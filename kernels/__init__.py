@@ -64,7 +64,18 @@ def cpu_paged_attention(
             query, k_cache, v_cache, block_tables, seq_lens, scale
         )
     return _torch_paged_attention(
-        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-        max_query_len, max_seq_len, kv_cache_dtype, k_scale, v_scale, key, value,
-    )  # fmt: skip
-
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        scale,
+        max_query_len,
+        max_seq_len,
+        kv_cache_dtype,
+        k_scale,
+        v_scale,
+        key,
+        value,
+    )

@@ -30,8 +30,9 @@ SWEEP = [(32, 4, 2), (64, 4, 2), (64, 8, 2), (64, 8, 3), (128, 8, 2)]  # block_n
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m appliance.kernels.bench",
-                                     description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m appliance.kernels.bench", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--iters", type=int, default=30, help="timed launches per case")
     parser.add_argument("--warmup", type=int, default=5, help="untimed launches per case")
@@ -66,8 +67,9 @@ def copy_bandwidth(gib: float, iters: int, warmup: int) -> float:
     return 2 * n / (ms * 1e-3)
 
 
-def make_decode_inputs(batch: int, context: int, kv_cache_dtype: str,
-                       device: str = "cuda") -> dict[str, Any]:
+def make_decode_inputs(
+    batch: int, context: int, kv_cache_dtype: str, device: str = "cuda"
+) -> dict[str, Any]:
     """Random decode inputs: every sequence ``context`` tokens, block table shuffled."""
     from .paged_attention import cache_storage_dtype
 
@@ -91,13 +93,18 @@ def make_decode_inputs(batch: int, context: int, kv_cache_dtype: str,
         scales = torch.full((NUM_KV_HEADS,), 1 / 64, device=device)
     perm = torch.randperm(num_blocks, generator=gen, device=device)
     return {
-        "query": torch.randn(batch, NUM_HEADS, HEAD_DIM, generator=gen, device=device,
-                             dtype=torch.bfloat16),
-        "k_cache": k_cache, "v_cache": v_cache,
+        "query": torch.randn(
+            batch, NUM_HEADS, HEAD_DIM, generator=gen, device=device, dtype=torch.bfloat16
+        ),
+        "k_cache": k_cache,
+        "v_cache": v_cache,
         "block_tables": perm.view(batch, blocks_per_seq).to(torch.int32),
         "seq_lens": torch.full((batch,), context, dtype=torch.int32, device=device),
-        "scale": HEAD_DIM**-0.5, "max_seq_len": context, "kv_cache_dtype": kv_cache_dtype,
-        "k_scale": scales, "v_scale": scales,
+        "scale": HEAD_DIM**-0.5,
+        "max_seq_len": context,
+        "kv_cache_dtype": kv_cache_dtype,
+        "k_scale": scales,
+        "v_scale": scales,
     }
 
 
@@ -123,34 +130,56 @@ def check_correctness(device: str = "cuda") -> list[dict[str, Any]]:
             slots = torch.arange(kc.shape[0] * BLOCK_SIZE, device=device)
             flat = (slots.numel(), NUM_KV_HEADS, HEAD_DIM)
             store = torch.uint8 if fmt.startswith("fp8") else torch.int8
-            kc_ref, vc_ref, kc, vc = (torch.empty(kc.shape, dtype=store, device=device)
-                                      for _ in range(4))
-            write_kv(inputs["k_cache"].view(flat), inputs["v_cache"].view(flat), kc_ref, vc_ref,
-                     slots, fmt, scales, scales)
-            write_kv_triton(inputs["k_cache"].view(flat), inputs["v_cache"].view(flat), kc, vc,
-                            slots, fmt, scales, scales)
+            kc_ref, vc_ref, kc, vc = (
+                torch.empty(kc.shape, dtype=store, device=device) for _ in range(4)
+            )
+            write_kv(
+                inputs["k_cache"].view(flat),
+                inputs["v_cache"].view(flat),
+                kc_ref,
+                vc_ref,
+                slots,
+                fmt,
+                scales,
+                scales,
+            )
+            write_kv_triton(
+                inputs["k_cache"].view(flat),
+                inputs["v_cache"].view(flat),
+                kc,
+                vc,
+                slots,
+                fmt,
+                scales,
+                scales,
+            )
             same = (kc == kc_ref).float().mean().item()
             results.append({"check": f"write_kv {fmt}", "bit_exact_share": same, "ok": same > 0.99})
         inputs.update(k_cache=kc, v_cache=vc, kv_cache_dtype=fmt, k_scale=scales, v_scale=scales)
         q, bt, sl = inputs["query"], inputs["block_tables"], inputs["seq_lens"]
         sl.copy_(torch.tensor([1000, 1, 517, 64], device=device))
         qsl = torch.arange(5, device=device, dtype=torch.int32)
-        ref = paged_attention(q.float(), kc, vc, bt, sl, qsl, inputs["scale"], 1, 1000, fmt,
-                              scales, scales)
+        ref = paged_attention(
+            q.float(), kc, vc, bt, sl, qsl, inputs["scale"], 1, 1000, fmt, scales, scales
+        )
         for split in (None, 128):
-            out = paged_attention_decode(q, kc, vc, bt, sl, inputs["scale"], 1000, fmt, scales,
-                                         scales, split_size=split)
+            out = paged_attention_decode(
+                q, kc, vc, bt, sl, inputs["scale"], 1000, fmt, scales, scales, split_size=split
+            )
             err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
-            results.append({"check": f"decode {fmt} split={split}", "rel_err": err,
-                            "ok": err < 2e-2})
+            results.append(
+                {"check": f"decode {fmt} split={split}", "rel_err": err, "ok": err < 2e-2}
+            )
         qlens = torch.tensor([100, 1, 37, 64], device=device)
         qsl = torch.zeros(5, dtype=torch.int32, device=device)
         qsl[1:] = qlens.cumsum(0)
         qp = torch.randn(int(qlens.sum()), NUM_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
-        ref = paged_attention(qp.float(), kc, vc, bt, sl, qsl, inputs["scale"], 100, 1000, fmt,
-                              scales, scales)
-        out = paged_attention_prefill(qp, kc, vc, bt, sl, qsl, inputs["scale"], 100, fmt,
-                                      scales, scales)
+        ref = paged_attention(
+            qp.float(), kc, vc, bt, sl, qsl, inputs["scale"], 100, 1000, fmt, scales, scales
+        )
+        out = paged_attention_prefill(
+            qp, kc, vc, bt, sl, qsl, inputs["scale"], 100, fmt, scales, scales
+        )
         err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
         results.append({"check": f"prefill {fmt}", "rel_err": err, "ok": err < 2e-2})
     return results + check_per_token(device)
@@ -174,8 +203,9 @@ def check_per_token(device: str = "cuda") -> list[dict[str, Any]]:
 
     def caches() -> list[torch.Tensor]:
         kv = [torch.empty(kc16.shape, dtype=torch.int8, device=device) for _ in range(2)]
-        return kv + [torch.empty(kc16.shape[:3], dtype=torch.float16, device=device)
-                     for _ in range(2)]
+        return kv + [
+            torch.empty(kc16.shape[:3], dtype=torch.float16, device=device) for _ in range(2)
+        ]
 
     ref_c, ours = caches(), caches()
     write_kv(key, value, ref_c[0], ref_c[1], slots, PER_TOKEN_KIND, ref_c[2], ref_c[3])
@@ -183,23 +213,29 @@ def check_per_token(device: str = "cuda") -> list[dict[str, Any]]:
     same = min((a == b).float().mean().item() for a, b in zip(ours, ref_c, strict=True))
     results = [{"check": "write_kv int8_token", "bit_exact_share": same, "ok": same == 1.0}]
     q, scale = inputs["query"], inputs["scale"]
+    k8, v8, k_scales, v_scales = ours
     qsl = torch.arange(5, device=device, dtype=torch.int32)
-    ref = paged_attention(q.float(), *ours[:2], bt, sl, qsl, scale, 1, 1000, PER_TOKEN_KIND,
-                          *ours[2:])
+    ref = paged_attention(
+        q.float(), k8, v8, bt, sl, qsl, scale, 1, 1000, PER_TOKEN_KIND, k_scales, v_scales
+    )
     for split in (None, 128):
-        out = paged_attention_decode(q, *ours[:2], bt, sl, scale, 1000, PER_TOKEN_KIND,
-                                     *ours[2:], split_size=split)
+        out = paged_attention_decode(
+            q, k8, v8, bt, sl, scale, 1000, PER_TOKEN_KIND, k_scales, v_scales, split_size=split
+        )
         err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
-        results.append({"check": f"decode int8_token split={split}", "rel_err": err,
-                        "ok": err < 2e-2})
+        results.append(
+            {"check": f"decode int8_token split={split}", "rel_err": err, "ok": err < 2e-2}
+        )
     qlens = torch.tensor([100, 1, 37, 64], device=device)
     qsl = torch.zeros(5, dtype=torch.int32, device=device)
     qsl[1:] = qlens.cumsum(0)
     qp = torch.randn(int(qlens.sum()), NUM_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
-    ref = paged_attention(qp.float(), *ours[:2], bt, sl, qsl, scale, 100, 1000, PER_TOKEN_KIND,
-                          *ours[2:])
-    out = paged_attention_prefill(qp, *ours[:2], bt, sl, qsl, scale, 100, PER_TOKEN_KIND,
-                                  *ours[2:])
+    ref = paged_attention(
+        qp.float(), k8, v8, bt, sl, qsl, scale, 100, 1000, PER_TOKEN_KIND, k_scales, v_scales
+    )
+    out = paged_attention_prefill(
+        qp, k8, v8, bt, sl, qsl, scale, 100, PER_TOKEN_KIND, k_scales, v_scales
+    )
     err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
     results.append({"check": "prefill int8_token", "rel_err": err, "ok": err < 2e-2})
     return results
@@ -215,8 +251,13 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
 
     report: dict[str, Any] = {
         "device": torch.cuda.get_device_name(),
-        "shape": {"num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM,
-                  "block_size": BLOCK_SIZE, "query_dtype": "bfloat16"},
+        "shape": {
+            "num_heads": NUM_HEADS,
+            "num_kv_heads": NUM_KV_HEADS,
+            "head_dim": HEAD_DIM,
+            "block_size": BLOCK_SIZE,
+            "query_dtype": "bfloat16",
+        },
     }
     if not args.no_check:
         report["checks"] = check_correctness()
@@ -231,20 +272,32 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             if args.sweep:
                 configs += [KernelConfig(*c) for c in SWEEP]
             for cfg in configs:
-                def launch(inputs: dict[str, Any] = inputs, out: torch.Tensor = out,
-                           cfg: KernelConfig | None = cfg) -> None:
+
+                def launch(
+                    inputs: dict[str, Any] = inputs,
+                    out: torch.Tensor = out,
+                    cfg: KernelConfig | None = cfg,
+                ) -> None:
                     paged_attention_decode(**inputs, out=out, config=cfg)
 
                 block_n = (cfg or default_config(HEAD_DIM)).block_n
                 split = choose_split_size(batch, NUM_KV_HEADS, context, out.device, block_n)
                 ms = time_cuda(launch, args.iters, args.warmup)
                 bw = bytes_read(inputs) / (ms * 1e-3)
-                rows.append({"batch": batch, "context": context,
-                             "kv_cache": "bf16" if fmt == "auto" else fmt,
-                             "config": "default" if cfg is None else
-                             f"n{cfg.block_n}/w{cfg.num_warps}/s{cfg.num_stages}",
-                             "splits": -(-context // split), "time_ms": ms,
-                             "bandwidth_gbs": bw / 1e9, "share_of_copy": bw / copy_bw})
+                rows.append(
+                    {
+                        "batch": batch,
+                        "context": context,
+                        "kv_cache": "bf16" if fmt == "auto" else fmt,
+                        "config": "default"
+                        if cfg is None
+                        else f"n{cfg.block_n}/w{cfg.num_warps}/s{cfg.num_stages}",
+                        "splits": -(-context // split),
+                        "time_ms": ms,
+                        "bandwidth_gbs": bw / 1e9,
+                        "share_of_copy": bw / copy_bw,
+                    }
+                )
     torch.cuda.empty_cache()
     report["decode"] = rows
     return report
@@ -256,21 +309,28 @@ def print_table(report: dict[str, Any]) -> None:
         detail = {k: round(v, 6) for k, v in check.items() if isinstance(v, float)}
         print(f"check {check['check']:<28} {'ok' if check['ok'] else 'FAILED'} {detail}")
     print(f"copy bandwidth (read+write): {report['copy_bandwidth_gbs']:.0f} GB/s")
-    header = f"{'batch':>5} {'context':>7} {'kv':>8} {'config':>10} {'splits':>6} " \
-             f"{'time ms':>9} {'GB/s':>8} {'of copy':>8}"
+    header = (
+        f"{'batch':>5} {'context':>7} {'kv':>8} {'config':>10} {'splits':>6} "
+        f"{'time ms':>9} {'GB/s':>8} {'of copy':>8}"
+    )
     print(header)
     print("-" * len(header))
     for r in report["decode"]:
-        print(f"{r['batch']:>5} {r['context']:>7} {r['kv_cache']:>8} {r['config']:>10} "
-              f"{r['splits']:>6} {r['time_ms']:>9.3f} {r['bandwidth_gbs']:>8.0f} "
-              f"{r['share_of_copy']:>8.1%}")
+        print(
+            f"{r['batch']:>5} {r['context']:>7} {r['kv_cache']:>8} {r['config']:>10} "
+            f"{r['splits']:>6} {r['time_ms']:>9.3f} {r['bandwidth_gbs']:>8.0f} "
+            f"{r['share_of_copy']:>8.1%}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
-        print("appliance.kernels.bench: no CUDA device (torch.cuda.is_available() is False); "
-              "this benchmark only runs on a GPU.", file=sys.stderr)
+        print(
+            "appliance.kernels.bench: no CUDA device (torch.cuda.is_available() is False); "
+            "this benchmark only runs on a GPU.",
+            file=sys.stderr,
+        )
         return 2
     report = run_bench(args)
     if args.json:

@@ -16,6 +16,7 @@ import logging
 import os
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -43,9 +44,18 @@ FLAGS = [
 # Order of the per-layer pointer row and the shape vector (the enums / struct in the C file).
 LAYER_FIELDS = ("ln1", "wqkv", "bqkv", "wo", "ln2", "wgu", "wdown", "k_cache", "v_cache")
 SHAPE_FIELDS = (
-    "batch", "layers", "hidden", "heads", "kv_heads", "head_dim", "inter", "vocab",
-    "block_size", "table_stride", "threads",
-)  # fmt: skip
+    "batch",
+    "layers",
+    "hidden",
+    "heads",
+    "kv_heads",
+    "head_dim",
+    "inter",
+    "vocab",
+    "block_size",
+    "table_stride",
+    "threads",
+)
 SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 MAX_QUERY_HEADS = NATIVE_MAX_QUERY_HEADS
 
@@ -139,7 +149,11 @@ def load(features: CpuFeatures | None = None) -> ctypes.CDLL | None:
             log.warning("CPU decode kernels unavailable, using the torch path: %s", exc)
         if lib is not None:
             for suffix in SUFFIX.values():
-                for name in ("decode_forward", "paged_decode_attention", "paged_decode_attention_f32q"):
+                for name in (
+                    "decode_forward",
+                    "paged_decode_attention",
+                    "paged_decode_attention_f32q",
+                ):
                     getattr(lib, f"{name}_{suffix}").restype = ctypes.c_int
         _loaded[key] = (lib, error)
     return _loaded[key][0]
@@ -193,15 +207,31 @@ def paged_decode_attention(
     lens = seq_lens.to(torch.int32).contiguous()
     out = torch.empty_like(q)
     shape = shape_vector(
-        batch=batch, layers=0, hidden=0, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-        inter=0, vocab=0, block_size=block_size, table_stride=tables.shape[1],
+        batch=batch,
+        layers=0,
+        hidden=0,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        inter=0,
+        vocab=0,
+        block_size=block_size,
+        table_stride=tables.shape[1],
         threads=torch.get_num_threads(),
-    )  # fmt: skip
+    )
     mixed = query.dtype != k_cache.dtype
     name = "paged_decode_attention_f32q" if mixed else "paged_decode_attention"
     fn = getattr(lib, f"{name}_{SUFFIX[k_cache.dtype]}")
-    rc = fn(ptr(shape), ptr(q), ptr(k_cache), ptr(v_cache), ptr(tables), ptr(lens),
-            ctypes.c_float(scale), ptr(out))  # fmt: skip
+    rc = fn(
+        ptr(shape),
+        ptr(q),
+        ptr(k_cache),
+        ptr(v_cache),
+        ptr(tables),
+        ptr(lens),
+        ctypes.c_float(scale),
+        ptr(out),
+    )
     if rc != 0:
         raise MemoryError("paged_decode_attention: out of memory for its scratch buffers")
     return out
@@ -210,7 +240,7 @@ def paged_decode_attention(
 # -- element-wise steps of the torch forward (DEFINE_LAYER_OPS in cpu_decode.c) -----------------
 
 
-def _op(name: str, dtype: torch.dtype):  # type: ignore[no-untyped-def]
+def _op(name: str, dtype: torch.dtype) -> Callable[..., object]:
     lib = load()
     assert lib is not None and dtype in SUFFIX, f"{name}: native kernels unavailable for {dtype}"
     return getattr(lib, f"{name}_{SUFFIX[dtype]}")
@@ -228,9 +258,15 @@ def add_rms_norm(
     out = torch.empty_like(x)
     rows, hidden = x.shape
     _op("add_rms_norm", x.dtype)(
-        ptr(x), ptr(add), ptr(weight), ptr(out), ctypes.c_int64(rows), ctypes.c_int64(hidden),
-        ctypes.c_float(eps), ctypes.c_int64(torch.get_num_threads()),
-    )  # fmt: skip
+        ptr(x),
+        ptr(add),
+        ptr(weight),
+        ptr(out),
+        ctypes.c_int64(rows),
+        ctypes.c_int64(hidden),
+        ctypes.c_float(eps),
+        ctypes.c_int64(torch.get_num_threads()),
+    )
     return out
 
 
@@ -248,10 +284,16 @@ def rotary_(
     assert x.stride(1) == 1 and cos_table.dtype == torch.float32 and cos_table.is_contiguous()
     pos = positions.to(torch.int64).contiguous()
     _op("rotary", x.dtype)(
-        ptr(x), ctypes.c_int64(x.shape[0]), ctypes.c_int64(x.stride(0)), ctypes.c_int64(heads),
-        ctypes.c_int64(head_dim), ptr(cos_table), ptr(sin_table), ptr(pos),
+        ptr(x),
+        ctypes.c_int64(x.shape[0]),
+        ctypes.c_int64(x.stride(0)),
+        ctypes.c_int64(heads),
+        ctypes.c_int64(head_dim),
+        ptr(cos_table),
+        ptr(sin_table),
+        ptr(pos),
         ctypes.c_int64(torch.get_num_threads()),
-    )  # fmt: skip
+    )
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -260,7 +302,10 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     rows, width = gate_up.shape
     out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
     _op("silu_mul", gate_up.dtype)(
-        ptr(gate_up), ptr(out), ctypes.c_int64(rows), ctypes.c_int64(width // 2),
+        ptr(gate_up),
+        ptr(out),
+        ctypes.c_int64(rows),
+        ctypes.c_int64(width // 2),
         ctypes.c_int64(torch.get_num_threads()),
-    )  # fmt: skip
+    )
     return out

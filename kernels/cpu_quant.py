@@ -57,8 +57,12 @@ def load(features: CpuFeatures | None = None) -> ctypes.CDLL | None:
             lib, error = None, str(exc)
             log.warning("packed-weight CPU kernels unavailable, using the torch path: %s", exc)
         if lib is not None:
-            for name in ("quant_matmul", "qdecode_forward_bf16", "qdecode_forward_f32",
-                         "quant_tiles_supported"):  # fmt: skip
+            for name in (
+                "quant_matmul",
+                "qdecode_forward_bf16",
+                "qdecode_forward_f32",
+                "quant_tiles_supported",
+            ):
                 getattr(lib, name).restype = ctypes.c_int
         _loaded[key] = (lib, error)
     return _loaded[key][0]
@@ -78,17 +82,29 @@ def descriptor(w: QuantWeight, act8: bool = False) -> torch.Tensor:
     every call that gets it). `act8`: int8 activations where the shape allows (K and group
     in whole 32-column blocks; other weights keep the float32 dot). Row-tiled weights
     (tile_rows 8) always take int8 activations: only their kernels read that order."""
-    assert w.qweight.is_contiguous() and w.scales.dtype == torch.float16 and w.scales.is_contiguous()
+    assert (
+        w.qweight.is_contiguous() and w.scales.dtype == torch.float16 and w.scales.is_contiguous()
+    )
     mins, mins_f32 = 0, 0
     if w.fmt == "q4":
         assert w.mins is not None and w.mins.is_contiguous()
         mins, mins_f32 = w.mins.data_ptr(), int(w.mins.dtype == torch.float32)
     bits = 4 if w.fmt == "q4" else 8
     return torch.tensor(
-        [bits, w.out_features, w.in_features, w.group, w.qweight.data_ptr(),
-         w.scales.data_ptr(), mins, mins_f32, int(act8), w.tile_rows if w.tile_rows > 1 else 0],
+        [
+            bits,
+            w.out_features,
+            w.in_features,
+            w.group,
+            w.qweight.data_ptr(),
+            w.scales.data_ptr(),
+            mins,
+            mins_f32,
+            int(act8),
+            w.tile_rows if w.tile_rows > 1 else 0,
+        ],
         dtype=torch.int64,
-    )  # fmt: skip
+    )
 
 
 def tiles_supported(features: CpuFeatures | None = None) -> bool:
@@ -122,8 +138,7 @@ def dequant_rows(w: QuantWeight, rows: torch.Tensor | None = None) -> torch.Tens
     # without waking OpenMP's other threads (a wake-up through the kernel under
     # OMP_WAIT_POLICY=PASSIVE costs more than the rows).
     threads = 1 if n <= SERIAL_DEQUANT_ROWS else torch.get_num_threads()
-    _lib().quant_dequant_rows(p(desc), p(idx), ctypes.c_int64(n), p(out),
-                              ctypes.c_int64(threads))  # fmt: skip
+    _lib().quant_dequant_rows(p(desc), p(idx), ctypes.c_int64(n), p(out), ctypes.c_int64(threads))
     return out
 
 
@@ -143,8 +158,14 @@ def quant_matmul(
         out = torch.empty(rows, w.out_features, dtype=torch.float32)
         desc = descriptor(w, act8)
         p = cpu_native.ptr
-        rc = _lib().quant_matmul(p(desc), p(xf), p(fbias), p(out), ctypes.c_int64(rows),
-                                 ctypes.c_int64(torch.get_num_threads()))  # fmt: skip
+        rc = _lib().quant_matmul(
+            p(desc),
+            p(xf),
+            p(fbias),
+            p(out),
+            ctypes.c_int64(rows),
+            ctypes.c_int64(torch.get_num_threads()),
+        )
         if rc != 0:
             raise MemoryError("quant_matmul: out of memory for its scratch buffer")
     return out.to(x.dtype).reshape(*lead, w.out_features)
@@ -172,6 +193,7 @@ def act8_reference(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
         from appliance.layers.quant import unpack_q4
 
         q = unpack_q4(w.qweight).float()
-        mins = w.mins.float().repeat_interleave(w.group, dim=1)  # type: ignore[union-attr]
+        assert w.mins is not None  # a q4 weight carries mins (checked at construction)
+        mins = w.mins.float().repeat_interleave(w.group, dim=1)
         return xq @ (q * scale).T + x.float() @ mins.T
     return xq @ (w.qweight.float() * scale).T

@@ -204,7 +204,9 @@ def paged_attention(
         return out.reshape(num_tokens, num_heads, head_dim).to(query.dtype)
 
     if batch == 1:
-        return _one_prefill(query, keys, values, int(seq_lens[0]), scale, kv_cache_dtype, key, value)
+        return _one_prefill(
+            query, keys, values, int(seq_lens[0]), scale, kv_cache_dtype, key, value
+        )
 
     # Scatter the ragged queries into a padded [B, max_q] grid.
     row = torch.arange(num_tokens, device=device)
@@ -258,10 +260,14 @@ def _one_prefill(
         values[0, :, start:seq_len] = value.transpose(0, 1).to(values.dtype)
     q = query.unsqueeze(0).transpose(1, 2)
     if start == 0:
-        out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=True)
+        out = F.scaled_dot_product_attention(
+            q, keys, values, is_causal=True, scale=scale, enable_gqa=True
+        )
     else:
         # SDPA's is_causal aligns query 0 with key 0; these queries sit at start.. instead.
         q_abs = torch.arange(start, seq_len, device=query.device)
         mask = torch.arange(seq_len, device=query.device)[None, :] <= q_abs[:, None]
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True
+        )
     return out[0].transpose(0, 1)

@@ -48,8 +48,15 @@ from .triton_kv import (
 from .triton_kv import write_kv_triton as write_kv_triton
 from .triton_prefill import _prefill_kernel
 
-__all__ = ["KernelConfig", "choose_split_size", "default_config", "paged_attention_decode",
-           "paged_attention_prefill", "paged_attention_triton", "write_kv_triton"]
+__all__ = [
+    "KernelConfig",
+    "choose_split_size",
+    "default_config",
+    "paged_attention_decode",
+    "paged_attention_prefill",
+    "paged_attention_triton",
+    "write_kv_triton",
+]
 
 LOG2E = 1.4426950408889634
 PREFILL_BLOCK_M = 64  # query rows (tokens x padded group) per program (prefill)
@@ -81,8 +88,9 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def choose_split_size(batch: int, num_kv_heads: int, max_seq_len: int,
-                      device: torch.device, block_n: int = 64) -> int:
+def choose_split_size(
+    batch: int, num_kv_heads: int, max_seq_len: int, device: torch.device, block_n: int = 64
+) -> int:
     """Tokens per decode split: split the context only when (batch x KV heads) programs
     cannot fill the GPU; never below MIN_SPLIT_SIZE tokens. A split size >= max_seq_len means
     no split (one kernel, no reduction)."""
@@ -100,9 +108,17 @@ def choose_split_size(batch: int, num_kv_heads: int, max_seq_len: int,
 class _Launch:
     """Checked shapes and the arguments shared by the decode and prefill launches."""
 
-    def __init__(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 block_tables: torch.Tensor, kv_cache_dtype: str, scale: float,
-                 k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> None:
+    def __init__(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        kv_cache_dtype: str,
+        scale: float,
+        k_scale: torch.Tensor | None,
+        v_scale: torch.Tensor | None,
+    ) -> None:
         self.fmt = _check_cache(k_cache, v_cache, kv_cache_dtype)
         _, self.block_size, self.num_kv_heads, self.head_dim = k_cache.shape
         if query.dim() != 3 or query.shape[2] != self.head_dim:
@@ -116,7 +132,7 @@ class _Launch:
         self.block_tables = block_tables.to(torch.int32)
         if self.block_tables.stride(1) != 1:
             self.block_tables = self.block_tables.contiguous()
-        scale_strides = (0, 0, 0)  # per-token INT8's scale caches only
+        scale_strides: tuple[int, ...] = (0, 0, 0)  # per-token INT8's scale caches only
         if self.fmt == FMT_AUTO:
             self.k_scale = self.v_scale = block_tables  # never read
         elif self.fmt == FMT_INT8_TOKEN:
@@ -129,8 +145,13 @@ class _Launch:
         self.v_mult = FMT_MULTIPLIER[self.fmt]
         self.fp32_dot = query.dtype == torch.float32 or query.device.type != "cuda"
         self.head_dim_pad = max(triton.next_power_of_2(self.head_dim), 16)
-        self.cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                              self.block_tables.stride(0), *scale_strides)
+        self.cache_strides = (
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            self.block_tables.stride(0),
+            *scale_strides,
+        )
 
 
 def paged_attention_decode(
@@ -161,27 +182,42 @@ def paged_attention_decode(
         return out
     cfg = config or default_config(a.head_dim_pad)
     if split_size is None:
-        split_size = choose_split_size(batch, a.num_kv_heads, max_seq_len, query.device,
-                                       cfg.block_n)
+        split_size = choose_split_size(
+            batch, a.num_kv_heads, max_seq_len, query.device, cfg.block_n
+        )
     split_size = max(int(split_size), 1)
     num_splits = max(triton.cdiv(max_seq_len, split_size), 1)
     use_splits = num_splits > 1
     group_pad = max(triton.next_power_of_2(a.group), 16)
     if use_splits:
-        part_out = torch.empty(batch, a.num_heads, num_splits, a.head_dim_pad,
-                               dtype=torch.float32, device=query.device)
-        part_lse = torch.empty(batch, a.num_heads, num_splits, dtype=torch.float32,
-                               device=query.device)
+        part_out = torch.empty(
+            batch, a.num_heads, num_splits, a.head_dim_pad, dtype=torch.float32, device=query.device
+        )
+        part_lse = torch.empty(
+            batch, a.num_heads, num_splits, dtype=torch.float32, device=query.device
+        )
         part_strides = part_out.stride()[:3]
     else:
         part_out = part_lse = out  # never touched
         part_strides = (0, 0, 0)
     seq_lens = seq_lens.to(torch.int32).contiguous()
     _decode_kernel[(batch, a.num_kv_heads, num_splits)](
-        a.query, k_cache, v_cache, a.block_tables, seq_lens, a.k_scale, a.v_scale,
-        out, part_out, part_lse,
-        a.qk_scale, a.v_mult,
-        a.query.stride(0), a.query.stride(1), out.stride(0), out.stride(1),
+        a.query,
+        k_cache,
+        v_cache,
+        a.block_tables,
+        seq_lens,
+        a.k_scale,
+        a.v_scale,
+        out,
+        part_out,
+        part_lse,
+        a.qk_scale,
+        a.v_mult,
+        a.query.stride(0),
+        a.query.stride(1),
+        out.stride(0),
+        out.stride(1),
         *a.cache_strides,
         *part_strides,
         SPLIT_SIZE=split_size,
@@ -200,8 +236,13 @@ def paged_attention_decode(
     )
     if use_splits:
         _decode_reduce_kernel[(batch, a.num_heads)](
-            part_out, part_lse, seq_lens, out,
-            *part_strides, out.stride(0), out.stride(1),
+            part_out,
+            part_lse,
+            seq_lens,
+            out,
+            *part_strides,
+            out.stride(0),
+            out.stride(1),
             SPLIT_SIZE=split_size,
             SPLITS_PAD=max(triton.next_power_of_2(num_splits), 2),
             HEAD_DIM=a.head_dim,
@@ -252,11 +293,27 @@ def paged_attention_prefill(
     block_q = max(PREFILL_BLOCK_M // group_pad, 1)  # rows = block_q * group_pad >= 16
     grid = (triton.cdiv(max_query_len, block_q), batch, a.num_kv_heads)
     _prefill_kernel[grid](
-        a.query, k_cache, v_cache, a.block_tables, seq_lens.to(torch.int32).contiguous(),
-        query_start_loc.to(torch.int32).contiguous(), a.k_scale, a.v_scale, out, key, value,
-        a.qk_scale, a.v_mult, scale * LOG2E,
-        a.query.stride(0), a.query.stride(1), out.stride(0), out.stride(1),
-        *a.cache_strides, key.stride(0), key.stride(1),
+        a.query,
+        k_cache,
+        v_cache,
+        a.block_tables,
+        seq_lens.to(torch.int32).contiguous(),
+        query_start_loc.to(torch.int32).contiguous(),
+        a.k_scale,
+        a.v_scale,
+        out,
+        key,
+        value,
+        a.qk_scale,
+        a.v_mult,
+        scale * LOG2E,
+        a.query.stride(0),
+        a.query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        *a.cache_strides,
+        key.stride(0),
+        key.stride(1),
         GROUP=a.group,
         GROUP_PAD=group_pad,
         HEAD_DIM=a.head_dim,
@@ -294,9 +351,30 @@ def paged_attention_triton(
     brings one query token (``max_query_len == 1``), the prefill kernel otherwise (which reads
     the chunk's fresh key/value over a quantized cache, as the reference does)."""
     if max_query_len == 1:
-        return paged_attention_decode(query, k_cache, v_cache, block_tables, seq_lens, scale,
-                                      max_seq_len, kv_cache_dtype, k_scale, v_scale)
-    return paged_attention_prefill(query, k_cache, v_cache, block_tables, seq_lens,
-                                   query_start_loc, scale, max_query_len, kv_cache_dtype,
-                                   k_scale, v_scale, key=key, value=value)
-
+        return paged_attention_decode(
+            query,
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
+            scale,
+            max_seq_len,
+            kv_cache_dtype,
+            k_scale,
+            v_scale,
+        )
+    return paged_attention_prefill(
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        scale,
+        max_query_len,
+        kv_cache_dtype,
+        k_scale,
+        v_scale,
+        key=key,
+        value=value,
+    )

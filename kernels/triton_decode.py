@@ -12,12 +12,32 @@ from .triton_tiles import _head_scales, _load_kv_tile, _tile_offsets, _token_sca
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr,
-    out_ptr, part_out_ptr, part_lse_ptr,
-    qk_scale, v_mult,
-    stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_cb, stride_cs, stride_ch, stride_bt, stride_sb, stride_ss, stride_sh,
-    stride_pb, stride_ph, stride_ps,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    qk_scale,
+    v_mult,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_bt,
+    stride_sb,
+    stride_ss,
+    stride_sh,
+    stride_pb,
+    stride_ph,
+    stride_ps,
     SPLIT_SIZE: tl.constexpr,
     USE_SPLITS: tl.constexpr,
     GROUP: tl.constexpr,
@@ -45,8 +65,11 @@ def _decode_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     heads = kvh * GROUP + offs_g
     row_mask = (offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :]
-    q = tl.load(q_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
-                + offs_d[None, :], mask=row_mask, other=0.0)
+    q = tl.load(
+        q_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=row_mask,
+        other=0.0,
+    )
     if FP32_DOT:
         q = q.to(tl.float32)
     k_scale, v_scale = _head_scales(qk_scale, v_mult, k_scale_ptr, v_scale_ptr, kvh, KV_FMT)
@@ -57,14 +80,14 @@ def _decode_kernel(
     for tok in range(start, end, BLOCK_N):
         pos = tok + offs_n
         valid = pos < end
-        rows = _tile_offsets(bt_row, pos, valid, kvh, stride_cb, stride_cs, stride_ch,
-                             BLOCK_SIZE)
+        rows = _tile_offsets(bt_row, pos, valid, kvh, stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
         kv_mask = valid[:, None] & (offs_d < HEAD_DIM)[None, :]
         k = _load_kv_tile(k_cache_ptr, rows, kv_mask, offs_d, KV_FMT, q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * k_scale  # [G, N], log2 units
         if KV_FMT == 4:  # per-token INT8: each key's scale multiplies its column of scores
-            s_rows = _tile_offsets(bt_row, pos, valid, kvh, stride_sb, stride_ss, stride_sh,
-                                   BLOCK_SIZE)
+            s_rows = _tile_offsets(
+                bt_row, pos, valid, kvh, stride_sb, stride_ss, stride_sh, BLOCK_SIZE
+            )
             s = s * _token_scales(k_scale_ptr, s_rows, valid)[None, :]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -92,8 +115,15 @@ def _decode_kernel(
 
 @triton.jit
 def _decode_reduce_kernel(
-    part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr,
-    stride_pb, stride_ph, stride_ps, stride_ot, stride_oh,
+    part_out_ptr,
+    part_lse_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_ot,
+    stride_oh,
     SPLIT_SIZE: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -112,10 +142,15 @@ def _decode_reduce_kernel(
     lse_max = tl.max(lse, 0)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # empty context: no NaN
     weight = tl.where(s_mask, tl.exp2(lse - lse_max), 0.0)
-    parts = tl.load(part_out_ptr + base[:, None] + offs_d[None, :],
-                    mask=s_mask[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+    parts = tl.load(
+        part_out_ptr + base[:, None] + offs_d[None, :],
+        mask=s_mask[:, None] & (offs_d < HEAD_DIM)[None, :],
+        other=0.0,
+    )
     total = tl.sum(weight, 0)
     out = tl.sum(parts * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + seq.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
-             out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
-
+    tl.store(
+        out_ptr + seq.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=offs_d < HEAD_DIM,
+    )

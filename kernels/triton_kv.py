@@ -38,11 +38,15 @@ from .paged_attention import MIN_TOKEN_SCALE
 # kv_cache_dtype -> the KV_FMT constexpr of the kernels (the JIT code compares with the
 # numbers: 4 is per-token INT8, whose scales are read per token, never per head).
 FMT_AUTO, FMT_E4M3, FMT_E5M2, FMT_INT8, FMT_INT8_TOKEN = 0, 1, 2, 3, 4
-KV_FORMATS = {"auto": FMT_AUTO, "fp8_e4m3": FMT_E4M3, "fp8_e5m2": FMT_E5M2, "int8": FMT_INT8,
-              PER_TOKEN_KIND: FMT_INT8_TOKEN}
+KV_FORMATS = {
+    "auto": FMT_AUTO,
+    "fp8_e4m3": FMT_E4M3,
+    "fp8_e5m2": FMT_E5M2,
+    "int8": FMT_INT8,
+    PER_TOKEN_KIND: FMT_INT8_TOKEN,
+}
 # What `_dequant` returns times this (and the head's or token's scale) is the real value.
-FMT_MULTIPLIER = {FMT_AUTO: 1.0, FMT_E4M3: 256.0, FMT_E5M2: 1.0, FMT_INT8: 1.0,
-                  FMT_INT8_TOKEN: 1.0}
+FMT_MULTIPLIER = {FMT_AUTO: 1.0, FMT_E4M3: 256.0, FMT_E5M2: 1.0, FMT_INT8: 1.0, FMT_INT8_TOKEN: 1.0}
 
 
 def kv_format(kv_cache_dtype: str) -> int:
@@ -70,7 +74,9 @@ def _dequant(x, KV_FMT: tl.constexpr):
 
 
 @triton.jit
-def _fp8_code(v, MAX: tl.constexpr, MANT: tl.constexpr, INV_MIN_NORMAL: tl.constexpr, BIAS: tl.constexpr):
+def _fp8_code(
+    v, MAX: tl.constexpr, MANT: tl.constexpr, INV_MIN_NORMAL: tl.constexpr, BIAS: tl.constexpr
+):
     """fp32 -> FP8 byte, one round-to-nearest-even like torch (saturating at +-MAX)."""
     a = tl.minimum(tl.abs(v), MAX)
     bits = a.to(tl.int32, bitcast=True)
@@ -133,7 +139,9 @@ def _write_kv_kernel(
     head = offs // HEAD_DIM
     dim = offs % HEAD_DIM
     mask = (offs < NUM_KV_HEADS * HEAD_DIM) & (slot >= 0)
-    dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + head * stride_ch + dim
+    dst = (
+        (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + head * stride_ch + dim
+    )
     k = tl.load(key_ptr + token.to(tl.int64) * stride_kt + head * stride_kh + dim, mask=mask)
     v = tl.load(value_ptr + token.to(tl.int64) * stride_vt + head * stride_vh + dim, mask=mask)
     if KV_FMT != 0:
@@ -161,9 +169,23 @@ def _store_per_token(x, cache_ptrs, scale_ptrs, mask, head_ok, MIN_SCALE: tl.con
 
 @triton.jit
 def _write_kv_token_kernel(
-    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, stride_sh,
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_sb,
+    stride_ss,
+    stride_sh,
     BLOCK_SIZE: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -184,10 +206,16 @@ def _write_kv_token_kernel(
     dst = block * stride_cb + offset * stride_cs + offs_h[:, None] * stride_ch + offs_d[None, :]
     s_dst = block * stride_sb + offset * stride_ss + offs_h * stride_sh
     t = token.to(tl.int64)
-    k = tl.load(key_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :],
-                mask=mask, other=0.0).to(tl.float32)
-    v = tl.load(value_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :],
-                mask=mask, other=0.0).to(tl.float32)
+    k = tl.load(
+        key_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :],
+        mask=mask,
+        other=0.0,
+    ).to(tl.float32)
+    v = tl.load(
+        value_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :],
+        mask=mask,
+        other=0.0,
+    ).to(tl.float32)
     _store_per_token(k, k_cache_ptr + dst, k_scale_ptr + s_dst, mask, head_ok, MIN_SCALE)
     _store_per_token(v, v_cache_ptr + dst, v_scale_ptr + s_dst, mask, head_ok, MIN_SCALE)
 
@@ -200,8 +228,10 @@ def _check_token_scales(
     shape = tuple(k_cache.shape[:3])
     for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
         if scale is None or tuple(scale.shape) != shape or not scale.is_floating_point():
-            raise ValueError(f"{PER_TOKEN_KIND} caches need {name}: a float scale cache {list(shape)} "
-                             "([num_blocks, block_size, num_kv_heads], one scale per token and head)")
+            raise ValueError(
+                f"{PER_TOKEN_KIND} caches need {name}: a float scale cache {list(shape)} "
+                "([num_blocks, block_size, num_kv_heads], one scale per token and head)"
+            )
     assert k_scale is not None and v_scale is not None
     if k_scale.stride() != v_scale.stride():
         raise ValueError("k_scale and v_scale (scale caches) must have the same strides")
@@ -221,9 +251,15 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_cache_dtype: s
     if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
         raise ValueError("k_cache and v_cache must have the same shape and strides")
     if k_cache.dim() != 4 or k_cache.stride(3) != 1:
-        raise ValueError("caches must be [num_blocks, block_size, num_kv_heads, head_dim], dim-contiguous")
-    expected = {FMT_E4M3: torch.uint8, FMT_E5M2: torch.uint8, FMT_INT8: torch.int8,
-                FMT_INT8_TOKEN: torch.int8}.get(fmt)
+        raise ValueError(
+            "caches must be [num_blocks, block_size, num_kv_heads, head_dim], dim-contiguous"
+        )
+    expected = {
+        FMT_E4M3: torch.uint8,
+        FMT_E5M2: torch.uint8,
+        FMT_INT8: torch.int8,
+        FMT_INT8_TOKEN: torch.int8,
+    }.get(fmt)
     if expected is not None and k_cache.dtype != expected:
         raise ValueError(f"{kv_cache_dtype} caches are stored as {expected}, got {k_cache.dtype}")
     return fmt
@@ -259,8 +295,14 @@ def write_kv_triton(
     if value.stride(2) != 1:
         value = value.contiguous()
     if fmt == FMT_INT8_TOKEN:
-        _write_per_token(key, value, k_cache, v_cache, slot_mapping.contiguous(),
-                         *_check_token_scales(k_scale, v_scale, k_cache))
+        _write_per_token(
+            key,
+            value,
+            k_cache,
+            v_cache,
+            slot_mapping.contiguous(),
+            *_check_token_scales(k_scale, v_scale, k_cache),
+        )
         return
     if fmt == FMT_AUTO:
         k_scale = v_scale = slot_mapping  # never read
@@ -294,16 +336,34 @@ def write_kv_triton(
     )
 
 
-def _write_per_token(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                     v_cache: torch.Tensor, slots: torch.Tensor, k_scale: torch.Tensor,
-                     v_scale: torch.Tensor) -> None:
+def _write_per_token(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+) -> None:
     """Per-token INT8: one program per token, its heads and head_dim padded to powers of two."""
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     heads_pad, dim_pad = triton.next_power_of_2(num_kv_heads), triton.next_power_of_2(head_dim)
     _write_kv_token_kernel[(slots.numel(),)](
-        key, value, k_cache, v_cache, slots, k_scale, v_scale,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *k_scale.stride(),
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slots,
+        k_scale,
+        v_scale,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        *k_scale.stride(),
         BLOCK_SIZE=block_size,
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,

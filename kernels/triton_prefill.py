@@ -12,12 +12,33 @@ from .triton_tiles import _head_scales, _load_kv_tile, _tile_offsets, _token_sca
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    k_scale_ptr, v_scale_ptr, out_ptr, fresh_k_ptr, fresh_v_ptr,
-    qk_scale, v_mult, fresh_qk_scale,
-    stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_cb, stride_cs, stride_ch, stride_bt, stride_sb, stride_ss, stride_sh,
-    stride_ft, stride_fh,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    out_ptr,
+    fresh_k_ptr,
+    fresh_v_ptr,
+    qk_scale,
+    v_mult,
+    fresh_qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_bt,
+    stride_sb,
+    stride_ss,
+    stride_sh,
+    stride_ft,
+    stride_fh,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -52,8 +73,11 @@ def _prefill_kernel(
     row_ok = (tok < q_len) & (offs_m % GROUP_PAD < GROUP)
     row_mask = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
     rows = (q_start + tok).to(tl.int64)
-    q = tl.load(q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh
-                + offs_d[None, :], mask=row_mask, other=0.0)
+    q = tl.load(
+        q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=row_mask,
+        other=0.0,
+    )
     if FP32_DOT:
         q = q.to(tl.float32)
     k_scale, v_scale = _head_scales(qk_scale, v_mult, k_scale_ptr, v_scale_ptr, kvh, KV_FMT)
@@ -67,14 +91,16 @@ def _prefill_kernel(
     for tok0 in range(0, cache_end, BLOCK_N):
         pos = tok0 + offs_n
         valid = pos < cache_end
-        kv_rows = _tile_offsets(bt_row, pos, valid, kvh, stride_cb, stride_cs, stride_ch,
-                                BLOCK_SIZE)
+        kv_rows = _tile_offsets(
+            bt_row, pos, valid, kvh, stride_cb, stride_cs, stride_ch, BLOCK_SIZE
+        )
         kv_mask = valid[:, None] & (offs_d < HEAD_DIM)[None, :]
         k = _load_kv_tile(k_cache_ptr, kv_rows, kv_mask, offs_d, KV_FMT, q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * k_scale
         if KV_FMT == 4:  # per-token INT8: each key's scale multiplies its column of scores
-            s_rows = _tile_offsets(bt_row, pos, valid, kvh, stride_sb, stride_ss, stride_sh,
-                                   BLOCK_SIZE)
+            s_rows = _tile_offsets(
+                bt_row, pos, valid, kvh, stride_sb, stride_ss, stride_sh, BLOCK_SIZE
+            )
             s = s * _token_scales(k_scale_ptr, s_rows, valid)[None, :]
         s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -104,8 +130,9 @@ def _prefill_kernel(
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = (tl.load(fresh_v_ptr + f_offs, mask=kv_mask, other=0.0).to(tl.float32)
-                 * inv_v).to(q.dtype)
+            v = (tl.load(fresh_v_ptr + f_offs, mask=kv_mask, other=0.0).to(tl.float32) * inv_v).to(
+                q.dtype
+            )
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
     # m_i is finite here: every query row sees at least its own position.

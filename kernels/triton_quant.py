@@ -45,9 +45,27 @@ def _dequant_tile(q_ptr, s_ptr, m_ptr, offs_n, offs_k, N, K, G, GROUP, BITS: tl.
 
 
 @triton.jit
-def _gemm(x_ptr, q_ptr, s_ptr, m_ptr, b_ptr, y_ptr, M, N, K, G, GROUP, stride_x, stride_y,
-          BITS: tl.constexpr, HAS_BIAS: tl.constexpr, FP32_DOT: tl.constexpr,
-          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+def _gemm(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    m_ptr,
+    b_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    G,
+    GROUP,
+    stride_x,
+    stride_y,
+    BITS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -69,9 +87,24 @@ def _gemm(x_ptr, q_ptr, s_ptr, m_ptr, b_ptr, y_ptr, M, N, K, G, GROUP, stride_x,
 
 
 @triton.jit
-def _gemv(x_ptr, q_ptr, s_ptr, m_ptr, b_ptr, y_ptr, N, K, G, GROUP, stride_x, stride_y,
-          BITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-          BLOCK_K: tl.constexpr):  # fmt: skip
+def _gemv(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    m_ptr,
+    b_ptr,
+    y_ptr,
+    N,
+    K,
+    G,
+    GROUP,
+    stride_x,
+    stride_y,
+    BITS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     row = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -86,9 +119,7 @@ def _gemv(x_ptr, q_ptr, s_ptr, m_ptr, b_ptr, y_ptr, N, K, G, GROUP, stride_x, st
     tl.store(y_ptr + row * stride_y + offs_n, acc, mask=offs_n < N)
 
 
-def quant_matmul_triton(
-    x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None
-) -> torch.Tensor:
+def quant_matmul_triton(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., K] @ W^T (+ bias), accumulated in float32, returned in x's dtype."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
@@ -105,14 +136,46 @@ def quant_matmul_triton(
     if m <= GEMV_MAX_ROWS:
         block_n = 32
         grid = (m, triton.cdiv(n, block_n))
-        _gemv[grid](x2, w.qweight, w.scales, mins, bias_arg, y, n, k, groups, w.group,
-                    x2.stride(0), y.stride(0), BITS=bits, HAS_BIAS=bias is not None,
-                    BLOCK_N=block_n, BLOCK_K=block_k)  # fmt: skip
+        _gemv[grid](
+            x2,
+            w.qweight,
+            w.scales,
+            mins,
+            bias_arg,
+            y,
+            n,
+            k,
+            groups,
+            w.group,
+            x2.stride(0),
+            y.stride(0),
+            BITS=bits,
+            HAS_BIAS=bias is not None,
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+        )
     else:
         block_m, block_n = 16, 32
         grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-        _gemm[grid](x2, w.qweight, w.scales, mins, bias_arg, y, m, n, k, groups, w.group,
-                    x2.stride(0), y.stride(0), BITS=bits, HAS_BIAS=bias is not None,
-                    FP32_DOT=x2.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n,
-                    BLOCK_K=block_k)  # fmt: skip
+        _gemm[grid](
+            x2,
+            w.qweight,
+            w.scales,
+            mins,
+            bias_arg,
+            y,
+            m,
+            n,
+            k,
+            groups,
+            w.group,
+            x2.stride(0),
+            y.stride(0),
+            BITS=bits,
+            HAS_BIAS=bias is not None,
+            FP32_DOT=x2.dtype == torch.float32,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+        )
     return y.to(x.dtype).reshape(*lead, n)

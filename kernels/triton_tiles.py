@@ -11,8 +11,9 @@ from .triton_kv import _dequant
 
 
 @triton.jit
-def _tile_offsets(bt_row_ptr, pos, valid, kvh, stride_cb, stride_cs, stride_ch,
-                  BLOCK_SIZE: tl.constexpr):
+def _tile_offsets(
+    bt_row_ptr, pos, valid, kvh, stride_cb, stride_cs, stride_ch, BLOCK_SIZE: tl.constexpr
+):
     """Token positions -> element offsets of their cache rows (int64), via the block table."""
     block = tl.load(bt_row_ptr + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
     return block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kvh * stride_ch

@@ -15,19 +15,32 @@ import torch
 HIDDEN, INTER, LAYERS, HEADS, KV_HEADS = 96, 160, 2, 4, 2
 
 
-def random_llama(tokenizer_dir: Path, seed: int = 0, tied: bool = False,  # type: ignore[no-untyped-def]
-                 hidden: int = HIDDEN, inter: int = INTER):  # fmt: skip
+def random_llama(
+    tokenizer_dir: Path,
+    seed: int = 0,
+    tied: bool = False,  # type: ignore[no-untyped-def]
+    hidden: int = HIDDEN,
+    inter: int = INTER,
+):
     """A random fp32 Llama over the tokenizer of `tokenizer_dir` (its vocab)."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     vocab = len(AutoTokenizer.from_pretrained(str(tokenizer_dir)))
     vocab = -(-vocab // 32) * 32
     config = LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=512,
-        rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=tied, bos_token_id=1,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=tied,
+        bos_token_id=1,
         eos_token_id=2,
-    )  # fmt: skip
+    )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).float().eval()
     with torch.no_grad():
@@ -41,7 +54,9 @@ def random_llama(tokenizer_dir: Path, seed: int = 0, tied: bool = False,  # type
 
 def llama_cpp_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
     """llama.cpp's convert_hf_to_gguf permutation of q/k rows (interleaved rotary)."""
-    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return (
+        w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    )
 
 
 def llama_cpp_unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
@@ -50,11 +65,16 @@ def llama_cpp_unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 _GGUF_NAMES = {
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
-}  # fmt: skip
+}
 
 
 # K-quant super-block scales giving weights of about N(0, 0.08) from uniform random bytes: Q4_K
@@ -163,9 +183,14 @@ def greedy(model, prompts: list[list[int]], new: int) -> list[list[int]]:  # typ
     with torch.no_grad():
         for p in prompts:
             ids = torch.tensor([p])
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                                 do_sample=False, pad_token_id=0)  # fmt: skip
-            outs.append(gen[0, len(p):].tolist())
+            gen = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new,
+                do_sample=False,
+                pad_token_id=0,
+            )
+            outs.append(gen[0, len(p) :].tolist())
     return outs
 
 
@@ -217,7 +242,9 @@ def write_awq_or_gptq(model, tokenizer_dir: Path, out_dir: Path, kind: str, grou
         if len(module) == 3 and module[1] in linears and module[2] == "weight":
             prefix = name[: -len(".weight")]
             q, scale, zero = rtn_4bit(t, group)
-            ref_state[name] = ((q - zero.repeat_interleave(group, 1)) * scale.float().repeat_interleave(group, 1))
+            ref_state[name] = (
+                q - zero.repeat_interleave(group, 1)
+            ) * scale.float().repeat_interleave(group, 1)
             qt, zt = q.t().contiguous(), zero.t().contiguous()  # [K, N], [K/g, N]
             if kind == "awq":
                 tensors[prefix + ".qweight"] = _pack_words(qt, AWQ_ORDER)
@@ -233,11 +260,21 @@ def write_awq_or_gptq(model, tokenizer_dir: Path, out_dir: Path, kind: str, grou
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     config = model.config.to_dict()
     if kind == "awq":
-        config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": group,
-                                         "zero_point": True, "version": "gemm"}  # fmt: skip
+        config["quantization_config"] = {
+            "quant_method": "awq",
+            "bits": 4,
+            "group_size": group,
+            "zero_point": True,
+            "version": "gemm",
+        }
     else:
-        config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group,
-                                         "desc_act": False, "sym": False}  # fmt: skip
+        config["quantization_config"] = {
+            "quant_method": "gptq",
+            "bits": 4,
+            "group_size": group,
+            "desc_act": False,
+            "sym": False,
+        }
     (out_dir / "config.json").write_text(json.dumps(config))
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tokenizer_dir / f, out_dir / f)

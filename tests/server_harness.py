@@ -24,8 +24,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def write_template(path: Path, model_dir: Path, extra: str = "",
-                   scheduler: dict[str, Any] | None = None) -> Path:
+def write_template(
+    path: Path, model_dir: Path, extra: str = "", scheduler: dict[str, Any] | None = None
+) -> Path:
     """A small CPU template for the tiny model; `extra` appends TOML tables, `scheduler`
     overrides keys of [scheduler]."""
     sched = {"max_num_seqs": 16, "max_num_batched_tokens": 512, **(scheduler or {})}
@@ -52,8 +53,13 @@ device = "cpu"
 
 
 class ServerProcess:
-    def __init__(self, template: Path | None, log_path: Path, env: dict[str, str] | None = None,
-                 args: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        template: Path | None,
+        log_path: Path,
+        env: dict[str, str] | None = None,
+        args: list[str] | None = None,
+    ) -> None:
         """template None: `appliance up` without --template (the default, cpu-demo)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -65,8 +71,16 @@ class ServerProcess:
 
     def start(self, wait_ready: bool = True) -> ServerProcess:
         chosen = ["--template", str(self.template)] if self.template is not None else []
-        cmd = [sys.executable, "-m", "appliance.cli", "up", *chosen, "--port", str(self.port),
-               *self.args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "appliance.cli",
+            "up",
+            *chosen,
+            "--port",
+            str(self.port),
+            *self.args,
+        ]
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
         if wait_ready:

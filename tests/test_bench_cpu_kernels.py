@@ -14,7 +14,10 @@ from appliance.cli import main
 
 
 def test_prints_one_result_per_case_as_json(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["bench", "cpu-kernels", "--shapes", "o", "--rows", "1,3", "--repeats", "1", "--json"]) == 0
+    assert (
+        main(["bench", "cpu-kernels", "--shapes", "o", "--rows", "1,3", "--repeats", "1", "--json"])
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     cases = [(r["shape"], r["format"], r["rows"]) for r in out["results"]]
     assert cases == [("o", "q4", 1), ("o", "q4", 3), ("o", "q8", 1), ("o", "q8", 3)]

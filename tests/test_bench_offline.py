@@ -14,11 +14,25 @@ from appliance.cli import main
 
 
 def test_offline_bench_json(tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    rc = main([
-        "bench", "offline", "--model", str(tiny_model_dir), "--num-requests", "5",
-        "--prompt-len", "20", "--output-len", "6", "--static-batch", "2", "--json",
-        "--set", "cache.kv_cache_memory=0.1",
-    ])  # fmt: skip
+    rc = main(
+        [
+            "bench",
+            "offline",
+            "--model",
+            str(tiny_model_dir),
+            "--num-requests",
+            "5",
+            "--prompt-len",
+            "20",
+            "--output-len",
+            "6",
+            "--static-batch",
+            "2",
+            "--json",
+            "--set",
+            "cache.kv_cache_memory=0.1",
+        ]
+    )
     assert rc == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["native_cpu_decode"] == (cpu_native.load() is not None)
@@ -33,11 +47,27 @@ def test_offline_bench_json(tiny_model_dir: Path, capsys: pytest.CaptureFixture[
 
 
 def test_structured_bench_json(tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    rc = main([
-        "bench", "offline", "--model", str(tiny_model_dir), "--num-requests", "4",
-        "--prompt-len", "20", "--output-len", "6", "--structured", "json-schema", "--json",
-        "--structured-rounds", "1", "--set", "cache.kv_cache_memory=0.1",
-    ])  # fmt: skip
+    rc = main(
+        [
+            "bench",
+            "offline",
+            "--model",
+            str(tiny_model_dir),
+            "--num-requests",
+            "4",
+            "--prompt-len",
+            "20",
+            "--output-len",
+            "6",
+            "--structured",
+            "json-schema",
+            "--json",
+            "--structured-rounds",
+            "1",
+            "--set",
+            "cache.kv_cache_memory=0.1",
+        ]
+    )
     assert rc == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert [r["batch"] for r in report["throughput"]] == [1, 4]
@@ -50,10 +80,27 @@ def test_structured_bench_json(tiny_model_dir: Path, capsys: pytest.CaptureFixtu
 # The mixed profile at toy sizes: a few seconds on the tiny model, every scheduling mix runs,
 # and a pool of 1.5 long requests makes the runs preempt (recomputed or swapped requests).
 MIXED_SMALL = [
-    "--profile", "mixed", "--num-requests", "8", "--rate", "200", "--realtime-share", "0.5",
-    "--realtime-prompt-len", "16", "--realtime-max-tokens", "8", "--batch-prompt-len", "96",
-    "--batch-output-len", "16", "--pool-long-requests", "1.5", "--seed", "1",
-]  # fmt: skip
+    "--profile",
+    "mixed",
+    "--num-requests",
+    "8",
+    "--rate",
+    "200",
+    "--realtime-share",
+    "0.5",
+    "--realtime-prompt-len",
+    "16",
+    "--realtime-max-tokens",
+    "8",
+    "--batch-prompt-len",
+    "96",
+    "--batch-output-len",
+    "16",
+    "--pool-long-requests",
+    "1.5",
+    "--seed",
+    "1",
+]
 
 
 def test_mixed_profile_json(tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -56,15 +56,20 @@ admin_token_file = "{token}"
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+def server(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
     d = tmp_path_factory.mktemp("console")
     (d / "admin").write_text(TOKEN + "\n")
     tdir = d / "templates"
     tdir.mkdir()
 
     def template(name: str, description: str, max_num_seqs: int, model: Path | str) -> None:
-        (tdir / f"{name}.toml").write_text(TEMPLATE.format(
-            description=description, model=model, max_num_seqs=max_num_seqs, token=d / "admin"))
+        (tdir / f"{name}.toml").write_text(
+            TEMPLATE.format(
+                description=description, model=model, max_num_seqs=max_num_seqs, token=d / "admin"
+            )
+        )
 
     template("tiny-a", "console tests A", 16, tiny_model_dir)
     template("tiny-b", "console tests B: fewer sequences", 8, tiny_model_dir)
@@ -81,8 +86,9 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
 
 
 def admin_stats(srv: ServerProcess) -> dict[str, Any]:
-    return srv.get("/admin/stats", params={"history_s": 0},
-                   headers={"Authorization": f"Bearer {TOKEN}"}).json()
+    return srv.get(
+        "/admin/stats", params={"history_s": 0}, headers={"Authorization": f"Bearer {TOKEN}"}
+    ).json()
 
 
 def admin_config(srv: ServerProcess) -> dict[str, Any]:
@@ -99,7 +105,9 @@ def flat(text: str) -> str:
     return " ".join(re.sub(r"[│╭╮╰╯─]", " ", text).split())
 
 
-async def until(pilot: Any, predicate: Callable[[], Any], timeout_s: float = 30.0, what: str = "") -> Any:
+async def until(
+    pilot: Any, predicate: Callable[[], Any], timeout_s: float = 30.0, what: str = ""
+) -> Any:
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout_s:
         value = predicate()
@@ -135,11 +143,15 @@ def long_prompt(seed: int) -> list[int]:
 # -- the dashboard -----------------------------------------------------------------------------
 
 
-async def test_dashboard_numbers_match_admin_stats(server: ServerProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_dashboard_numbers_match_admin_stats(
+    server: ServerProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
     no_nvml(monkeypatch)
     # One finished request leaves cached blocks and token totals to compare.
-    server.post("/v1/completions", json={"model": "tiny", "prompt": long_prompt(1), "max_tokens": 4,
-                                         "ignore_eos": True})
+    server.post(
+        "/v1/completions",
+        json={"model": "tiny", "prompt": long_prompt(1), "max_tokens": 4, "ignore_eos": True},
+    )
     app = console(server)
     async with app.run_test(size=(160, 48)) as pilot:
         await polled(app, pilot, 2)
@@ -148,11 +160,20 @@ async def test_dashboard_numbers_match_admin_stats(server: ServerProcess, monkey
         text = screen_text(app)
     e = ref["engine"]
     assert e["blocks_cached"] > 0
-    assert f"used {e['blocks_used']} ▒ cached {e['blocks_cached']} · free {e['blocks_free']} / {e['num_blocks']}" in text
+    assert (
+        f"used {e['blocks_used']} ▒ cached {e['blocks_cached']} · free {e['blocks_free']} / {e['num_blocks']}"
+        in text
+    )
     assert f"{e['kv_usage'] * 100:3.0f}% used" in text
-    assert f"running {e['num_running']} · waiting {e['num_waiting']} · swapped {e['num_swapped']}" in text
+    assert (
+        f"running {e['num_running']} · waiting {e['num_waiting']} · swapped {e['num_swapped']}"
+        in text
+    )
     assert f"total {e['counters']['preemptions']} ·" in text
-    assert f"tokens: prompt {e['prompt_tokens_total']} · generated {e['generation_tokens_total']}" in text
+    assert (
+        f"tokens: prompt {e['prompt_tokens_total']} · generated {e['generation_tokens_total']}"
+        in text
+    )
     assert f"tiny on cpu (float32), max_model_len {ref['max_model_len']}" in text
     assert "1 block/cell" in text and "per block" in text  # 16 blocks, real per-block states
     assert "● tiny · ready · tiny-a" in text
@@ -162,7 +183,9 @@ async def test_dashboard_numbers_match_admin_stats(server: ServerProcess, monkey
         assert re.search(rf"{q['priority_class']}\s+{q['waiting']}\s+\S+\s+\S+/", text), q
 
 
-async def test_snapshot_80x24(server: ServerProcess, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+async def test_snapshot_80x24(
+    server: ServerProcess, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     no_nvml(monkeypatch)
     app = console(server)
     async with app.run_test(size=(80, 24)) as pilot:
@@ -171,7 +194,14 @@ async def test_snapshot_80x24(server: ServerProcess, monkeypatch: pytest.MonkeyP
     lines = svg_text(path.read_text())
     text = "\n".join(lines)
     assert len(lines) <= 24 and max(len(line) for line in lines) <= 80
-    for title in ("KV cache", "Batch", "Preemptions", "Throughput · latency", "Why slow", "GPU · host"):
+    for title in (
+        "KV cache",
+        "Batch",
+        "Preemptions",
+        "Throughput · latency",
+        "Why slow",
+        "GPU · host",
+    ):
         assert title in text, title
     assert "no GPU" in text and "host CPU" in text and "host mem" in text
     assert "prompt tok/s" in text and "TTFT p50" in text and "TPOT p50" in text
@@ -182,7 +212,9 @@ async def test_snapshot_80x24(server: ServerProcess, monkeypatch: pytest.MonkeyP
     assert "Engine" not in text  # the engine panel needs a wide terminal
 
 
-async def test_snapshot_160x48(server: ServerProcess, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+async def test_snapshot_160x48(
+    server: ServerProcess, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     no_nvml(monkeypatch)
     app = console(server)
     async with app.run_test(size=(160, 48)) as pilot:
@@ -208,18 +240,30 @@ async def test_preemptions_move_on_screen_and_requests_screen(server: ServerProc
         assert before == admin_stats(server)["engine"]["counters"]["preemptions"]
         auth = {"Authorization": f"Bearer {TOKEN}"}
         async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
+
             async def live(prompt_tokens: int, n: int = 1) -> None:
                 """Until the engine holds `n` requests with this prompt length (any status)."""
                 while True:
-                    reqs = (await http.get("/admin/stats", params={"history_s": 0}, headers=auth)).json()["requests"]
+                    reqs = (
+                        await http.get("/admin/stats", params={"history_s": 0}, headers=auth)
+                    ).json()["requests"]
                     if sum(r["prompt_tokens"] == prompt_tokens for r in reqs) >= n:
                         return
                     await asyncio.sleep(0.01)
 
             def req(i: int, max_tokens: int, cls: str) -> Any:
-                return asyncio.create_task(http.post("/v1/completions", json={
-                    "model": "tiny", "prompt": long_prompt(10 + i), "max_tokens": max_tokens,
-                    "ignore_eos": True, "priority": cls}))
+                return asyncio.create_task(
+                    http.post(
+                        "/v1/completions",
+                        json={
+                            "model": "tiny",
+                            "prompt": long_prompt(10 + i),
+                            "max_tokens": max_tokens,
+                            "ignore_eos": True,
+                            "priority": cls,
+                        },
+                    )
+                )
 
             # Queued together while paused, the three are admitted together on resume: two of
             # them overflow the pool, whatever the machine's speed (none can finish alone first).
@@ -232,24 +276,40 @@ async def test_preemptions_move_on_screen_and_requests_screen(server: ServerProc
             assert re.search(r"cmpl-\S+ (batch|interactive) recompute", screen_text(app))
 
             # The requests screen lists what the engine holds, with the same figures.
-            victim = asyncio.create_task(http.post("/v1/completions", json={
-                "model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 240, "ignore_eos": True}))
+            victim = asyncio.create_task(
+                http.post(
+                    "/v1/completions",
+                    json={
+                        "model": "tiny",
+                        "prompt": [5, 6, 7, 8],
+                        "max_tokens": 240,
+                        "ignore_eos": True,
+                    },
+                )
+            )
             await app.switch_mode("requests")
             # Hold the engine still (as an operator would before an abort) as soon as it holds
             # the long request, so that it cannot finish first on a fast machine (240 steps to
             # go); figures stop moving too.
             await asyncio.wait_for(live(4), 30)
             assert (await http.post("/admin/pause", headers=auth)).json() == {"paused": True}
-            await until(pilot, lambda: any(r.prompt_tokens == 4 for r in app.snapshot.stats.requests),
-                        30, "the long request listed")
+            await until(
+                pilot,
+                lambda: any(r.prompt_tokens == 4 for r in app.snapshot.stats.requests),
+                30,
+                "the long request listed",
+            )
             await polled(app, pilot, 2)
             assert admin_stats(server)["server"]["paused"] is True
             assert "PAUSED" in screen_text(app)
             snap = app.snapshot
             text = screen_text(app)
             for r in snap.stats.requests:
-                assert re.search(rf"{re.escape(r.request_id)}\s+{r.priority_class}\s+{r.status}\s+"
-                                 rf"{r.prompt_tokens}\s+{r.output_tokens}\s+{r.blocks_held}", text), r
+                assert re.search(
+                    rf"{re.escape(r.request_id)}\s+{r.priority_class}\s+{r.status}\s+"
+                    rf"{r.prompt_tokens}\s+{r.output_tokens}\s+{r.blocks_held}",
+                    text,
+                ), r
 
             # Abort the long request through the admin API, after a confirmation.
             target = next(r.request_id for r in snap.stats.requests if r.prompt_tokens == 4)
@@ -291,7 +351,9 @@ async def test_apply_template_then_roll_back(server: ServerProcess) -> None:
         await pilot.press("a")
         assert isinstance(app.screen, ConfirmScreen)
         await pilot.press("y")
-        await until(pilot, lambda: "applied tiny-b" in screen_text(app), START_TIMEOUT_S, "apply outcome")
+        await until(
+            pilot, lambda: "applied tiny-b" in screen_text(app), START_TIMEOUT_S, "apply outcome"
+        )
         cfg = admin_config(server)
         assert cfg["template"] == "tiny-b" and cfg["config"]["scheduler"]["max_num_seqs"] == 8
         await until(pilot, lambda: "▶ tiny-b" in screen_text(app), 10, "running marker")
@@ -300,8 +362,12 @@ async def test_apply_template_then_roll_back(server: ServerProcess) -> None:
         await pilot.press("b")
         assert isinstance(app.screen, ConfirmScreen)
         await pilot.press("y")
-        await until(pilot, lambda: "rolled back to tiny-a" in screen_text(app), START_TIMEOUT_S,
-                    "rollback outcome")
+        await until(
+            pilot,
+            lambda: "rolled back to tiny-a" in screen_text(app),
+            START_TIMEOUT_S,
+            "rollback outcome",
+        )
     cfg = admin_config(server)
     assert cfg["template"] == "tiny-a" and cfg["config"]["scheduler"]["max_num_seqs"] == 16
 
@@ -370,7 +436,9 @@ async def test_wrong_admin_token_is_named(server: ServerProcess) -> None:
     assert f"admin token refused by {server.url} (401): the token given was rejected" in text
 
 
-async def test_gpu_panel_with_and_without_gpu(server: ServerProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_gpu_panel_with_and_without_gpu(
+    server: ServerProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
     no_nvml(monkeypatch)
     app = console(server)
     async with app.run_test(size=(80, 24)) as pilot:
@@ -386,10 +454,15 @@ async def test_gpu_panel_with_and_without_gpu(server: ServerProcess, monkeypatch
         gpu = 87
 
     fake = {
-        "nvmlInit": lambda: None, "nvmlShutdown": lambda: None, "nvmlDeviceGetCount": lambda: 2,
-        "nvmlDeviceGetHandleByIndex": lambda i: i, "nvmlDeviceGetName": lambda h: "NVIDIA A10",
-        "nvmlDeviceGetUtilizationRates": lambda h: Util, "nvmlDeviceGetMemoryInfo": lambda h: Mem,
-        "nvmlDeviceGetTemperature": lambda h, sensor: 64, "nvmlDeviceGetPowerUsage": lambda h: 140_000,
+        "nvmlInit": lambda: None,
+        "nvmlShutdown": lambda: None,
+        "nvmlDeviceGetCount": lambda: 2,
+        "nvmlDeviceGetHandleByIndex": lambda i: i,
+        "nvmlDeviceGetName": lambda h: "NVIDIA A10",
+        "nvmlDeviceGetUtilizationRates": lambda h: Util,
+        "nvmlDeviceGetMemoryInfo": lambda h: Mem,
+        "nvmlDeviceGetTemperature": lambda h, sensor: 64,
+        "nvmlDeviceGetPowerUsage": lambda h: 140_000,
         "nvmlDeviceGetEnforcedPowerLimit": lambda h: 150_000,
     }
     for name, fn in fake.items():
@@ -405,27 +478,62 @@ def test_console_command_is_registered(tmp_path: Path) -> None:
     from appliance.cli import build_parser, main
 
     ns = build_parser().parse_args(["console", "--url", "http://127.0.0.1:1", "--readonly"])
-    assert ns.readonly and ns.url == "http://127.0.0.1:1" and ns.func.__module__ == "appliance.console.cli"
+    assert (
+        ns.readonly
+        and ns.url == "http://127.0.0.1:1"
+        and ns.func.__module__ == "appliance.console.cli"
+    )
     assert main(["console", "--admin-token-file", str(tmp_path / "missing")]) == 2
 
 
 # -- the figures, on their own -------------------------------------------------------------------
 
 
-def step(n: int, t: float, seqs: int, bound: str = "none", prompt: int = 0, gen: int = 0) -> StepRecord:
-    return StepRecord(step=n, time=t, duration_s=0.01, num_running=seqs, num_waiting=0, num_swapped=0,
-                      num_seqs=seqs, num_scheduled_tokens=prompt + gen, num_context_tokens=0,
-                      num_prompt_tokens=prompt, num_generation_tokens=gen, blocks_used=0,
-                      blocks_cached=0, blocks_free=0, kv_usage=0.0, bound_by=bound)
+def step(
+    n: int, t: float, seqs: int, bound: str = "none", prompt: int = 0, gen: int = 0
+) -> StepRecord:
+    return StepRecord(
+        step=n,
+        time=t,
+        duration_s=0.01,
+        num_running=seqs,
+        num_waiting=0,
+        num_swapped=0,
+        num_seqs=seqs,
+        num_scheduled_tokens=prompt + gen,
+        num_context_tokens=0,
+        num_prompt_tokens=prompt,
+        num_generation_tokens=gen,
+        blocks_used=0,
+        blocks_cached=0,
+        blocks_free=0,
+        kv_usage=0.0,
+        bound_by=bound,
+    )
 
 
 def test_step_window_histogram_bounds_and_throughput() -> None:
     w = figures.StepWindow(window_s=60)
     w.merge([step(1, 100.0, 1), step(2, 150.0, 3, "kv_blocks", gen=3)], 1, now=150.0)
-    w.merge([step(2, 150.0, 3, "kv_blocks", gen=3), step(3, 170.0, 8, "token_budget", prompt=100)], 1, now=170.0)
+    w.merge(
+        [step(2, 150.0, 3, "kv_blocks", gen=3), step(3, 170.0, 8, "token_budget", prompt=100)],
+        1,
+        now=170.0,
+    )
     assert [r.step for r in w.steps] == [2, 3]  # step 1 left the minute; step 2 merged once
-    assert figures.batch_histogram(w.steps, 16) == [("1", 0), ("2", 0), ("3-4", 1), ("5-8", 1), ("9-16", 0)]
-    assert figures.bound_shares(w.steps) == {"token_budget": 0.5, "max_num_seqs": 0.0, "kv_blocks": 0.5, "none": 0.0}
+    assert figures.batch_histogram(w.steps, 16) == [
+        ("1", 0),
+        ("2", 0),
+        ("3-4", 1),
+        ("5-8", 1),
+        ("9-16", 0),
+    ]
+    assert figures.bound_shares(w.steps) == {
+        "token_budget": 0.5,
+        "max_num_seqs": 0.0,
+        "kv_blocks": 0.5,
+        "none": 0.0,
+    }
     prompt, gen = figures.tokens_per_second(w.steps, now=170.5)
     assert prompt[-1] == 100 and gen[-21] == 3 and sum(gen) == 3
     w.merge([step(1, 171.0, 1)], 2, now=171.0)  # a reload: step numbers restart
@@ -438,7 +546,10 @@ def test_histogram_quantile_matches_prometheus() -> None:
     assert figures.histogram_quantile(0.99, buckets) == pytest.approx(0.5 + 0.5 * 39 / 40)
     assert figures.histogram_quantile(0.5, [(0.1, 0.0), (float("inf"), 0.0)]) is None
     new = [(0.1, 12.0), (float("inf"), 20.0)]
-    assert figures.bucket_delta(new, [(0.1, 10.0), (float("inf"), 10.0)]) == [(0.1, 2.0), (float("inf"), 10.0)]
+    assert figures.bucket_delta(new, [(0.1, 10.0), (float("inf"), 10.0)]) == [
+        (0.1, 2.0),
+        (float("inf"), 10.0),
+    ]
     assert figures.bucket_delta([(0.1, 1.0)], [(0.1, 5.0)]) == [(0.1, 1.0)]  # counters restarted
 
 
@@ -458,6 +569,7 @@ def test_console_package_imports_no_torch() -> None:
     import sys
 
     code = "import sys, appliance.console.app; print('torch' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env={**os.environ}, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ}, check=True
+    )
     assert out.stdout.strip() == "False"

@@ -61,9 +61,13 @@ def _growth(capacity: int) -> dict[str, float]:
     child_env = {k: v for k, v in os.environ.items() if k not in CAPACITY_ENV}
     child_env["OMP_NUM_THREADS"] = "1"
     out = subprocess.run(
-        [sys.executable, "-c", _CHILD, str(capacity)], capture_output=True, text=True,
-        timeout=120, env=child_env, cwd=Path(__file__).parent,
-    )  # fmt: skip
+        [sys.executable, "-c", _CHILD, str(capacity)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=child_env,
+        cwd=Path(__file__).parent,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 

@@ -41,7 +41,9 @@ def features_of(tmp_path: Path, flags: str, mask: str = "") -> CpuFeatures:
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text(f"processor\t: 0\nmodel name\t: Test CPU\nflags\t\t: {flags}\n\n")
     cache = tmp_path / "cache"
-    for i, (level, kind, size) in enumerate([(1, "Data", "32K"), (2, "Unified", "1024K"), (3, "Unified", "32768K")]):
+    for i, (level, kind, size) in enumerate(
+        [(1, "Data", "32K"), (2, "Unified", "1024K"), (3, "Unified", "32768K")]
+    ):
         d = cache / f"index{i}"
         d.mkdir(parents=True, exist_ok=True)
         (d / "level").write_text(f"{level}\n")
@@ -52,7 +54,11 @@ def features_of(tmp_path: Path, flags: str, mask: str = "") -> CpuFeatures:
 
 @pytest.mark.parametrize(
     ("flags", "isa", "prepack", "native_bf16"),
-    [(ZEN3, "avx2", False, False), (ZEN4, "avx512-bf16", True, True), (SAPPHIRE_RAPIDS, "amx", True, True)],
+    [
+        (ZEN3, "avx2", False, False),
+        (ZEN4, "avx512-bf16", True, True),
+        (SAPPHIRE_RAPIDS, "amx", True, True),
+    ],
     ids=["zen3", "zen4", "sapphire-rapids"],
 )
 def test_answers_per_cpu_class(
@@ -102,8 +108,10 @@ def test_auto_dtype_per_cpu_class(tmp_path: Path) -> None:
     zen3 = plan(features_of(tmp_path, ZEN3), dtype="auto")
     # No bf16 arithmetic: 16-bit weights and KV for the reads, float32 for the arithmetic.
     assert (zen3.weight_dtype, zen3.compute_dtype, zen3.kv_dtype) == (
-        torch.bfloat16, torch.float32, torch.bfloat16,
-    )  # fmt: skip
+        torch.bfloat16,
+        torch.float32,
+        torch.bfloat16,
+    )
     assert zen3.prepack and zen3.fp32_weight_copy and zen3.native_decode
     assert zen3.matmul == "oneDNN prepacked fp32" and not zen3.warning
     zen4 = plan(features_of(tmp_path, ZEN4), dtype="auto")
@@ -143,7 +151,11 @@ def test_the_mask_changes_the_path_the_engine_takes(
 ) -> None:
     """Masking AVX2 (every x86-64 CI machine has it) rebuilds the native kernels without it and
     the engine reports the masked CPU; its greedy tokens equal the unmasked engine's."""
-    overrides = {"model.path": str(tiny_model_dir), "model.dtype": "float32", "hardware.device": "cpu"}
+    overrides = {
+        "model.path": str(tiny_model_dir),
+        "model.dtype": "float32",
+        "hardware.device": "cpu",
+    }
     prompts = [[5, 6, 7, 8], [40, 41, 42]]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     monkeypatch.delenv(MASK_ENV, raising=False)

@@ -55,18 +55,30 @@ def test_bf16_linear_on_either_path_matches_float64(rows: int) -> None:
 
 
 def run_prompts(model_dir: Path, dtype: str, prepack: bool) -> tuple[Engine, list[list[int]]]:
-    engine = Engine(load_config(None, {
-        "model.path": str(model_dir), "model.dtype": dtype, "hardware.device": "cpu",
-        "model.cpu_prepack_weights": prepack, "scheduler.max_num_seqs": 8,
-        # Decodes through the torch matmuls, not the native decode (tested on its own).
-        "model.cpu_native_kernels": False,
-    }))  # fmt: skip
+    engine = Engine(
+        load_config(
+            None,
+            {
+                "model.path": str(model_dir),
+                "model.dtype": dtype,
+                "hardware.device": "cpu",
+                "model.cpu_prepack_weights": prepack,
+                "scheduler.max_num_seqs": 8,
+                # Decodes through the torch matmuls, not the native decode (tested on its own).
+                "model.cpu_native_kernels": False,
+            },
+        )
+    )
     rng = random.Random(5)
     # 1, 2 and 8 sequences at once: both matmul paths of the plain model, and a chunked mix.
     outs: list[list[int]] = []
     for batch in (1, 2, 8):
-        prompts = [[rng.randrange(10, 4000) for _ in range(rng.randrange(5, 90))] for _ in range(batch)]
-        results = engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+        prompts = [
+            [rng.randrange(10, 4000) for _ in range(rng.randrange(5, 90))] for _ in range(batch)
+        ]
+        results = engine.generate(
+            prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+        )
         outs += [r.token_ids for r in results]
     return engine, outs
 
@@ -75,7 +87,9 @@ def test_prepacked_bf16_weights_give_the_plain_weights_tokens(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if not detect().onednn_bf16_prepack:
-        pytest.skip("oneDNN cannot prepack bf16 on this CPU (needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT)")
+        pytest.skip(
+            "oneDNN cannot prepack bf16 on this CPU (needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT)"
+        )
     # oneDNN on both sides, at every row count: the same kernels on two weight layouts must be
     # bit-identical (ATen's GEMV sums in another order; its accuracy is tested above).
     monkeypatch.setattr(cpu_backend, "BF16_GEMV_MAX_ROWS", 0)
@@ -119,7 +133,9 @@ def test_prepacked_float32_weights_match_the_plain_ones(
     if dtype == "auto":
         # Plain float32 copy beside the bf16 weights; the bf16 plain weight is not needed
         # without the native decode, so it is released.
-        assert plain_down.matmul_weight is not None and plain_down.matmul_weight.dtype == torch.float32
+        assert (
+            plain_down.matmul_weight is not None and plain_down.matmul_weight.dtype == torch.float32
+        )
         assert plain_down.weight.numel() == 0
     else:
         assert plain_down.matmul_weight is None

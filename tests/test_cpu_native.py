@@ -51,9 +51,16 @@ def random_paged_batch(
     ("block_size", "heads", "kv_heads", "head_dim"),
     # Query heads per KV head 3, 1, 8, 3, 2 (head_dim off the vector width: the generic loops),
     # 2 and 4: each of the kernel's register-held group sizes (1-4) and the generic loop.
-    [(16, 9, 3, 64), (1, 4, 4, 32), (32, 8, 1, 128), (16, 6, 2, 40), (16, 4, 2, 36),
-     (16, 4, 2, 32), (8, 8, 2, 64)],
-)  # fmt: skip
+    [
+        (16, 9, 3, 64),
+        (1, 4, 4, 32),
+        (32, 8, 1, 128),
+        (16, 6, 2, 40),
+        (16, 4, 2, 36),
+        (16, 4, 2, 32),
+        (8, 8, 2, 64),
+    ],
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("copies", [1, 4])
 def test_decode_attention_matches_torch_reference(
@@ -70,9 +77,16 @@ def test_decode_attention_matches_torch_reference(
     out = cpu_native.paged_decode_attention(query, k_cache, v_cache, tables, lens, scale)
     # The reference in float64 on the same (already rounded) inputs.
     reference = paged_attention(
-        query.double(), k_cache.double(), v_cache.double(), tables, lens,
-        torch.arange(len(seq_lens) + 1), scale, 1, max(seq_lens),
-    )  # fmt: skip
+        query.double(),
+        k_cache.double(),
+        v_cache.double(),
+        tables,
+        lens,
+        torch.arange(len(seq_lens) + 1),
+        scale,
+        1,
+        max(seq_lens),
+    )
     tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
     torch.testing.assert_close(out.double(), reference, **tol)
     assert out.dtype == dtype
@@ -122,7 +136,9 @@ def test_cpu_backend_sends_decodes_native_and_the_rest_to_torch(
     args = (query, k_cache, v_cache, tables, lens, qsl, 0.2, max_query_len, max(seq_lens))
     calls: list[int] = []
     native = cpu_native.paged_decode_attention
-    monkeypatch.setattr(cpu_native, "paged_decode_attention", lambda *a: calls.append(1) or native(*a))
+    monkeypatch.setattr(
+        cpu_native, "paged_decode_attention", lambda *a: calls.append(1) or native(*a)
+    )
     out = cpu_paged_attention(*args)
     torch.testing.assert_close(out, paged_attention(*args), atol=1e-5, rtol=1e-5)
     assert len(calls) == (max_query_len == 1)
@@ -182,7 +198,9 @@ def test_native_decode_matches_torch_forward_float32(
     (native, plain), (lp_native, lp_plain) = lockstep(tiny_model_dir, "float32", block_size, batch)
     assert native.loaded.runner.native_decode_steps > 0
     assert plain.loaded.runner.native_decode_steps == 0
-    torch.testing.assert_close(torch.tensor(lp_native), torch.tensor(lp_plain), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        torch.tensor(lp_native), torch.tensor(lp_plain), atol=1e-4, rtol=1e-4
+    )
     # The K/V the native forward wrote equal the torch forward's.
     for (k1, v1), (k2, v2) in zip(
         native.loaded.runner.kv.device_caches, plain.loaded.runner.kv.device_caches, strict=True
@@ -238,10 +256,16 @@ def odd_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
         shutil.copy(tiny_model_dir / name, out / name)
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=4096, hidden_size=204, intermediate_size=340, num_hidden_layers=2,
-        num_attention_heads=6, num_key_value_heads=2, head_dim=36, max_position_embeddings=512,
+        vocab_size=4096,
+        hidden_size=204,
+        intermediate_size=340,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=36,
+        max_position_embeddings=512,
         tie_word_embeddings=False,
-    )  # fmt: skip
+    )
     model = LlamaForCausalLM(config)
     with torch.no_grad():
         for p in model.parameters():  # sharper than HF's N(0, 0.02), as the demo models
@@ -266,7 +290,9 @@ def test_native_decode_splits_the_context_of_few_sequences(
     finally:
         torch.set_num_threads(before)
     assert native.loaded.runner.native_decode_steps > 0
-    torch.testing.assert_close(torch.tensor(lp_native), torch.tensor(lp_plain), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        torch.tensor(lp_native), torch.tensor(lp_plain), atol=1e-4, rtol=1e-4
+    )
     for (k1, v1), (k2, v2) in zip(
         native.loaded.runner.kv.device_caches, plain.loaded.runner.kv.device_caches, strict=True
     ):
@@ -277,12 +303,16 @@ def test_native_decode_splits_the_context_of_few_sequences(
 def test_native_decode_with_sizes_off_the_vector_width(odd_model_dir: Path, cpu_path: str) -> None:
     (native, _), (lp_native, lp_plain) = lockstep(odd_model_dir, "float32", 16, 3)
     assert native.loaded.runner.native_decode_steps > 0
-    torch.testing.assert_close(torch.tensor(lp_native), torch.tensor(lp_plain), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        torch.tensor(lp_native), torch.tensor(lp_plain), atol=1e-4, rtol=1e-4
+    )
 
 
 def test_native_decode_on_qwen2_bias_and_tied_embeddings(qwen2_model_dir: Path) -> None:
     _, (lp_native, lp_plain) = lockstep(qwen2_model_dir, "float32", 16, 4)
-    torch.testing.assert_close(torch.tensor(lp_native), torch.tensor(lp_plain), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        torch.tensor(lp_native), torch.tensor(lp_plain), atol=1e-4, rtol=1e-4
+    )
 
 
 def test_native_decode_bf16_close_to_float32(tiny_model_dir: Path) -> None:
@@ -318,7 +348,9 @@ def test_without_a_compiler_the_engine_falls_back_to_torch(
     assert cpu_native.load() is not None and cpu_native.load_error() is None
 
 
-def test_build_is_cached_per_source_and_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_build_is_cached_per_source_and_cpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("APPLIANCE_KERNEL_CACHE", str(tmp_path))
     first = cpu_native.build()
     mtime = first.stat().st_mtime_ns
@@ -402,11 +434,18 @@ def test_quantized_kv_under_float32_compute(
     monkeypatch.setenv("APPLIANCE_CPU_MASK", "avx512,amx")
 
     def run(kv: str) -> tuple[Engine, list[list[float]]]:
-        eng = Engine(load_config(None, {
-            "model.path": str(tiny_model_dir), "hardware.device": "cpu",
-            "cache.kv_cache_dtype": kv, "cache.kv_cache_keep_16bit": [0] if kv != "auto" else [],
-            "cache.kv_cache_memory": 0.1,
-        }))  # fmt: skip
+        eng = Engine(
+            load_config(
+                None,
+                {
+                    "model.path": str(tiny_model_dir),
+                    "hardware.device": "cpu",
+                    "cache.kv_cache_dtype": kv,
+                    "cache.kv_cache_keep_16bit": [0] if kv != "auto" else [],
+                    "cache.kv_cache_memory": 0.1,
+                },
+            )
+        )
         params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=1)
         outs = eng.generate([[5, 6, 7, 8, 9] * 4, [300, 301, 302]], params)
         return eng, [[lp.logprob for lp in o.logprobs or []] for o in outs]

@@ -12,7 +12,9 @@ from appliance.kernels import cpu_quant
 from appliance.layers.quant import QuantWeight, pack_q4, quantize_int8, unpack_q4
 
 
-def _q4(n: int, k: int, group: int, seed: int, mins_dtype: torch.dtype = torch.float16) -> QuantWeight:
+def _q4(
+    n: int, k: int, group: int, seed: int, mins_dtype: torch.dtype = torch.float16
+) -> QuantWeight:
     g = torch.Generator().manual_seed(seed)
     values = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
     scales = (torch.rand(n, k // group, generator=g) * 0.1 + 0.01).half()
@@ -82,7 +84,9 @@ def test_dequant_rows_matches_torch(cpu_path: str, name: str, make) -> None:  # 
 
 @pytest.mark.parametrize("name,make", CASES, ids=[c[0] for c in CASES])
 @pytest.mark.parametrize("batch", [1, 3, 6])
-def test_int8_activation_dot_matches_its_torch_reference(cpu_path: str, name: str, make, batch: int) -> None:  # type: ignore[no-untyped-def]
+def test_int8_activation_dot_matches_its_torch_reference(
+    cpu_path: str, name: str, make, batch: int
+) -> None:  # type: ignore[no-untyped-def]
     """model.cpu_quant_activations = "int8": x rounded to int8 per 32 columns, integer dot
     products (VNNI where built for it). Shapes it cannot take (K or group not in whole
     32-column blocks) keep the float32 dot: those must still equal the float32 reference."""
@@ -114,7 +118,8 @@ def test_packed_linear_with_a_dense_copy_reads_the_copy() -> None:
     layer.matmul_weight = w.dequantize(torch.float32)
     for rows in (1, 3, 40):
         x = torch.randn(rows, 128, generator=gen)
-        torch.testing.assert_close(layer._matmul(x, None), reference_quant_matmul(x, w, None),
-                                   rtol=1e-5, atol=1e-4)  # fmt: skip
+        torch.testing.assert_close(
+            layer._matmul(x, None), reference_quant_matmul(x, w, None), rtol=1e-5, atol=1e-4
+        )
     layer.matmul_weight = torch.full_like(layer.matmul_weight, float("nan"))
     assert torch.isnan(layer._matmul(torch.randn(1, 128, generator=gen), None)).all()

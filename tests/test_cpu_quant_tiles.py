@@ -57,7 +57,9 @@ def test_dequant_rows_reads_tiles(cpu_path: str, name: str, make) -> None:  # ty
 
 @pytest.mark.parametrize("name,make", CASES, ids=IDS)
 @pytest.mark.parametrize("batch", [1, 2, 3, 5, 8, 16, 37])
-def test_tiled_int8_dot_matches_its_torch_reference(cpu_path: str, name: str, make, batch: int) -> None:  # type: ignore[no-untyped-def]
+def test_tiled_int8_dot_matches_its_torch_reference(
+    cpu_path: str, name: str, make, batch: int
+) -> None:  # type: ignore[no-untyped-def]
     """Up to 4 x rows a weight load, in blocks of 4 with tails; 37 rows: a prefill (tiled
     weights keep the packed kernel above DENSE_TILE_ROWS)."""
     cpu_quant.forget_builds()
@@ -80,9 +82,14 @@ def test_extreme_values_do_not_overflow_the_int16_sums(cpu_path: str) -> None:
     their largest (8 x 2 x 15 x 127); q8 at -127/127 (and -128) likewise."""
     cpu_quant.forget_builds()
     n, k = 8, 64
-    q4 = QuantWeight("q4", torch.full((n, k // 2), 0xFF, dtype=torch.uint8),
-                     torch.ones(n, 2, dtype=torch.float16), torch.zeros(n, 2, dtype=torch.float16),
-                     32, k)  # fmt: skip
+    q4 = QuantWeight(
+        "q4",
+        torch.full((n, k // 2), 0xFF, dtype=torch.uint8),
+        torch.ones(n, 2, dtype=torch.float16),
+        torch.zeros(n, 2, dtype=torch.float16),
+        32,
+        k,
+    )
     q = torch.full((n, k), -128, dtype=torch.int8)
     q[:, ::2] = 127
     q8 = QuantWeight("q8", q, torch.ones(n, 2, dtype=torch.float16), None, 32, k)

@@ -49,17 +49,25 @@ def test_up_without_a_template_answers_like_an_assistant(
     from openai import OpenAI
 
     # A smaller KV pool than cpu-demo's 1 GiB: the same arithmetic, less to allocate.
-    server = ServerProcess(None, tmp_path / "server.log",
-                           args=["--set", "cache.kv_cache_memory=0.1", "--set", "cache.swap_space=0.1"])  # fmt: skip
+    server = ServerProcess(
+        None,
+        tmp_path / "server.log",
+        args=["--set", "cache.kv_cache_memory=0.1", "--set", "cache.swap_space=0.1"],
+    )
     server.start()
     try:
         assert "Q4_1" in server.log() or "gguf" in server.log().lower()
         models = server.get("/v1/models").json()["data"]
         assert [m["id"] for m in models] == ["SmolLM2-135M-Instruct"]
-        r = server.post("/v1/chat/completions", json={
-            "model": "SmolLM2-135M-Instruct", "messages": QUESTION, "temperature": 0,
-            "max_tokens": 24,
-        })  # fmt: skip
+        r = server.post(
+            "/v1/chat/completions",
+            json={
+                "model": "SmolLM2-135M-Instruct",
+                "messages": QUESTION,
+                "temperature": 0,
+                "max_tokens": 24,
+            },
+        )
         assert r.status_code == 200, r.text
         body: dict[str, Any] = r.json()
         answer = body["choices"][0]["message"]["content"]
@@ -67,7 +75,10 @@ def test_up_without_a_template_answers_like_an_assistant(
         assert "<|im_end|>" not in answer and body["choices"][0]["finish_reason"] == "stop"
         client = OpenAI(base_url=server.url + "/v1", api_key="none")
         sdk = client.chat.completions.create(
-            model="SmolLM2-135M-Instruct", messages=QUESTION, temperature=0, max_tokens=24  # type: ignore[arg-type]
+            model="SmolLM2-135M-Instruct",
+            messages=QUESTION,
+            temperature=0,
+            max_tokens=24,  # type: ignore[arg-type]
         )
         assert sdk.choices[0].message.content == answer
     finally:

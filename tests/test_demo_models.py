@@ -298,7 +298,9 @@ def test_load_tokenizer_is_autotokenizer_without_the_config_detour(tiny_model_di
     assert ours(text).input_ids == auto(text).input_ids
     assert ours.all_special_ids == auto.all_special_ids and ours.eos_token_id == auto.eos_token_id
     chat = [{"role": "user", "content": "hi"}]
-    assert ours.apply_chat_template(chat, tokenize=False) == auto.apply_chat_template(chat, tokenize=False)
+    assert ours.apply_chat_template(chat, tokenize=False) == auto.apply_chat_template(
+        chat, tokenize=False
+    )
 
 
 def test_a_model_specific_tokenizer_class_is_left_to_autotokenizer(
@@ -311,7 +313,9 @@ def test_a_model_specific_tokenizer_class_is_left_to_autotokenizer(
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tiny_model_dir / name, tmp_path / name)
     cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**cfg, "tokenizer_class": "LlamaTokenizer"}))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({**cfg, "tokenizer_class": "LlamaTokenizer"})
+    )
     assert not _generic_fast_tokenizer(tmp_path)
     (tmp_path / "tokenizer.json").unlink()
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))

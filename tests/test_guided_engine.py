@@ -20,8 +20,12 @@ from appliance.config import load_config
 from appliance.engine.guided import GuidedDecoder, apply_bitmask
 from appliance.sampling_params import StructuredOutputs
 
-DIGITS = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
-          "minItems": 24, "maxItems": 24}
+DIGITS = {
+    "type": "array",
+    "items": {"type": "integer", "minimum": 0, "maximum": 9},
+    "minItems": 24,
+    "maxItems": 24,
+}
 REGEX = r"(ab|cd|e){20,30}"
 
 
@@ -47,8 +51,9 @@ def workload(vocab: int) -> list[tuple[list[int], SamplingParams]]:
     for i in range(6):
         prompt = [rng.randrange(10, vocab) for _ in range(rng.randrange(20, 60))]
         so = specs[i % 3]
-        params = SamplingParams(max_tokens=70, temperature=1.0, seed=40 + i, structured=so,
-                                ignore_eos=so is None)
+        params = SamplingParams(
+            max_tokens=70, temperature=1.0, seed=40 + i, structured=so, ignore_eos=so is None
+        )
         jobs.append((prompt, params))
     return jobs
 
@@ -81,9 +86,12 @@ def test_constrained_requests_survive_preemption(
     tiny_model_dir: Path, alone: list[list[int]], mode: str
 ) -> None:
     engine = engine_for(
-        tiny_model_dir, cache__num_blocks=12, cache__swap_space=0.05,
-        scheduler__preemption_mode=mode, model__max_model_len=160,
-    )  # fmt: skip
+        tiny_model_dir,
+        cache__num_blocks=12,
+        cache__swap_space=0.05,
+        scheduler__preemption_mode=mode,
+        model__max_model_len=160,
+    )
     jobs = workload(engine.loaded.args.vocab_size)
     results = engine.generate([p for p, _ in jobs], [sp for _, sp in jobs])
     assert [r.token_ids for r in results] == alone
@@ -114,7 +122,9 @@ def test_unconstrained_rows_of_a_mixed_batch_get_their_own_tokens(
 def test_a_stop_string_ends_a_constrained_request_and_its_matcher(tiny_model_dir: Path) -> None:
     engine = engine_for(tiny_model_dir, cache__kv_cache_memory=0.1)
     so = StructuredOutputs(kind="regex", spec="(ab)+c")
-    [r] = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=30, seed=1, stop=["abab"], structured=so))
+    [r] = engine.generate(
+        [[5, 6, 7]], SamplingParams(max_tokens=30, seed=1, stop=["abab"], structured=so)
+    )
     assert r.finish_reason == "stop" and r.text.startswith("ab") and "abab" not in r.text
     engine.step()  # the abort reaches the runner with the next step
     assert not engine.runner.guided.rows
@@ -123,8 +133,14 @@ def test_a_stop_string_ends_a_constrained_request_and_its_matcher(tiny_model_dir
 def test_invalid_constraints_are_refused_by_the_engine(tiny_model_dir: Path) -> None:
     engine = engine_for(tiny_model_dir, cache__kv_cache_memory=0.1)
     with pytest.raises(ValueError, match="structured: .*uniqueItems"):
-        engine.add_request([1, 2], SamplingParams(structured=StructuredOutputs(
-            kind="json", spec='{"type": "array", "uniqueItems": true}')))
+        engine.add_request(
+            [1, 2],
+            SamplingParams(
+                structured=StructuredOutputs(
+                    kind="json", spec='{"type": "array", "uniqueItems": true}'
+                )
+            ),
+        )
     so = StructuredOutputs(kind="regex", spec="ab")
     with pytest.raises(ValueError, match="min_tokens"):
         engine.add_request([1, 2], SamplingParams(min_tokens=3, structured=so))

@@ -40,7 +40,8 @@ from appliance.kernels.triton_attention import (  # noqa: E402
 from appliance.kernels.triton_kv import write_kv_triton  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings(  # the interpreter's range(<tensor>) on numpy 2.x
-    "ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning")
+    "ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning"
+)
 
 QUANTIZED = ["fp8_e4m3", "fp8_e5m2", "int8"]
 TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 1e-2}
@@ -51,8 +52,13 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
 
 
-def random_stored(shape: tuple[int, ...], fmt: str, dtype: torch.dtype,
-                  scale: torch.Tensor | None, gen: torch.Generator) -> torch.Tensor:
+def random_stored(
+    shape: tuple[int, ...],
+    fmt: str,
+    dtype: torch.dtype,
+    scale: torch.Tensor | None,
+    gen: torch.Generator,
+) -> torch.Tensor:
     """Random values in a cache's stored representation (finite: no NaN byte patterns)."""
     values = torch.randn(shape, generator=gen) * 2
     return quantize(values, fmt, scale).to(cache_storage_dtype(fmt, dtype))
@@ -82,17 +88,34 @@ class Batch:
     def reference(self) -> torch.Tensor:
         """The torch reference in fp32 on the same stored cache."""
         return paged_attention(
-            self.query.float(), self.k_cache, self.v_cache, self.block_tables,
-            self.seq_lens.long(), self.query_start_loc.long(), self.scale, self.max_query_len,
-            self.max_seq_len, self.kv_cache_dtype, self.k_scale, self.v_scale)
+            self.query.float(),
+            self.k_cache,
+            self.v_cache,
+            self.block_tables,
+            self.seq_lens.long(),
+            self.query_start_loc.long(),
+            self.scale,
+            self.max_query_len,
+            self.max_seq_len,
+            self.kv_cache_dtype,
+            self.k_scale,
+            self.v_scale,
+        )
 
     def poisoned_out(self) -> torch.Tensor:
         return torch.full_like(self.query, float("nan"))
 
 
-def make_batch(seq_lens: list[int], query_lens: list[int], group: int, head_dim: int,
-               block_size: int, dtype: torch.dtype = torch.float32, fmt: str = "auto",
-               seed: int = 0) -> Batch:
+def make_batch(
+    seq_lens: list[int],
+    query_lens: list[int],
+    group: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+    fmt: str = "auto",
+    seed: int = 0,
+) -> Batch:
     gen = torch.Generator().manual_seed(seed)
     blocks = [-(-max(n, 1) // block_size) for n in seq_lens]
     num_blocks = sum(blocks) + 7  # spare blocks: the table does not cover the whole cache
@@ -108,30 +131,61 @@ def make_batch(seq_lens: list[int], query_lens: list[int], group: int, head_dim:
     table = torch.randint(0, num_blocks, (len(seq_lens), max(blocks) + 1), generator=gen)
     start = 0
     for i, n in enumerate(blocks):
-        table[i, :n] = perm[start:start + n]
+        table[i, :n] = perm[start : start + n]
         start += n
     qsl = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
     qsl[1:] = torch.tensor(query_lens).cumsum(0)
     query = torch.randn(int(qsl[-1]), NUM_KV_HEADS * group, head_dim, generator=gen).to(dtype)
-    return Batch(query, k_cache, v_cache, table.to(torch.int32),
-                 torch.tensor(seq_lens, dtype=torch.int32), qsl, fmt,
-                 k_scale, v_scale, head_dim**-0.5)
+    return Batch(
+        query,
+        k_cache,
+        v_cache,
+        table.to(torch.int32),
+        torch.tensor(seq_lens, dtype=torch.int32),
+        qsl,
+        fmt,
+        k_scale,
+        v_scale,
+        head_dim**-0.5,
+    )
 
 
 def decode(b: Batch, split_size: int | None = None) -> torch.Tensor:
     out = b.poisoned_out()
-    result = paged_attention_decode(b.query, b.k_cache, b.v_cache, b.block_tables, b.seq_lens,
-                                    b.scale, b.max_seq_len, b.kv_cache_dtype, b.k_scale,
-                                    b.v_scale, split_size=split_size, out=out)
+    result = paged_attention_decode(
+        b.query,
+        b.k_cache,
+        b.v_cache,
+        b.block_tables,
+        b.seq_lens,
+        b.scale,
+        b.max_seq_len,
+        b.kv_cache_dtype,
+        b.k_scale,
+        b.v_scale,
+        split_size=split_size,
+        out=out,
+    )
     assert result is out
     return out
 
 
 def prefill(b: Batch) -> torch.Tensor:
     out = b.poisoned_out()
-    paged_attention_prefill(b.query, b.k_cache, b.v_cache, b.block_tables, b.seq_lens,
-                            b.query_start_loc, b.scale, b.max_query_len, b.kv_cache_dtype,
-                            b.k_scale, b.v_scale, out=out)
+    paged_attention_prefill(
+        b.query,
+        b.k_cache,
+        b.v_cache,
+        b.block_tables,
+        b.seq_lens,
+        b.query_start_loc,
+        b.scale,
+        b.max_query_len,
+        b.kv_cache_dtype,
+        b.k_scale,
+        b.v_scale,
+        out=out,
+    )
     return out
 
 
@@ -214,7 +268,13 @@ def test_fp8_quantization_exact_over_range() -> None:
 # --------------------------------------------------------------------------- decode
 
 SHAPES = [  # (block_size, GQA ratio, head_dim)
-    (16, 1, 64), (16, 4, 128), (32, 8, 64), (32, 4, 128), (16, 8, 128), (32, 1, 128)]
+    (16, 1, 64),
+    (16, 4, 128),
+    (32, 8, 64),
+    (32, 4, 128),
+    (16, 8, 128),
+    (32, 1, 128),
+]
 RAGGED = [1, 33, 200, 17, 64]  # ragged context lengths (200 tokens: 13 blocks of 16)
 
 
@@ -233,12 +293,15 @@ def test_decode_quantized_cache(fmt: str, dtype: torch.dtype) -> None:
     assert_close(decode(b), b.reference(), dtype)
 
 
-@pytest.mark.parametrize(("split_size", "fmt", "dtype"), [
-    (64, "auto", torch.float32),  # split = one BLOCK_N tile
-    (100, "auto", torch.bfloat16),  # splits not aligned to blocks or tiles
-    (256, "fp8_e4m3", torch.bfloat16),
-    (48, "int8", torch.float32),
-])
+@pytest.mark.parametrize(
+    ("split_size", "fmt", "dtype"),
+    [
+        (64, "auto", torch.float32),  # split = one BLOCK_N tile
+        (100, "auto", torch.bfloat16),  # splits not aligned to blocks or tiles
+        (256, "fp8_e4m3", torch.bfloat16),
+        (48, "int8", torch.float32),
+    ],
+)
 def test_decode_split_k(split_size: int, fmt: str, dtype: torch.dtype) -> None:
     """Flash-decoding: a 700-token context (44 blocks) split across programs and merged by
     log-sum-exp; short sequences occupy fewer splits than the grid has."""
@@ -267,22 +330,27 @@ PREFILL_QUERY_LENS = [80, 30, 1, 12]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("block_size", "group", "head_dim"), [
-    (16, 1, 64), (32, 4, 128), (16, 8, 128), (32, 8, 64)])
+@pytest.mark.parametrize(
+    ("block_size", "group", "head_dim"), [(16, 1, 64), (32, 4, 128), (16, 8, 128), (32, 8, 64)]
+)
 def test_prefill_shapes(block_size: int, group: int, head_dim: int, dtype: torch.dtype) -> None:
     b = make_batch(PREFILL_SEQ_LENS, PREFILL_QUERY_LENS, group, head_dim, block_size, dtype)
     assert_close(prefill(b), b.reference(), dtype)
 
 
-@pytest.mark.parametrize(("fmt", "dtype"), [
-    ("fp8_e4m3", torch.bfloat16), ("fp8_e5m2", torch.float32), ("int8", torch.bfloat16)])
+@pytest.mark.parametrize(
+    ("fmt", "dtype"),
+    [("fp8_e4m3", torch.bfloat16), ("fp8_e5m2", torch.float32), ("int8", torch.bfloat16)],
+)
 def test_prefill_quantized_cache(fmt: str, dtype: torch.dtype) -> None:
     b = make_batch(PREFILL_SEQ_LENS, PREFILL_QUERY_LENS, 4, 64, 16, dtype, fmt, seed=6)
     assert_close(prefill(b), b.reference(), dtype)
 
 
-@pytest.mark.parametrize(("fmt", "dtype"), [
-    ("fp8_e4m3", torch.bfloat16), ("int8", torch.float32), ("fp8_e5m2", torch.bfloat16)])
+@pytest.mark.parametrize(
+    ("fmt", "dtype"),
+    [("fp8_e4m3", torch.bfloat16), ("int8", torch.float32), ("fp8_e5m2", torch.bfloat16)],
+)
 def test_prefill_reads_the_chunks_fresh_kv(fmt: str, dtype: torch.dtype) -> None:
     """Over a quantized cache, a prefill given this step's K/V attends to them for the chunk's
     own positions and to the stored bytes for the prefix: the torch reference's rule."""
@@ -293,13 +361,38 @@ def test_prefill_reads_the_chunks_fresh_kv(fmt: str, dtype: torch.dtype) -> None
     # A view with other strides (V sliced out of a wider tensor), as a fused qkv gives it.
     value = torch.randn(fresh_shape[0], NUM_KV_HEADS, 96, generator=gen).to(dtype)[..., :64]
     out = b.poisoned_out()
-    paged_attention_prefill(b.query, b.k_cache, b.v_cache, b.block_tables, b.seq_lens,
-                            b.query_start_loc, b.scale, b.max_query_len, b.kv_cache_dtype,
-                            b.k_scale, b.v_scale, out=out, key=key, value=value)
+    paged_attention_prefill(
+        b.query,
+        b.k_cache,
+        b.v_cache,
+        b.block_tables,
+        b.seq_lens,
+        b.query_start_loc,
+        b.scale,
+        b.max_query_len,
+        b.kv_cache_dtype,
+        b.k_scale,
+        b.v_scale,
+        out=out,
+        key=key,
+        value=value,
+    )
     ref = paged_attention(
-        b.query.float(), b.k_cache, b.v_cache, b.block_tables, b.seq_lens.long(),
-        b.query_start_loc.long(), b.scale, b.max_query_len, b.max_seq_len, b.kv_cache_dtype,
-        b.k_scale, b.v_scale, key=key.float(), value=value.float())
+        b.query.float(),
+        b.k_cache,
+        b.v_cache,
+        b.block_tables,
+        b.seq_lens.long(),
+        b.query_start_loc.long(),
+        b.scale,
+        b.max_query_len,
+        b.max_seq_len,
+        b.kv_cache_dtype,
+        b.k_scale,
+        b.v_scale,
+        key=key.float(),
+        value=value.float(),
+    )
     assert_close(out, ref, dtype)
     # The fresh values are what was read: the stored-bytes answer is a different one.
     assert rel_err(ref, b.reference()) > 10 * TOLERANCE[dtype]
@@ -307,7 +400,9 @@ def test_prefill_reads_the_chunks_fresh_kv(fmt: str, dtype: torch.dtype) -> None
 
 @pytest.mark.parametrize("fmt", ["auto", "int8"])
 @pytest.mark.parametrize(("seq_len", "query_len"), [(80, 80), (97, 30), (45, 12)])
-def test_one_sequence_prefill_matches_the_batched_path(fmt: str, seq_len: int, query_len: int) -> None:
+def test_one_sequence_prefill_matches_the_batched_path(
+    fmt: str, seq_len: int, query_len: int
+) -> None:
     """A batch of one prefill skips the padded grid (and, with no cached prefix, builds no mask):
     its rows are those of the same sequence computed inside a batch of two."""
     b = make_batch([seq_len, 60], [query_len, 60], 4, 64, 16, torch.float32, fmt, seed=11)
@@ -316,13 +411,36 @@ def test_one_sequence_prefill_matches_the_batched_path(fmt: str, seq_len: int, q
     value = torch.randn(b.query.shape[0], NUM_KV_HEADS, 64, generator=gen)
     common = (b.k_cache, b.v_cache)
     both = paged_attention(
-        b.query, *common, b.block_tables, b.seq_lens.long(), b.query_start_loc.long(), b.scale,
-        b.max_query_len, b.max_seq_len, fmt, b.k_scale, b.v_scale, key=key, value=value)
+        b.query,
+        *common,
+        b.block_tables,
+        b.seq_lens.long(),
+        b.query_start_loc.long(),
+        b.scale,
+        b.max_query_len,
+        b.max_seq_len,
+        fmt,
+        b.k_scale,
+        b.v_scale,
+        key=key,
+        value=value,
+    )
     rows = slice(0, query_len)
     one = paged_attention(
-        b.query[rows], *common, b.block_tables[:1], b.seq_lens[:1].long(),
-        torch.tensor([0, query_len]), b.scale, query_len, seq_len, fmt, b.k_scale, b.v_scale,
-        key=key[rows], value=value[rows])
+        b.query[rows],
+        *common,
+        b.block_tables[:1],
+        b.seq_lens[:1].long(),
+        torch.tensor([0, query_len]),
+        b.scale,
+        query_len,
+        seq_len,
+        fmt,
+        b.k_scale,
+        b.v_scale,
+        key=key[rows],
+        value=value[rows],
+    )
     torch.testing.assert_close(one, both[rows], atol=1e-5, rtol=1e-5)
 
 
@@ -338,8 +456,16 @@ def test_dispatcher_matches_reference_signature(max_query_len: int) -> None:
     b = make_batch(lens, qlens, 4, 64, 16, seed=7)
     qkv = torch.randn(b.query.shape[0], b.query.shape[1] + 2 * NUM_KV_HEADS, 64)
     query = qkv[:, : b.query.shape[1]]
-    args = (b.k_cache, b.v_cache, b.block_tables.long(), b.seq_lens.long(),  # int64 metadata
-            b.query_start_loc.long(), b.scale, max_query_len, b.max_seq_len)
+    args = (
+        b.k_cache,
+        b.v_cache,
+        b.block_tables.long(),
+        b.seq_lens.long(),  # int64 metadata
+        b.query_start_loc.long(),
+        b.scale,
+        max_query_len,
+        b.max_seq_len,
+    )
     out = paged_attention_triton(query, *args)
     ref = paged_attention(query, *args)
     assert out.shape == ref.shape and out.dtype == ref.dtype
@@ -444,17 +570,18 @@ AOT_SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.skipif(
-    not Path(__import__("triton").__file__).parent.joinpath("backends/nvidia/bin/ptxas").exists()
-    ,
-    reason="needs triton's bundled ptxas")
+    not Path(__import__("triton").__file__).parent.joinpath("backends/nvidia/bin/ptxas").exists(),
+    reason="needs triton's bundled ptxas",
+)
 def test_kernels_compile_for_ampere_and_hopper() -> None:
     """Compile every kernel for sm80 and sm90 with the real Triton compiler (no GPU needed):
     catches what the interpreter accepts but codegen rejects (fp8e4nv casts on Ampere, dot
     shapes, div_rn's operands), checks bf16 / FP8 / INT8 (per-head and per-token scales)
     paths use tensor cores and do not spill registers."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", AOT_SCRIPT], env=env, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", AOT_SCRIPT], env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(results) == 38

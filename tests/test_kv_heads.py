@@ -60,9 +60,13 @@ def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     n, ctx = q.shape[0], k.shape[0]
     mask = torch.arange(ctx)[None, :] <= (ctx - n + torch.arange(n))[:, None]
     out = F.scaled_dot_product_attention(
-        q.double().transpose(0, 1), k.double().transpose(0, 1), v.double().transpose(0, 1),
-        attn_mask=mask, scale=SCALE, enable_gqa=True,
-    )  # fmt: skip
+        q.double().transpose(0, 1),
+        k.double().transpose(0, 1),
+        v.double().transpose(0, 1),
+        attn_mask=mask,
+        scale=SCALE,
+        enable_gqa=True,
+    )
     return out.transpose(0, 1)
 
 
@@ -71,9 +75,12 @@ def batch(tables: list[list[int]], seq_lens: list[int], q_lens: list[int]) -> Pa
     qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()])
     return PagedBatch(
         block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
-        seq_lens=torch.tensor(seq_lens), query_start_loc=qsl, max_query_len=max(q_lens),
-        max_seq_len=max(seq_lens), num_tokens=sum(q_lens),
-    )  # fmt: skip
+        seq_lens=torch.tensor(seq_lens),
+        query_start_loc=qsl,
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+        num_tokens=sum(q_lens),
+    )
 
 
 def slots(table: list[int], positions: range) -> list[int]:
@@ -114,7 +121,9 @@ def test_split_cache_attends_like_the_per_head_reference(
     attn.set_backend(*backend(name))  # type: ignore[arg-type]
     apply_layer_spec(attn, LayerKV(fmt, kept), absmax)  # type: ignore[arg-type]
     quant = [h for h in range(KV_HEADS) if h not in kept]
-    store = KVStorage([torch.uint8 if fmt.startswith("fp8") else torch.int8], [len(kept)], side_dtype)
+    store = KVStorage(
+        [torch.uint8 if fmt.startswith("fp8") else torch.int8], [len(kept)], side_dtype
+    )
     pool = KVCachePool(1, 8, 0, BS, KV_HEADS, DIM, store, torch.device("cpu"))
     cache = pool.device_caches[0]
     assert [t.shape[2] for t in cache] == [len(quant), len(quant), len(kept), len(kept)]
@@ -123,18 +132,30 @@ def test_split_cache_attends_like_the_per_head_reference(
     # Step 1: both prompts as prefills (A 37 tokens, B the first 24).
     meta1 = AttentionMetadata(
         torch.tensor(slots(a_table, range(37)) + slots(b_table, range(24))),
-        None, batch([a_table, b_table], [37, 24], [37, 24]),
-    )  # fmt: skip
+        None,
+        batch([a_table, b_table], [37, 24], [37, 24]),
+    )
     cat = lambda d, a_rows, b_rows: torch.cat([d["a"][a_rows], d["b"][b_rows]])  # noqa: E731
-    out1 = attn(cat(q, slice(0, 37), slice(0, 24)), cat(k, slice(0, 37), slice(0, 24)),
-                cat(v, slice(0, 37), slice(0, 24)), meta1, cache)  # fmt: skip
+    out1 = attn(
+        cat(q, slice(0, 37), slice(0, 24)),
+        cat(k, slice(0, 37), slice(0, 24)),
+        cat(v, slice(0, 37), slice(0, 24)),
+        meta1,
+        cache,
+    )
     # Step 2: A's decode first, then B's chunk of 8 (positions 24..31).
     meta2 = AttentionMetadata(
         torch.tensor(slots(a_table, range(37, 38)) + slots(b_table, range(24, 32))),
-        batch([a_table], [38], [1]), batch([b_table], [32], [8]),
-    )  # fmt: skip
-    out2 = attn(cat(q, slice(37, 38), slice(24, 32)), cat(k, slice(37, 38), slice(24, 32)),
-                cat(v, slice(37, 38), slice(24, 32)), meta2, cache)  # fmt: skip
+        batch([a_table], [38], [1]),
+        batch([b_table], [32], [8]),
+    )
+    out2 = attn(
+        cat(q, slice(37, 38), slice(24, 32)),
+        cat(k, slice(37, 38), slice(24, 32)),
+        cat(v, slice(37, 38), slice(24, 32)),
+        meta2,
+        cache,
+    )
 
     scales = [(absmax[i][quant] * MARGIN[fmt] / FORMAT_MAX[fmt]) for i in (0, 1)]
 
@@ -181,11 +202,13 @@ def test_a_kept_head_reads_16bit_where_the_quantized_layer_would_not() -> None:
         store = KVStorage([torch.int8], [len(kept)], torch.float32)
         cache = KVCachePool(1, 3, 0, BS, KV_HEADS, DIM, store, torch.device("cpu")).device_caches[0]
         table = [2, 0, 1]
-        meta = AttentionMetadata(torch.tensor(slots(table, range(n))), None,
-                                 batch([table], [n], [n]))  # fmt: skip
+        meta = AttentionMetadata(
+            torch.tensor(slots(table, range(n))), None, batch([table], [n], [n])
+        )
         attn(torch.randn(n, HEADS, DIM), k, v, meta, cache)
-        meta = AttentionMetadata(torch.tensor(slots(table, range(n - 1, n))),
-                                 batch([table], [n], [1]), None)  # fmt: skip
+        meta = AttentionMetadata(
+            torch.tensor(slots(table, range(n - 1, n))), batch([table], [n], [1]), None
+        )
         outs[kept] = attn(q, k[-1:], v[-1:], meta, cache)
     exact = causal(q, k, v)
     heads_of_1 = [2, 3]  # query heads of KV head 1 (group 2)
@@ -217,33 +240,46 @@ def test_bad_head_entries_name_the_field_and_the_value(
     heads: list[str], keep: list[int], message: str
 ) -> None:
     with pytest.raises(ConfigError, match=message):
-        cache_config(kv_cache_dtype="fp8_e4m3", kv_cache_keep_16bit=keep, kv_cache_keep_16bit_heads=heads)
+        cache_config(
+            kv_cache_dtype="fp8_e4m3", kv_cache_keep_16bit=keep, kv_cache_keep_16bit_heads=heads
+        )
 
 
 def test_heads_beyond_the_model_name_the_limits() -> None:
     cache = cache_config(kv_cache_dtype="int8", kv_cache_keep_16bit_heads=["0:1", "3:2"])
-    with pytest.raises(ConfigError, match=r"'3:2' does not exist: .* 4 layers of 2 KV heads .*0\.\.3, heads 0\.\.1"):
+    with pytest.raises(
+        ConfigError, match=r"'3:2' does not exist: .* 4 layers of 2 KV heads .*0\.\.3, heads 0\.\.1"
+    ):
         layer_layout(cache, 4, 2)  # type: ignore[arg-type]
 
 
 def test_layout_per_rank_and_whole_layers() -> None:
     cache = cache_config(
-        kv_cache_dtype="fp8_e4m3", kv_cache_keep_16bit=[3],
+        kv_cache_dtype="fp8_e4m3",
+        kv_cache_keep_16bit=[3],
         kv_cache_keep_16bit_heads=["0:1", "1:0", "1:1", "2:3"],
-    )  # fmt: skip
+    )
     # 4 KV heads at TP 1: layer 1 keeps both listed heads of 4, layer 3 whole.
     assert layer_layout(cache, 4, 4) == [  # type: ignore[arg-type]
-        LayerKV("fp8_e4m3", (1,)), LayerKV("fp8_e4m3", (0, 1)), LayerKV("fp8_e4m3", (3,)),
+        LayerKV("fp8_e4m3", (1,)),
+        LayerKV("fp8_e4m3", (0, 1)),
+        LayerKV("fp8_e4m3", (3,)),
         LayerKV("auto"),
-    ]  # fmt: skip
+    ]
     # TP 2: rank 0 holds heads 0-1 (layer 1 then keeps all it holds: a 16-bit layer there),
     # rank 1 heads 2-3 (head 3 is its local head 1).
     assert layer_layout(cache, 4, 4, tp=2, rank=0) == [  # type: ignore[arg-type]
-        LayerKV("fp8_e4m3", (1,)), LayerKV("auto"), LayerKV("fp8_e4m3"), LayerKV("auto"),
-    ]  # fmt: skip
+        LayerKV("fp8_e4m3", (1,)),
+        LayerKV("auto"),
+        LayerKV("fp8_e4m3"),
+        LayerKV("auto"),
+    ]
     assert layer_layout(cache, 4, 4, tp=2, rank=1) == [  # type: ignore[arg-type]
-        LayerKV("fp8_e4m3"), LayerKV("fp8_e4m3"), LayerKV("fp8_e4m3", (1,)), LayerKV("auto"),
-    ]  # fmt: skip
+        LayerKV("fp8_e4m3"),
+        LayerKV("fp8_e4m3"),
+        LayerKV("fp8_e4m3", (1,)),
+        LayerKV("auto"),
+    ]
     # A 16-bit cache keeps everything 16-bit: no side caches.
     plain = cache_config(kv_cache_keep_16bit_heads=["0:1"])
     assert layer_layout(plain, 2, 4) == [LayerKV("auto")] * 2  # type: ignore[arg-type]
@@ -257,7 +293,10 @@ def test_swap_copies_the_side_caches_too() -> None:
     for layer in pool.device_caches:
         for t in layer:
             t.copy_(torch.randint(0, 120, t.shape).to(t.dtype))
-    before = [[t[1].clone() for t in layer] + [t[3].clone() for t in layer] for layer in pool.device_caches]
+    before = [
+        [t[1].clone() for t in layer] + [t[3].clone() for t in layer]
+        for layer in pool.device_caches
+    ]
     pool.swap_out([(1, 0), (3, 2)])
     for layer in pool.device_caches:
         for t in layer:

@@ -77,21 +77,29 @@ def smollm2_dir() -> Path:
         pytest.skip(f"SmolLM2-135M-Instruct unavailable: {exc}")
 
 
-def real_config(model: Path, fmt: str = "auto", keep: list[int] | tuple[int, ...] = (),
-                device: str = "cpu", heads: list[str] | tuple[str, ...] = ()) -> ApplianceConfig:  # fmt: skip
-    return load_config(None, {
-        "model.path": str(model),
-        "model.dtype": "float32",
-        "model.max_model_len": 1024,
-        # bf16 prepacking aside, fp32 runs the plain torch linears on every CPU.
-        "model.cpu_prepack_weights": False,
-        **cache_settings(fmt),  # fmt "int8_token": INT8 with per-token scales
-        "cache.kv_cache_keep_16bit": list(keep),
-        "cache.kv_cache_keep_16bit_heads": list(heads),
-        "cache.kv_cache_memory": 0.25,
-        "cache.swap_space": 0.0,
-        "hardware.device": device,
-    })  # fmt: skip
+def real_config(
+    model: Path,
+    fmt: str = "auto",
+    keep: list[int] | tuple[int, ...] = (),
+    device: str = "cpu",
+    heads: list[str] | tuple[str, ...] = (),
+) -> ApplianceConfig:
+    return load_config(
+        None,
+        {
+            "model.path": str(model),
+            "model.dtype": "float32",
+            "model.max_model_len": 1024,
+            # bf16 prepacking aside, fp32 runs the plain torch linears on every CPU.
+            "model.cpu_prepack_weights": False,
+            **cache_settings(fmt),  # fmt "int8_token": INT8 with per-token scales
+            "cache.kv_cache_keep_16bit": list(keep),
+            "cache.kv_cache_keep_16bit_heads": list(heads),
+            "cache.kv_cache_memory": 0.25,
+            "cache.swap_space": 0.0,
+            "hardware.device": device,
+        },
+    )
 
 
 @pytest.fixture(scope="module")
@@ -119,9 +127,12 @@ CPU_CASES = [case for case in MEASURED if case != ("int8", (), ())]
 
 @pytest.mark.parametrize(("fmt", "keep", "heads"), CPU_CASES)
 def test_quantized_cache_keeps_the_answers(
-    smollm2_dir: Path, reference: list[list[int]], fmt: str, keep: tuple[int, ...],
+    smollm2_dir: Path,
+    reference: list[list[int]],
+    fmt: str,
+    keep: tuple[int, ...],
     heads: tuple[str, ...],
-) -> None:  # fmt: skip
+) -> None:
     config = real_config(smollm2_dir, fmt, keep, heads=heads)
     answers = greedy_answers(config, max_tokens=ANSWER_TOKENS)
     score: AnswerScore = score_answers(f"{fmt} keep {list(keep)} {list(heads)}", reference, answers)
@@ -133,8 +144,13 @@ def test_quantized_cache_keeps_the_answers(
 
 @pytest.fixture(scope="module")
 def perplexities(smollm2_dir: Path) -> dict[str, float]:
-    formats = [("fp8_e4m3", [], []), ("fp8_e4m3", KEEP, []), ("fp8_e4m3", [], HEADS),
-               ("int8", [], []), ("fp8_e5m2", [], [])]  # fmt: skip
+    formats = [
+        ("fp8_e4m3", [], []),
+        ("fp8_e4m3", KEEP, []),
+        ("fp8_e4m3", [], HEADS),
+        ("int8", [], []),
+        ("fp8_e5m2", [], []),
+    ]
     return kv_perplexities(real_config(smollm2_dir), formats)
 
 
@@ -144,8 +160,13 @@ def test_fp8_with_keep_list_perplexity_within_one_percent(perplexities: dict[str
     assert 5.0 < base < 60.0  # a trained model on English text, not a random one (~49,152)
     # Measured: +0.16% (fp8_e4m3, keep-list), +0.17% (fp8_e4m3, head keep-list), +0.28%
     # (fp8_e4m3), -0.14% (int8), -0.19% (e5m2).
-    names = [f"fp8_e4m3 keep {KEEP}", f"fp8_e4m3 keep [] heads {HEADS}", "fp8_e4m3 keep []",
-             "int8 keep []", "fp8_e5m2 keep []"]  # fmt: skip
+    names = [
+        f"fp8_e4m3 keep {KEEP}",
+        f"fp8_e4m3 keep [] heads {HEADS}",
+        "fp8_e4m3 keep []",
+        "int8 keep []",
+        "fp8_e5m2 keep []",
+    ]
     for name in names:
         assert abs(perplexities[name] / base - 1) < 0.01, name
 

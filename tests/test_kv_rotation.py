@@ -36,9 +36,13 @@ def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
     n, ctx = q.shape[0], k.shape[0]
     mask = torch.arange(ctx)[None, :] <= (ctx - n + torch.arange(n))[:, None]
     out = F.scaled_dot_product_attention(
-        q.double().transpose(0, 1), k.double().transpose(0, 1), v.double().transpose(0, 1),
-        attn_mask=mask, scale=DIM**-0.5, enable_gqa=True,
-    )  # fmt: skip
+        q.double().transpose(0, 1),
+        k.double().transpose(0, 1),
+        v.double().transpose(0, 1),
+        attn_mask=mask,
+        scale=DIM**-0.5,
+        enable_gqa=True,
+    )
     return out.transpose(0, 1)
 
 

@@ -23,7 +23,8 @@ from appliance.kv_layout import PER_TOKEN_KIND, LayerKV  # noqa: E402
 from appliance.layers.attention import Attention, AttentionMetadata, PagedBatch  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings(  # the interpreter's range(<tensor>) on numpy 2.x
-    "ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning")
+    "ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning"
+)
 
 BS, BLOCKS, HKV, GROUP, D = 4, 6, 2, 2, 8
 
@@ -59,8 +60,9 @@ def reference_attention(
     return out
 
 
-def _filled_cache(lengths: list[int], tables: list[list[int]], gen: torch.Generator,
-                  write: object = write_kv):  # fmt: skip
+def _filled_cache(
+    lengths: list[int], tables: list[list[int]], gen: torch.Generator, write: object = write_kv
+):
     kc = torch.zeros(BLOCKS, BS, HKV, D, dtype=torch.int8)
     vc = torch.zeros_like(kc)
     ks = torch.zeros(BLOCKS, BS, HKV, dtype=torch.float16)
@@ -120,18 +122,38 @@ def test_attention_over_a_per_token_cache_matches_float64(decode: bool, name: st
         expected.append(reference_attention(q, kd, vd, list(range(n - q_len, n)), scale))
     extra = {} if decode else {"key": torch.cat(fresh_k), "value": torch.cat(fresh_v)}
     out = attend(  # type: ignore[operator]
-        torch.cat(qs), caches[0], caches[1], torch.tensor(tables), torch.tensor(lengths),
-        torch.tensor([0, q_len, 2 * q_len]), scale, q_len, max(lengths), PER_TOKEN_KIND,
-        caches[2], caches[3], **extra,
-    )  # fmt: skip
+        torch.cat(qs),
+        caches[0],
+        caches[1],
+        torch.tensor(tables),
+        torch.tensor(lengths),
+        torch.tensor([0, q_len, 2 * q_len]),
+        scale,
+        q_len,
+        max(lengths),
+        PER_TOKEN_KIND,
+        caches[2],
+        caches[3],
+        **extra,
+    )
     torch.testing.assert_close(out.double(), torch.cat(expected), atol=1e-5, rtol=1e-5)
     # The per-head INT8 of the same cache would be far off on the small-range head: a check
     # that the reference is sensitive to the scales at all.
     wrong = paged_attention(
-        torch.cat(qs), caches[0], caches[1], torch.tensor(tables), torch.tensor(lengths),
-        torch.tensor([0, q_len, 2 * q_len]), scale, q_len, max(lengths), "int8",
-        torch.ones(HKV), torch.ones(HKV), **extra,
-    )  # fmt: skip
+        torch.cat(qs),
+        caches[0],
+        caches[1],
+        torch.tensor(tables),
+        torch.tensor(lengths),
+        torch.tensor([0, q_len, 2 * q_len]),
+        scale,
+        q_len,
+        max(lengths),
+        "int8",
+        torch.ones(HKV),
+        torch.ones(HKV),
+        **extra,
+    )
     assert not torch.allclose(wrong.double(), torch.cat(expected), atol=1e-2)
 
 
@@ -143,8 +165,9 @@ def test_attention_layer_rotates_keeps_a_head_and_reads_the_pools_scale_caches(n
     both the quantized heads and the kept one run through the kernels."""
     gen = torch.Generator().manual_seed(2)
     layer = LayerKV(PER_TOKEN_KIND, (1,))
-    pool = KVCachePool(1, BLOCKS, 2, BS, HKV, D, kv_storage([layer], torch.float32),
-                       torch.device("cpu"))  # fmt: skip
+    pool = KVCachePool(
+        1, BLOCKS, 2, BS, HKV, D, kv_storage([layer], torch.float32), torch.device("cpu")
+    )
     cache = pool.device_caches[0]
     assert [t.dtype for t in cache] == [torch.int8] * 2 + [torch.float32] * 2 + [torch.float16] * 2
     attn = Attention(HKV * GROUP, HKV, D, D**-0.5)
@@ -156,8 +179,9 @@ def test_attention_layer_rotates_keeps_a_head_and_reads_the_pools_scale_caches(n
     slots = torch.tensor([table[i // BS] * BS + i % BS for i in range(n)])
 
     def batch(q_len: int, seq: int) -> PagedBatch:
-        return PagedBatch(torch.tensor([table]), torch.tensor([seq]), torch.tensor([0, q_len]),
-                          q_len, seq, q_len)  # fmt: skip
+        return PagedBatch(
+            torch.tensor([table]), torch.tensor([seq]), torch.tensor([0, q_len]), q_len, seq, q_len
+        )
 
     # Prefill of the first 5 tokens, then the decode of the 6th.
     attn(q[:5], k[:5], v[:5], AttentionMetadata(slots[:5], None, batch(5, 5)), cache)
@@ -175,8 +199,7 @@ def test_attention_layer_rotates_keeps_a_head_and_reads_the_pools_scale_caches(n
 
 def test_pool_counts_and_swaps_the_scale_caches() -> None:
     layers = [LayerKV(PER_TOKEN_KIND), LayerKV("auto")]
-    pool = KVCachePool(2, 3, 2, BS, HKV, D, kv_storage(layers, torch.bfloat16),
-                       torch.device("cpu"))  # fmt: skip
+    pool = KVCachePool(2, 3, 2, BS, HKV, D, kv_storage(layers, torch.bfloat16), torch.device("cpu"))
     # Layer 0: K,V int8 + two float16 scales per head; layer 1: bf16.
     assert pool.bytes_per_block() == BS * (2 * HKV * (D + 2) + 2 * HKV * D * 2)
     for t in pool.device_caches[0]:
@@ -201,17 +224,26 @@ def test_int8_defaults_to_per_token_scales_and_fp8_to_per_head() -> None:
     assert cache(kv_cache_dtype="int8", kv_cache_scales="per_head").scales() == "per_head"
     assert cache(kv_cache_dtype="fp8_e4m3").scales() == "per_head"
     assert layer_layout(cache(kv_cache_dtype="int8", kv_cache_keep_16bit=[1]), 2, 2) == [
-        LayerKV(PER_TOKEN_KIND), LayerKV("auto")]  # fmt: skip
+        LayerKV(PER_TOKEN_KIND),
+        LayerKV("auto"),
+    ]
     assert layer_layout(cache(kv_cache_dtype="int8", kv_cache_scales="per_head"), 1, 2) == [
-        LayerKV("int8")]  # fmt: skip
+        LayerKV("int8")
+    ]
     assert layer_layout(cache(kv_cache_dtype="fp8_e5m2"), 1, 2) == [LayerKV("fp8_e5m2")]
 
 
 def test_config_refuses_per_token_without_int8_and_unknown_values() -> None:
-    assert load_config(None, {"cache.kv_cache_dtype": "int8",
-                              "cache.kv_cache_scales": "per_token"}).cache.kv_cache_scales == "per_token"  # fmt: skip
+    assert (
+        load_config(
+            None, {"cache.kv_cache_dtype": "int8", "cache.kv_cache_scales": "per_token"}
+        ).cache.kv_cache_scales
+        == "per_token"
+    )
     with pytest.raises(ConfigError, match=r"cache\.kv_cache_scales.*int8.*fp8_e4m3"):
-        load_config(None, {"cache.kv_cache_dtype": "fp8_e4m3", "cache.kv_cache_scales": "per_token"})
+        load_config(
+            None, {"cache.kv_cache_dtype": "fp8_e4m3", "cache.kv_cache_scales": "per_token"}
+        )
     with pytest.raises(ConfigError, match=r"cache\.kv_cache_scales"):
         load_config(None, {"cache.kv_cache_scales": "per_token"})
     with pytest.raises((ConfigError, msgspec.ValidationError), match="kv_cache_scales"):
@@ -224,13 +256,23 @@ def test_per_token_layers_are_built_on_the_models_device() -> None:
     device, not on the CPU (no absmax tensor to take the device from)."""
     from appliance.engine.kv_quant import RotatedKV, configure_kv_cache
 
-    config = load_config(None, {"cache.kv_cache_dtype": "int8", "cache.kv_cache_scales": "per_token",
-                                "cache.kv_cache_keep_16bit_heads": ["1:0"]})  # fmt: skip
+    config = load_config(
+        None,
+        {
+            "cache.kv_cache_dtype": "int8",
+            "cache.kv_cache_scales": "per_token",
+            "cache.kv_cache_keep_16bit_heads": ["1:0"],
+        },
+    )
     layers = [Attention(HKV * GROUP, HKV, D, D**-0.5) for _ in range(2)]
-    model = type("M", (), {
-        "args": type("A", (), {"num_layers": 2, "num_kv_heads": HKV})(),
-        "attention_layers": lambda self: layers,
-    })()  # fmt: skip
+    model = type(
+        "M",
+        (),
+        {
+            "args": type("A", (), {"num_layers": 2, "num_kv_heads": HKV})(),
+            "attention_layers": lambda self: layers,
+        },
+    )()
     meta = torch.device("meta")
     storage, absmax = configure_kv_cache(model, None, config.cache, torch.float16, meta, 64)  # type: ignore[arg-type]
     assert absmax is None and storage.token_scales == [True, True]
@@ -253,9 +295,14 @@ def test_swapped_sequences_keep_their_scales(tiny_model_dir: Path) -> None:
     jobs = workload(alone_engine.loaded.args.vocab_size)
     alone = [alone_engine.generate([p], sp)[0].token_ids for p, sp in jobs]
     alone_engine.close()
-    engine = engine_for(tiny_model_dir, cache__num_blocks=16, cache__swap_space=0.05,
-                        scheduler__preemption_mode="swap", model__max_model_len=256,
-                        **per_token)  # fmt: skip
+    engine = engine_for(
+        tiny_model_dir,
+        cache__num_blocks=16,
+        cache__swap_space=0.05,
+        scheduler__preemption_mode="swap",
+        model__max_model_len=256,
+        **per_token,
+    )
     for layer in engine.runner.kv.host_caches:
         assert len(layer) == 4  # k, v, k_scales, v_scales
         for t in layer:

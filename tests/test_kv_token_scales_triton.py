@@ -28,7 +28,8 @@ from appliance.kernels.triton_kv import write_kv_triton  # noqa: E402
 from appliance.kv_layout import PER_TOKEN_KIND  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings(  # the interpreter's range(<tensor>) on numpy 2.x
-    "ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning")
+    "ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning"
+)
 
 HKV, D, BS, GROUP = 3, 24, 4, 2
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
@@ -47,8 +48,10 @@ def token_kv(n: int, gen: torch.Generator, dtype: torch.dtype = torch.float32):
 
 def random_caches(num_blocks: int, gen: torch.Generator) -> list[torch.Tensor]:
     """k, v, k_scales, v_scales full of finite garbage (a slot read by mistake shows)."""
-    kv = [torch.randint(-127, 128, (num_blocks, BS, HKV, D), generator=gen).to(torch.int8)
-          for _ in range(2)]
+    kv = [
+        torch.randint(-127, 128, (num_blocks, BS, HKV, D), generator=gen).to(torch.int8)
+        for _ in range(2)
+    ]
     scales = [(torch.rand(num_blocks, BS, HKV, generator=gen) * 50 + 1).half() for _ in range(2)]
     return kv + scales
 
@@ -100,8 +103,9 @@ def filled_cache(lengths: list[int], gen: torch.Generator):
     return caches, table.to(torch.int32)
 
 
-@pytest.mark.parametrize(("dtype", "split_size"), [
-    (torch.float32, None), (torch.bfloat16, None), (torch.float32, 8)])
+@pytest.mark.parametrize(
+    ("dtype", "split_size"), [(torch.float32, None), (torch.bfloat16, None), (torch.float32, 8)]
+)
 def test_decode_reads_each_tokens_scales(dtype: torch.dtype, split_size: int | None) -> None:
     """Ragged contexts (tails of 1-2 tokens in the last block, one of a single token), unsplit
     and split 8 tokens a program (merged by log-sum-exp)."""
@@ -112,22 +116,59 @@ def test_decode_reads_each_tokens_scales(dtype: torch.dtype, split_size: int | N
     q = torch.randn(len(lengths), HKV * GROUP, D, generator=gen).to(dtype)
     scale = D**-0.5
     out = torch.full_like(q, float("nan"))
-    paged_attention_decode(q, caches[0], caches[1], table, seq_lens, scale, max(lengths),
-                           PER_TOKEN_KIND, caches[2], caches[3], split_size=split_size, out=out)
+    paged_attention_decode(
+        q,
+        caches[0],
+        caches[1],
+        table,
+        seq_lens,
+        scale,
+        max(lengths),
+        PER_TOKEN_KIND,
+        caches[2],
+        caches[3],
+        split_size=split_size,
+        out=out,
+    )
     qsl = torch.arange(len(lengths) + 1)
-    ref = paged_attention(q.float(), caches[0], caches[1], table.long(), seq_lens.long(), qsl,
-                          scale, 1, max(lengths), PER_TOKEN_KIND, caches[2], caches[3])
+    ref = paged_attention(
+        q.float(),
+        caches[0],
+        caches[1],
+        table.long(),
+        seq_lens.long(),
+        qsl,
+        scale,
+        1,
+        max(lengths),
+        PER_TOKEN_KIND,
+        caches[2],
+        caches[3],
+    )
     assert out.dtype == dtype and bool(torch.isfinite(out).all())
     assert rel_err(out, ref) < TOLERANCE[dtype], rel_err(out, ref)
     # The scales matter: the same bytes under unit per-head scales give another answer.
     ones = torch.ones(HKV)
-    wrong = paged_attention(q.float(), caches[0], caches[1], table.long(), seq_lens.long(), qsl,
-                            scale, 1, max(lengths), "int8", ones, ones)
+    wrong = paged_attention(
+        q.float(),
+        caches[0],
+        caches[1],
+        table.long(),
+        seq_lens.long(),
+        qsl,
+        scale,
+        1,
+        max(lengths),
+        "int8",
+        ones,
+        ones,
+    )
     assert rel_err(wrong, ref) > 100 * TOLERANCE[dtype]
 
 
-@pytest.mark.parametrize(("dtype", "fresh"), [
-    (torch.float32, True), (torch.bfloat16, True), (torch.float32, False)])
+@pytest.mark.parametrize(
+    ("dtype", "fresh"), [(torch.float32, True), (torch.bfloat16, True), (torch.float32, False)]
+)
 def test_prefill_reads_the_prefix_through_its_scales(dtype: torch.dtype, fresh: bool) -> None:
     """A whole prompt, a chunk after a cached prefix and a 2-token chunk; with `fresh` the
     chunks' own positions come from this step's K/V (the reference's rule), else from the
@@ -144,18 +185,54 @@ def test_prefill_reads_the_prefix_through_its_scales(dtype: torch.dtype, fresh: 
         extra = {"key": k.to(dtype), "value": v.to(dtype)}
     scale = D**-0.5
     out = torch.full_like(q, float("nan"))
-    paged_attention_prefill(q, caches[0], caches[1], table, seq_lens, qsl, scale, max(q_lens),
-                            PER_TOKEN_KIND, caches[2], caches[3], out=out, **extra)
+    paged_attention_prefill(
+        q,
+        caches[0],
+        caches[1],
+        table,
+        seq_lens,
+        qsl,
+        scale,
+        max(q_lens),
+        PER_TOKEN_KIND,
+        caches[2],
+        caches[3],
+        out=out,
+        **extra,
+    )
     ref_extra = {name: t.float() for name, t in extra.items()}
-    ref = paged_attention(q.float(), caches[0], caches[1], table.long(), seq_lens.long(),
-                          qsl.long(), scale, max(q_lens), max(lengths), PER_TOKEN_KIND,
-                          caches[2], caches[3], **ref_extra)
+    ref = paged_attention(
+        q.float(),
+        caches[0],
+        caches[1],
+        table.long(),
+        seq_lens.long(),
+        qsl.long(),
+        scale,
+        max(q_lens),
+        max(lengths),
+        PER_TOKEN_KIND,
+        caches[2],
+        caches[3],
+        **ref_extra,
+    )
     assert out.dtype == dtype and bool(torch.isfinite(out).all())
     assert rel_err(out, ref) < TOLERANCE[dtype], rel_err(out, ref)
     if fresh:  # what was read for the chunk is the fresh K/V, not the cache's
-        stored = paged_attention(q.float(), caches[0], caches[1], table.long(),
-                                 seq_lens.long(), qsl.long(), scale, max(q_lens), max(lengths),
-                                 PER_TOKEN_KIND, caches[2], caches[3])
+        stored = paged_attention(
+            q.float(),
+            caches[0],
+            caches[1],
+            table.long(),
+            seq_lens.long(),
+            qsl.long(),
+            scale,
+            max(q_lens),
+            max(lengths),
+            PER_TOKEN_KIND,
+            caches[2],
+            caches[3],
+        )
         assert rel_err(stored, ref) > 100 * TOLERANCE[dtype]
 
 
@@ -164,5 +241,15 @@ def test_scale_caches_of_the_wrong_shape_are_refused() -> None:
     caches, table = filled_cache([5], gen)
     q = torch.randn(1, HKV * GROUP, D)
     with pytest.raises(ValueError, match=r"int8_token caches need k_scale"):
-        paged_attention_decode(q, caches[0], caches[1], table, torch.tensor([5]), 0.2, 5,
-                               PER_TOKEN_KIND, torch.ones(HKV), caches[3])
+        paged_attention_decode(
+            q,
+            caches[0],
+            caches[1],
+            table,
+            torch.tensor([5]),
+            0.2,
+            5,
+            PER_TOKEN_KIND,
+            torch.ones(HKV),
+            caches[3],
+        )

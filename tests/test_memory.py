@@ -63,13 +63,19 @@ def test_weights_that_cannot_fit_are_refused_before_allocation(
     assert "tensor_parallel_size 2 would need 12.12 GiB per GPU" in msg
     # On an 80 GB card the same weights pass and the bytes in use come back.
     monkeypatch.setattr(memory, "device_used", lambda device: (GiB // 2, 80 * GiB))
-    assert memory.check_weights_fit(model, torch.float16, torch.device("cpu"), config, hf) == GiB // 2
+    assert (
+        memory.check_weights_fit(model, torch.float16, torch.device("cpu"), config, hf) == GiB // 2
+    )
 
 
 def test_profile_steps_cover_budget_and_max_num_seqs() -> None:
     config = load_config(
         None,
-        {"scheduler.max_num_batched_tokens": 1000, "scheduler.max_num_seqs": 8, "cache.block_size": 16},
+        {
+            "scheduler.max_num_batched_tokens": 1000,
+            "scheduler.max_num_seqs": 8,
+            "cache.block_size": 16,
+        },
     )
     prefill, decode = memory.profile_batches(config, max_model_len=300)
     assert [len(r.token_ids) for r in prefill.scheduled] == [300, 300, 300, 100]

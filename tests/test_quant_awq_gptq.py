@@ -23,10 +23,19 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _engine(path: Path) -> Engine:
     # float32 activations: the exact reference's arithmetic (int8, the default, rounds them).
-    return Engine(load_config(None, {
-        "model.path": str(path), "model.dtype": "float32", "cache.kv_cache_memory": 0.1,
-        "cache.swap_space": 0.0, "hardware.device": "cpu", "model.cpu_quant_activations": "float32",
-    }))  # fmt: skip
+    return Engine(
+        load_config(
+            None,
+            {
+                "model.path": str(path),
+                "model.dtype": "float32",
+                "cache.kv_cache_memory": 0.1,
+                "cache.swap_space": 0.0,
+                "hardware.device": "cpu",
+                "model.cpu_quant_activations": "float32",
+            },
+        )
+    )
 
 
 @pytest.mark.parametrize("kind", ["awq", "gptq"])
@@ -38,8 +47,11 @@ def test_packed_checkpoint_matches_its_dequantized_reference(
     prompts = random_prompts(hf.config.vocab_size, [2, 9, 33])
     expected = greedy(ref, prompts, 24)
     with _engine(path) as engine:
-        linears = [m for m in engine.loaded.model.modules()
-                   if isinstance(m, MatmulWeight) and "weight" in m._parameters]  # fmt: skip
+        linears = [
+            m
+            for m in engine.loaded.model.modules()
+            if isinstance(m, MatmulWeight) and "weight" in m._parameters
+        ]
         assert linears and all(m.quant is not None and m.quant.group == 128 for m in linears)
         assert all(m.weight.numel() == 0 for m in linears)
         params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)

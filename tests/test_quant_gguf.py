@@ -66,11 +66,20 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _engine(path: Path, **extra: object) -> Engine:
     # float32 activations: the exact reference's arithmetic, compared with transformers token
     # for token (int8, the default, is checked against its own reference below).
-    return Engine(load_config(None, {
-        "model.path": str(path), "model.dtype": "float32", "cache.kv_cache_memory": 0.1,
-        "cache.swap_space": 0.0, "hardware.device": "cpu",
-        "model.cpu_quant_activations": "float32", **extra,
-    }))  # fmt: skip
+    return Engine(
+        load_config(
+            None,
+            {
+                "model.path": str(path),
+                "model.dtype": "float32",
+                "cache.kv_cache_memory": 0.1,
+                "cache.swap_space": 0.0,
+                "hardware.device": "cpu",
+                "model.cpu_quant_activations": "float32",
+                **extra,
+            },
+        )
+    )
 
 
 def _engine_greedy(engine: Engine, prompts: list[list[int]], new: int) -> list[list[int]]:
@@ -160,8 +169,11 @@ def test_plan_reads_a_gguf_file_and_counts_what_the_engine_holds(
     assert plan.total_params == sum(p.numel() for p in hf.parameters())
     with _engine(path) as engine:
         model = engine.loaded.model
-        packed = {id(m.quant): m.quant.nbytes() for m in model.modules()
-                  if getattr(m, "quant", None) is not None}  # fmt: skip
+        packed = {
+            id(m.quant): m.quant.nbytes()
+            for m in model.modules()
+            if getattr(m, "quant", None) is not None
+        }
         dense = sum(p.numel() * p.element_size() for p in model.parameters())
     assert plan.chosen.weights_bytes == sum(packed.values()) + dense
 
@@ -196,7 +208,6 @@ def test_int8_refuses_an_already_quantized_checkpoint(tokenizer_dir: Path, tmp_p
         _engine(path, **{"model.quantization": "int8"})
 
 
-
 def test_int8_activations_hold_row_tiles_and_compute_as_the_row_major_kernels(
     tokenizer_dir: Path, tmp_path: Path, cpu_path: str
 ) -> None:
@@ -217,29 +228,52 @@ def test_int8_activations_hold_row_tiles_and_compute_as_the_row_major_kernels(
     hf = random_llama(tokenizer_dir, seed=4, tied=True)
     path, _ = write_gguf(hf, tokenizer_dir, tmp_path / "q4", "Q4_0")
     windows = random_prompts(hf.config.vocab_size, [40])
-    loaded = load_model(config_for(str(path), {
-        "model.cpu_quant_activations": "int8", "model.dtype": "float32", "model.max_model_len": 256,
-    }))  # fmt: skip
+    loaded = load_model(
+        config_for(
+            str(path),
+            {
+                "model.cpu_quant_activations": "int8",
+                "model.dtype": "float32",
+                "model.max_model_len": 256,
+            },
+        )
+    )
     try:
         model, fused = loaded.model, loaded.cpu.fused_decode  # type: ignore[union-attr]
-        owners = [m for m in model.modules() if isinstance(m, MatmulWeight) and m.quant is not None
-                  and not isinstance(m, ParallelLMHead)] + [model.model.embed_tokens]  # fmt: skip
+        owners = [
+            m
+            for m in model.modules()
+            if isinstance(m, MatmulWeight)
+            and m.quant is not None
+            and not isinstance(m, ParallelLMHead)
+        ] + [model.model.embed_tokens]
         assert all(m.quant.tile_rows == 8 for m in owners)  # type: ignore[union-attr]
         assert isinstance(fused, QuantFusedCpuDecode) and fused.tiled
         assert loaded.runner.fused_max_batch == TILED_FUSED_MAX  # wider steps stay fused
         # Three first tokens, each in a fresh block (10-12) of the KV pool.
         blocks = torch.tensor([[10], [11], [12]], dtype=torch.int32)
-        step = (torch.tensor([5, 77, 1200]), torch.zeros(3, dtype=torch.int64),
-                blocks[:, 0].to(torch.int64) * fused.block_size, blocks,
-                torch.ones(3, dtype=torch.int32))  # fmt: skip
+        step = (
+            torch.tensor([5, 77, 1200]),
+            torch.zeros(3, dtype=torch.int64),
+            blocks[:, 0].to(torch.int64) * fused.block_size,
+            blocks,
+            torch.ones(3, dtype=torch.int32),
+        )
         tiled_step = fused(*step)
         tiled_ppl = perplexity(teacher_forced_logprobs(loaded, windows), windows)
         for m in owners:
             m.quant = untile_rows(m.quant)  # type: ignore[union-attr]
-        plain = QuantFusedCpuDecode(model, loaded.runner.kv.device_caches, fused.block_size,
-                                    fused.dtype, cpu_quant.load(), act8=True)  # fmt: skip
-        torch.testing.assert_close(tiled_step, plain(*step), rtol=0,
-                                   atol=1e-3 * tiled_step.abs().max().item())  # fmt: skip
+        plain = QuantFusedCpuDecode(
+            model,
+            loaded.runner.kv.device_caches,
+            fused.block_size,
+            fused.dtype,
+            cpu_quant.load(),
+            act8=True,
+        )
+        torch.testing.assert_close(
+            tiled_step, plain(*step), rtol=0, atol=1e-3 * tiled_step.abs().max().item()
+        )
         plain_ppl = perplexity(teacher_forced_logprobs(loaded, windows), windows)
         assert abs(tiled_ppl / plain_ppl - 1) < 0.01, (tiled_ppl, plain_ppl)
     finally:
@@ -259,25 +293,44 @@ def test_wide_fused_steps_share_the_preparation_and_compute_as_narrow_ones(
     hf = random_llama(tokenizer_dir, seed=5, tied=True)
     path, _ = write_gguf(hf, tokenizer_dir, tmp_path / "q4", "Q4_0")
     for activations in ("int8", "float32"):
-        loaded = load_model(config_for(str(path), {
-            "model.cpu_quant_activations": activations, "model.dtype": "float32",
-            "model.max_model_len": 256,
-        }))  # fmt: skip
+        loaded = load_model(
+            config_for(
+                str(path),
+                {
+                    "model.cpu_quant_activations": activations,
+                    "model.dtype": "float32",
+                    "model.max_model_len": 256,
+                },
+            )
+        )
         try:
             fused = loaded.cpu.fused_decode  # type: ignore[union-attr]
             assert fused is not None and fused.tiled == (activations == "int8")
             batch = 11
             # The first token of each sequence, each in a fresh block of the KV pool.
             blocks = torch.arange(10, 10 + batch, dtype=torch.int32).view(-1, 1)
-            ids = torch.randint(0, hf.config.vocab_size, (batch,), generator=torch.Generator().manual_seed(3))
+            ids = torch.randint(
+                0, hf.config.vocab_size, (batch,), generator=torch.Generator().manual_seed(3)
+            )
             slots = blocks[:, 0].to(torch.int64) * fused.block_size
-            wide = fused(ids, torch.zeros(batch, dtype=torch.int64), slots, blocks,
-                         torch.ones(batch, dtype=torch.int32))  # fmt: skip
+            wide = fused(
+                ids,
+                torch.zeros(batch, dtype=torch.int64),
+                slots,
+                blocks,
+                torch.ones(batch, dtype=torch.int32),
+            )
             for b in range(batch):
-                alone = fused(ids[b : b + 1], torch.zeros(1, dtype=torch.int64), slots[b : b + 1],
-                              blocks[b : b + 1], torch.ones(1, dtype=torch.int32))  # fmt: skip
-                torch.testing.assert_close(wide[b : b + 1], alone, rtol=0,
-                                           atol=1e-4 * alone.abs().max().item())  # fmt: skip
+                alone = fused(
+                    ids[b : b + 1],
+                    torch.zeros(1, dtype=torch.int64),
+                    slots[b : b + 1],
+                    blocks[b : b + 1],
+                    torch.ones(1, dtype=torch.int32),
+                )
+                torch.testing.assert_close(
+                    wide[b : b + 1], alone, rtol=0, atol=1e-4 * alone.abs().max().item()
+                )
         finally:
             loaded.close()
 
@@ -297,7 +350,9 @@ def test_a_gguf_file_is_parsed_once_per_process_until_it_changes(
     assert again.reader is first.reader and again.meta == first.meta
     again.meta["general.architecture"] = "changed"  # each opener gets its own dict
     assert GgufMeta(path).meta["general.architecture"] == "llama"
-    other, _ = write_gguf(random_llama(tokenizer_dir, seed=6), tokenizer_dir, tmp_path / "b", "Q4_0")
+    other, _ = write_gguf(
+        random_llama(tokenizer_dir, seed=6), tokenizer_dir, tmp_path / "b", "Q4_0"
+    )
     shutil.copyfile(other, path)
     stat = path.stat()
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))

@@ -47,16 +47,27 @@ def test_q4_1_gguf_serves_a_chatml_chat_completion(smollm2_gguf: Path, tmp_path:
     # float32 activations, the file's exact arithmetic (the default's int8 answer is
     # tests/test_default_model.py's).
     tpl = write_template(tmp_path / "smollm2.toml", smollm2_gguf)
-    tpl.write_text(tpl.read_text().replace('dtype = "float32"', 'dtype = "float32"\ncpu_quant_activations = "float32"'))
+    tpl.write_text(
+        tpl.read_text().replace(
+            'dtype = "float32"', 'dtype = "float32"\ncpu_quant_activations = "float32"'
+        )
+    )
     # SmolLM2's KV is ~0.7 MiB a block: room for one sequence of max_model_len 512 and more.
     tpl.write_text(tpl.read_text().replace("kv_cache_memory = 0.02", "kv_cache_memory = 0.1"))
     server = ServerProcess(tpl, tmp_path / "server.log").start()
     try:
-        r = server.post("/v1/chat/completions", json={
-            "model": "tiny", "temperature": 0.0, "max_tokens": 24,
-            "messages": [{"role": "system", "content": "You are a helpful assistant."},
-                         {"role": "user", "content": "What is the capital of France?"}],
-        })  # fmt: skip
+        r = server.post(
+            "/v1/chat/completions",
+            json={
+                "model": "tiny",
+                "temperature": 0.0,
+                "max_tokens": 24,
+                "messages": [
+                    {"role": "system", "content": "You are a helpful assistant."},
+                    {"role": "user", "content": "What is the capital of France?"},
+                ],
+            },
+        )
         assert r.status_code == 200, r.text
         answer = r.json()["choices"][0]["message"]["content"]
         assert "Paris" in answer, answer
@@ -76,8 +87,11 @@ def test_q4_1_perplexity_matches_transformers_on_the_dequantized_weights(
     from appliance.tools.kv_answers import heldout_windows
     from appliance.tools.quant_eval import config_for, perplexity, teacher_forced_logprobs
 
-    loaded = load_model(config_for(str(smollm2_gguf), {"model.dtype": "float32",
-                                                       "model.cpu_quant_activations": "float32"}))  # fmt: skip
+    loaded = load_model(
+        config_for(
+            str(smollm2_gguf), {"model.dtype": "float32", "model.cpu_quant_activations": "float32"}
+        )
+    )
     try:
         assert loaded.model.model.layers[0].mlp.down_proj.quant is not None
         windows = heldout_windows(loaded.tokenizer, 512, 256)

@@ -32,12 +32,21 @@ from appliance.tools.router import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
-POOLS = {"realtime": "http://127.0.0.1:1", "long": "http://127.0.0.1:2", "batch": "http://127.0.0.1:3"}
+POOLS = {
+    "realtime": "http://127.0.0.1:1",
+    "long": "http://127.0.0.1:2",
+    "batch": "http://127.0.0.1:3",
+}
 
 
 def cfg(**kw: object) -> RouterConfig:
-    base: dict[str, object] = {"pools": POOLS, "long_pool": "long", "long_prompt_tokens": 10,
-                               "chars_per_token": 1.0, "classes": {"batch": "batch"}}
+    base: dict[str, object] = {
+        "pools": POOLS,
+        "long_pool": "long",
+        "long_prompt_tokens": 10,
+        "chars_per_token": 1.0,
+        "classes": {"batch": "batch"},
+    }
     return load_router_config(None, {**base, **kw})
 
 
@@ -62,14 +71,22 @@ def test_prompt_length_of_every_prompt_shape(tiny_model_dir: Path) -> None:
     assert prompt_tokens({"prompt": ["ab", "abcdefghijkl"]}, est) == 3  # the longest
     assert prompt_tokens({"prompt": [1, 2, 3, 4, 5]}, est) == 5  # token ids: exact
     assert prompt_tokens({"prompt": [[1, 2], [1, 2, 3]]}, est) == 3
-    chat = {"messages": [{"role": "system", "content": "abcd"},
-                         {"role": "user", "content": [{"type": "text", "text": "efgh"}, {"type": "image_url"}]}]}
+    chat = {
+        "messages": [
+            {"role": "system", "content": "abcd"},
+            {"role": "user", "content": [{"type": "text", "text": "efgh"}, {"type": "image_url"}]},
+        ]
+    }
     assert prompt_tokens(chat, est) == 3  # "abcd\nefgh"
     exact = TokenCounter(tokenizer_dir=str(tiny_model_dir))
     from tokenizers import Tokenizer
 
     text = "The quick brown fox jumps over the lazy dog. " * 5
-    want = len(Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json")).encode(text, add_special_tokens=False).ids)
+    want = len(
+        Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
+        .encode(text, add_special_tokens=False)
+        .ids
+    )
     assert prompt_tokens({"prompt": text}, exact) == want
 
 
@@ -83,7 +100,9 @@ def test_config_errors_name_the_key(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="not an http"):
         load_router_config(None, {"pools": {"a": "127.0.0.1:80"}})
     f = tmp_path / "r.toml"
-    f.write_text('[router]\nport = 9\nlong_pool = "long"\n[router.pools]\nrealtime = "http://a:1"\nlong = "http://b:2"\n')
+    f.write_text(
+        '[router]\nport = 9\nlong_pool = "long"\n[router.pools]\nrealtime = "http://a:1"\nlong = "http://b:2"\n'
+    )
     c = load_router_config(str(f), {"port": 10, "classes": {}})  # flags win over the file
     assert (c.port, c.default_pool, c.long_pool) == (10, "realtime", "long")
     with pytest.raises(ConfigError, match="tokenizer.json"):
@@ -97,7 +116,9 @@ def test_config_errors_name_the_key(tmp_path: Path) -> None:
 async def proxy(c: RouterConfig, handler: object) -> tuple[Router, httpx.AsyncClient]:
     router = Router(c, transport=httpx.MockTransport(handler))  # type: ignore[arg-type]
     router.open()
-    return router, httpx.AsyncClient(transport=httpx.ASGITransport(app=router), base_url="http://router")
+    return router, httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=router), base_url="http://router"
+    )
 
 
 async def test_proxy_passes_status_headers_and_body_through() -> None:
@@ -105,9 +126,13 @@ async def test_proxy_passes_status_headers_and_body_through() -> None:
 
     def upstream(request: httpx.Request) -> httpx.Response:
         seen.append(request)
-        body = json.dumps({"error": {"message": "queue full", "type": "rate_limit", "code": 429}}).encode()
+        body = json.dumps(
+            {"error": {"message": "queue full", "type": "rate_limit", "code": 429}}
+        ).encode()
         # A stream, as a real connection gives it (the proxy relays raw bytes).
-        return httpx.Response(429, headers={"Retry-After": "7", "X-Up": "1"}, stream=httpx.ByteStream(body))
+        return httpx.Response(
+            429, headers={"Retry-After": "7", "X-Up": "1"}, stream=httpx.ByteStream(body)
+        )
 
     router, client = await proxy(cfg(), upstream)
     body = {"prompt": "x" * 50, "max_tokens": 3}
@@ -147,16 +172,33 @@ THRESHOLD = 64
 
 
 @pytest.fixture(scope="module")
-def pools(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, ServerProcess]]:
+def pools(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, ServerProcess]]:
     """Two instances of the tiny model under different names; the long one takes one running
     and one waiting request at most, and says Retry-After: 7 when full."""
     tmp = tmp_path_factory.mktemp("pools")
-    short = ServerProcess(write_template(tmp / "short.toml", tiny_model_dir), tmp / "short.log",
-                          args=["--set", "model.name=short-pool"])
+    short = ServerProcess(
+        write_template(tmp / "short.toml", tiny_model_dir),
+        tmp / "short.log",
+        args=["--set", "model.name=short-pool"],
+    )
     long = ServerProcess(
-        write_template(tmp / "long.toml", tiny_model_dir, scheduler={"max_num_seqs": 1, "max_waiting_requests": 1}),
+        write_template(
+            tmp / "long.toml",
+            tiny_model_dir,
+            scheduler={"max_num_seqs": 1, "max_waiting_requests": 1},
+        ),
         tmp / "long.log",
-        args=["--set", "model.name=long-pool", "--set", "server.retry_after_s=7", "--set", "model.max_model_len=4096"])
+        args=[
+            "--set",
+            "model.name=long-pool",
+            "--set",
+            "server.retry_after_s=7",
+            "--set",
+            "model.max_model_len=4096",
+        ],
+    )
     procs = {"realtime": short, "long": long}
     try:
         for p in procs.values():
@@ -173,8 +215,9 @@ def pools(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
 
 
 @pytest.fixture(scope="module")
-def router_url(pools: dict[str, ServerProcess], tiny_model_dir: Path,
-               tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def router_url(
+    pools: dict[str, ServerProcess], tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
     tmp = tmp_path_factory.mktemp("router")
     port = free_port()
     conf = tmp / "router.toml"
@@ -185,8 +228,11 @@ def router_url(pools: dict[str, ServerProcess], tiny_model_dir: Path,
         '[router.classes]\nbatch = "long"\n'
     )
     log = open(tmp / "router.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen([sys.executable, "-m", "appliance.cli", "route", "--config", str(conf)],
-                            stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "appliance.cli", "route", "--config", str(conf)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120  # as ServerProcess: only a slow machine waits long
@@ -207,12 +253,17 @@ def router_url(pools: dict[str, ServerProcess], tiny_model_dir: Path,
 
 
 def complete(url: str, prompt: str, **kw: object) -> httpx.Response:
-    return httpx.post(url + "/v1/completions", timeout=60,
-                      json={"model": kw.pop("model", "x"), "prompt": prompt, "max_tokens": 4, **kw})
+    return httpx.post(
+        url + "/v1/completions",
+        timeout=60,
+        json={"model": kw.pop("model", "x"), "prompt": prompt, "max_tokens": 4, **kw},
+    )
 
 
 @pytest.mark.slow
-def test_short_and_long_prompts_land_on_different_instances(router_url: str, tiny_model_dir: Path) -> None:
+def test_short_and_long_prompts_land_on_different_instances(
+    router_url: str, tiny_model_dir: Path
+) -> None:
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
@@ -225,15 +276,23 @@ def test_short_and_long_prompts_land_on_different_instances(router_url: str, tin
     long = complete(router_url, LONG_PROMPT, model="long-pool")
     assert long.status_code == 200, long.text
     assert (long.headers["x-appliance-pool"], long.json()["model"]) == ("long", "long-pool")
-    assert long.json()["usage"]["prompt_tokens"] >= THRESHOLD > short.json()["usage"]["prompt_tokens"]
+    assert (
+        long.json()["usage"]["prompt_tokens"] >= THRESHOLD > short.json()["usage"]["prompt_tokens"]
+    )
     batch = complete(router_url, "Hello there", model="long-pool", priority="batch")
     assert (batch.status_code, batch.headers["x-appliance-pool"]) == (200, "long")
 
 
 @pytest.mark.slow
 def test_streaming_flows_chunk_by_chunk(router_url: str) -> None:
-    body = {"model": "short-pool", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8,
-            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": "short-pool",
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 8,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
     events = []
     with httpx.stream("POST", router_url + "/v1/chat/completions", json=body, timeout=60) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
@@ -242,7 +301,14 @@ def test_streaming_flows_chunk_by_chunk(router_url: str) -> None:
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
     assert chunks[-1]["usage"]["completion_tokens"] == 8
-    assert sum(1 for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content") is not None) >= 2
+    assert (
+        sum(
+            1
+            for c in chunks
+            if c["choices"] and c["choices"][0]["delta"].get("content") is not None
+        )
+        >= 2
+    )
 
 
 def metric(url: str, name: str, **labels: str) -> float:
@@ -269,13 +335,23 @@ def test_a_full_queue_429_passes_through_and_a_hangup_aborts_upstream(
     aborts0 = metric(long, "vllm:request_success_total", finished_reason="abort")
     # A holds the only running slot while B and C arrive: the long instance is paused from A's
     # first token until A is gone, so A cannot finish first however fast the machine.
-    body = {"model": "long-pool", "prompt": "Once", "max_tokens": 4000, "ignore_eos": True, "stream": True,
-            "priority": "batch"}
+    body = {
+        "model": "long-pool",
+        "prompt": "Once",
+        "max_tokens": 4000,
+        "ignore_eos": True,
+        "stream": True,
+        "priority": "batch",
+    }
     waiting: list[httpx.Response] = []
-    b = threading.Thread(target=lambda: waiting.append(complete(long, "Twice", model="long-pool", max_tokens=1)))
+    b = threading.Thread(
+        target=lambda: waiting.append(complete(long, "Twice", model="long-pool", max_tokens=1))
+    )
     try:
-        with httpx.Client(timeout=60) as client, \
-                client.stream("POST", router_url + "/v1/completions", json=body) as a:
+        with (
+            httpx.Client(timeout=60) as client,
+            client.stream("POST", router_url + "/v1/completions", json=body) as a,
+        ):
             assert a.status_code == 200 and a.headers["x-appliance-pool"] == "long"
             lines = a.iter_lines()  # (kept: a dropped iterator closes the connection)
             next(lines)  # A runs (max_num_seqs = 1) ...
@@ -288,7 +364,11 @@ def test_a_full_queue_429_passes_through_and_a_hangup_aborts_upstream(
             assert c.json()["error"]["code"] in (429, "queue_full") or c.json()["error"]["type"]
         # A's client hung up mid-stream: the router closed the upstream stream, the instance
         # aborted A (still paused: A cannot have ended any other way).
-        wait_until(lambda: metric(long, "vllm:request_success_total", finished_reason="abort") == aborts0 + 1)
+        wait_until(
+            lambda: (
+                metric(long, "vllm:request_success_total", finished_reason="abort") == aborts0 + 1
+            )
+        )
     finally:
         httpx.post(long + "/admin/resume", timeout=10)
     b.join(30)
@@ -296,7 +376,9 @@ def test_a_full_queue_429_passes_through_and_a_hangup_aborts_upstream(
 
 
 @pytest.mark.slow
-def test_every_dashboard_metric_is_exported_by_a_live_server(pools: dict[str, ServerProcess]) -> None:
+def test_every_dashboard_metric_is_exported_by_a_live_server(
+    pools: dict[str, ServerProcess],
+) -> None:
     dash = json.loads((REPO / "templates/observability/grafana-dashboard.json").read_text())
     exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
     exprs += [v["definition"] for v in dash["templating"]["list"] if v.get("definition")]
@@ -304,6 +386,8 @@ def test_every_dashboard_metric_is_exported_by_a_live_server(pools: dict[str, Se
     assert len(queried) >= 15
     exported: set[str] = set()
     for fam in text_string_to_metric_families(pools["realtime"].get("/metrics").text):
-        suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"]}.get(fam.type, [""])
+        suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"]}.get(
+            fam.type, [""]
+        )
         exported |= {fam.name + s for s in suffixes}
     assert queried <= exported, sorted(queried - exported)

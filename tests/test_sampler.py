@@ -89,4 +89,7 @@ def test_argmax_rows_agrees_with_torch_on_ties_infinities_and_nan() -> None:
     got = argmax_rows(values)
     assert got.dtype == torch.int64
     assert got.tolist() == expected.tolist() == [int(values[0].argmax()), 5, 999, 42, 0, 1000]
-    assert argmax_rows(values.to(torch.bfloat16)).tolist() == values.to(torch.bfloat16).argmax(-1).tolist()
+    assert (
+        argmax_rows(values.to(torch.bfloat16)).tolist()
+        == values.to(torch.bfloat16).argmax(-1).tolist()
+    )

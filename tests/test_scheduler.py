@@ -274,9 +274,14 @@ def test_one_stop_set_per_request_reaches_the_sampler() -> None:
     the scheduler stops on it and the scheduled request hands it to the sampler's min_tokens ban."""
     s = make()
     eos = frozenset({1})
-    plain = Request("plain", [5, 6], SamplingParams(max_tokens=4, stop_token_ids=[7]), eos_token_ids=eos)
+    plain = Request(
+        "plain", [5, 6], SamplingParams(max_tokens=4, stop_token_ids=[7]), eos_token_ids=eos
+    )
     ignoring = Request(
-        "ignoring", [5, 6], SamplingParams(max_tokens=4, ignore_eos=True, stop_token_ids=[7]), eos_token_ids=eos
+        "ignoring",
+        [5, 6],
+        SamplingParams(max_tokens=4, ignore_eos=True, stop_token_ids=[7]),
+        eos_token_ids=eos,
     )
     assert plain.stop_token_ids == {1, 7} and ignoring.stop_token_ids == {7}
     s.add_request(plain)

@@ -27,7 +27,9 @@ QUEUE_TIMEOUT_S = 1.5
 def slow_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     d = tmp_path_factory.mktemp("srv-slow-steps")
     template = write_template(
-        d / "t.toml", tiny_model_dir, scheduler={"max_num_seqs": 1},
+        d / "t.toml",
+        tiny_model_dir,
+        scheduler={"max_num_seqs": 1},
         extra=f"""
 [server]
 retry_after_s = 2
@@ -35,8 +37,9 @@ retry_after_s = 2
 realtime = {{ priority = 0, queue_timeout_s = {QUEUE_TIMEOUT_S} }}
 """,
     )
-    srv = ServerProcess(template, d / "log.txt",
-                        env={"APPLIANCE_TEST_STEP_DELAY_S": str(STEP_DELAY_S)}).start()
+    srv = ServerProcess(
+        template, d / "log.txt", env={"APPLIANCE_TEST_STEP_DELAY_S": str(STEP_DELAY_S)}
+    ).start()
     yield srv
     assert srv.stop() == 0, srv.log()
 
@@ -48,8 +51,11 @@ def _stats(server: ServerProcess) -> dict[str, Any]:
 def _rejected(server: ServerProcess, reason: str, cls: str) -> float:
     for fam in text_string_to_metric_families(server.get("/metrics").text):
         for s in fam.samples:
-            if s.name == "appliance_requests_rejected_total" and s.labels["reason"] == reason \
-                    and s.labels["priority_class"] == cls:
+            if (
+                s.name == "appliance_requests_rejected_total"
+                and s.labels["reason"] == reason
+                and s.labels["priority_class"] == cls
+            ):
                 return s.value
     return 0.0
 
@@ -66,8 +72,10 @@ class Streamer(threading.Thread):
     def run(self) -> None:
         body = {"model": MODEL, "stream": True, "temperature": 0, "ignore_eos": True, **self.body}
         t0 = time.monotonic()
-        with httpx.Client(timeout=120) as http, \
-                http.stream("POST", self.server.url + "/v1/completions", json=body) as r:
+        with (
+            httpx.Client(timeout=120) as http,
+            http.stream("POST", self.server.url + "/v1/completions", json=body) as r,
+        ):
             self.status = r.status_code
             for line in r.iter_lines():
                 if line.startswith("data: ") and not self.first.is_set():
@@ -88,8 +96,13 @@ def test_queue_timeout_fires_on_time_during_slow_steps(slow_server: ServerProces
     assert running.first_after_s is not None and running.first_after_s > QUEUE_TIMEOUT_S
 
     def late(stream: bool) -> tuple[httpx.Response, float]:
-        body = {"model": MODEL, "prompt": "late", "max_tokens": 2, "priority": "realtime",
-                "stream": stream}
+        body = {
+            "model": MODEL,
+            "prompt": "late",
+            "max_tokens": 2,
+            "priority": "realtime",
+            "stream": stream,
+        }
         t0 = time.monotonic()
         r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
         return r, time.monotonic() - t0
@@ -100,8 +113,9 @@ def test_queue_timeout_fires_on_time_during_slow_steps(slow_server: ServerProces
         sdk = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
         t0 = time.monotonic()
         with pytest.raises(openai.RateLimitError) as info:
-            sdk.completions.create(model=MODEL, prompt="sdk", max_tokens=2,
-                                   extra_body={"priority": "realtime"})
+            sdk.completions.create(
+                model=MODEL, prompt="sdk", max_tokens=2, extra_body={"priority": "realtime"}
+            )
         sdk_waited = time.monotonic() - t0
         for fut in results:
             r, waited = fut.result(60)
@@ -118,8 +132,9 @@ def test_queue_timeout_fires_on_time_during_slow_steps(slow_server: ServerProces
     assert running.is_alive()  # the started one was never refused
 
     # Out of the engine too (its abort is read between two slow steps), counted as timeouts.
-    wait_for(lambda: not any(q["status"] == "waiting" for q in _stats(srv)["requests"]),
-             timeout_s=30)
+    wait_for(
+        lambda: not any(q["status"] == "waiting" for q in _stats(srv)["requests"]), timeout_s=30
+    )
     assert _rejected(srv, "queue_timeout", "realtime") == before + 3
 
     running.stop.set()
@@ -142,7 +157,8 @@ ADMISSION_TIMEOUT_S = 3.0
 def admission_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     d = tmp_path_factory.mktemp("srv-admission")
     template = write_template(
-        d / "t.toml", tiny_model_dir,
+        d / "t.toml",
+        tiny_model_dir,
         scheduler={"max_num_seqs": 1, "estimated_wait_admission": True},
         extra=f"""
 [server]
@@ -152,8 +168,9 @@ realtime = {{ priority = 0, queue_timeout_s = {ADMISSION_TIMEOUT_S} }}
 batch = {{ priority = 10 }}
 """,
     )
-    srv = ServerProcess(template, d / "log.txt",
-                        env={"APPLIANCE_TEST_STEP_DELAY_S": str(ADMISSION_STEP_S)}).start()
+    srv = ServerProcess(
+        template, d / "log.txt", env={"APPLIANCE_TEST_STEP_DELAY_S": str(ADMISSION_STEP_S)}
+    ).start()
     yield srv
     assert srv.stop() == 0, srv.log()
 
@@ -162,34 +179,46 @@ def _queue(server: ServerProcess, cls: str) -> dict[str, Any]:
     return next(q for q in _stats(server)["queues"] if q["priority_class"] == cls)
 
 
-def test_estimated_wait_over_the_limit_is_refused_at_arrival(admission_server: ServerProcess) -> None:
+def test_estimated_wait_over_the_limit_is_refused_at_arrival(
+    admission_server: ServerProcess,
+) -> None:
     srv = admission_server
     assert _queue(srv, "realtime")["estimated_wait_s"] == 0.0  # a free slot: no wait
     # Measure the departure rate: 4 requests of 4 slow steps each leave at ~0.5 per second.
     sdk = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
     for _ in range(4):
-        sdk.completions.create(model=MODEL, prompt="warm", max_tokens=4, temperature=0,
-                               extra_body={"ignore_eos": True})
+        sdk.completions.create(
+            model=MODEL, prompt="warm", max_tokens=4, temperature=0, extra_body={"ignore_eos": True}
+        )
     running = Streamer(srv, {"prompt": "a", "max_tokens": 400, "priority": "batch"})
     running.start()
     assert running.first.wait(60)
     # The only slot is taken: one realtime request queued waits ~1 / rate = ~2 s < 3 s, so it
     # is admitted; the next one would wait for two departures, ~4 s: refused at once.
     with ThreadPoolExecutor(1) as pool:
-        queued = pool.submit(httpx.post, srv.url + "/v1/completions", timeout=60, json={
-            "model": MODEL, "prompt": "q", "max_tokens": 2, "priority": "realtime"})
+        queued = pool.submit(
+            httpx.post,
+            srv.url + "/v1/completions",
+            timeout=60,
+            json={"model": MODEL, "prompt": "q", "max_tokens": 2, "priority": "realtime"},
+        )
         wait_for(lambda: _queue(srv, "realtime")["waiting"] == 1, timeout_s=10)
         est = _queue(srv, "realtime")["estimated_wait_s"]
         assert est is not None and ADMISSION_TIMEOUT_S < est < 3 * ADMISSION_TIMEOUT_S, est
         t0 = time.monotonic()
-        r = httpx.post(srv.url + "/v1/completions", timeout=60, json={
-            "model": MODEL, "prompt": "r", "max_tokens": 2, "priority": "realtime"})
+        r = httpx.post(
+            srv.url + "/v1/completions",
+            timeout=60,
+            json={"model": MODEL, "prompt": "r", "max_tokens": 2, "priority": "realtime"},
+        )
         refused_after = time.monotonic() - t0
         assert r.status_code == 429, r.text
         err = r.json()["error"]
         assert set(err) == {"message", "type", "param", "code"}
         assert err["type"] == "rate_limit_error" and err["code"] == "queue_timeout_estimated"
-        assert "queue_timeout_s 3.0" in err["message"] and "1 requests queued ahead" in err["message"]
+        assert (
+            "queue_timeout_s 3.0" in err["message"] and "1 requests queued ahead" in err["message"]
+        )
         assert r.headers["retry-after"] == "2"
         assert refused_after < 1.0, refused_after  # at arrival, not at the limit
         # The admitted one got a real answer: served, or its own queue timeout on its timer.

@@ -30,13 +30,16 @@ DRAIN_S = 2.0
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     d = tmp_path_factory.mktemp("srv-drain")
-    template = write_template(d / "t.toml", tiny_model_dir, extra=f"""
+    template = write_template(
+        d / "t.toml",
+        tiny_model_dir,
+        extra=f"""
 [server]
 drain_timeout_s = {DRAIN_S}
 retry_after_s = 4
-""")
-    srv = ServerProcess(template, d / "log.txt",
-                        env={"APPLIANCE_TEST_STEP_DELAY_S": "0.2"}).start()
+""",
+    )
+    srv = ServerProcess(template, d / "log.txt", env={"APPLIANCE_TEST_STEP_DELAY_S": "0.2"}).start()
     yield srv
     srv.stop()
 
@@ -55,8 +58,12 @@ class SdkStream(threading.Thread):
     def run(self) -> None:
         try:
             for chunk in self.client.completions.create(
-                model=MODEL, prompt="a long story", max_tokens=self.max_tokens, stream=True,
-                temperature=0, extra_body={"ignore_eos": True},
+                model=MODEL,
+                prompt="a long story",
+                max_tokens=self.max_tokens,
+                stream=True,
+                temperature=0,
+                extra_body={"ignore_eos": True},
             ):
                 self.chunks.append(chunk)
                 self.first.set()
@@ -96,10 +103,18 @@ def test_reload_drain_cuts_with_reasons_and_counts(server: ServerProcess) -> Non
     stream.start()
     assert stream.first.wait(60)
     with ThreadPoolExecutor(2) as pool:
-        long_plain = pool.submit(httpx.post, server.url + "/v1/completions", timeout=120, json={
-            "model": MODEL, "prompt": "plain", "max_tokens": 480, "ignore_eos": True})
-        short = pool.submit(httpx.post, server.url + "/v1/completions", timeout=120, json={
-            "model": MODEL, "prompt": "short", "max_tokens": 2, "ignore_eos": True})
+        long_plain = pool.submit(
+            httpx.post,
+            server.url + "/v1/completions",
+            timeout=120,
+            json={"model": MODEL, "prompt": "plain", "max_tokens": 480, "ignore_eos": True},
+        )
+        short = pool.submit(
+            httpx.post,
+            server.url + "/v1/completions",
+            timeout=120,
+            json={"model": MODEL, "prompt": "short", "max_tokens": 2, "ignore_eos": True},
+        )
         wait_for(lambda: server.get("/admin/stats").json()["server"]["requests_in_flight"] == 3)
         t0 = time.monotonic()
         r = server.post("/admin/reload", json={})
@@ -117,9 +132,13 @@ def test_reload_drain_cuts_with_reasons_and_counts(server: ServerProcess) -> Non
     assert time.monotonic() - t0 >= DRAIN_S
     assert _drain_counts(server) == {"drained": 1.0, "cut": 2.0}
     lines = {ln["id"]: ln for ln in _request_lines(server)}
-    drains = sorted((ln["drain"], ln["status"], ln["stream"]) for ln in lines.values() if "drain" in ln)
+    drains = sorted(
+        (ln["drain"], ln["status"], ln["stream"]) for ln in lines.values() if "drain" in ln
+    )
     assert drains == [("cut", 200, True), ("cut", 503, False), ("drained", 200, False)], drains
-    assert all(ln["finish_reason"] == ["abort"] for ln in lines.values() if ln.get("drain") == "cut")
+    assert all(
+        ln["finish_reason"] == ["abort"] for ln in lines.values() if ln.get("drain") == "cut"
+    )
     assert "drain: 1 requests finished, 2 cut" in server.log()
 
 

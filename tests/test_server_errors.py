@@ -37,7 +37,7 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
         extra=f"""
 [server]
 api_key_env = "APPLIANCE_TEST_KEYS"
-admin_token_file = "{d / 'admin.token'}"
+admin_token_file = "{d / "admin.token"}"
 max_request_body_bytes = 65536
 retry_after_s = 3
 [priority_classes]
@@ -45,13 +45,20 @@ realtime = {{ priority = 0, queue_timeout_s = 0.3 }}
 batch = {{ priority = 10, max_waiting_requests = 1 }}
 """,
     )
-    srv = ServerProcess(template, d / "log.txt", env={"APPLIANCE_TEST_KEYS": f"other-key,{KEY}"}).start()
+    srv = ServerProcess(
+        template, d / "log.txt", env={"APPLIANCE_TEST_KEYS": f"other-key,{KEY}"}
+    ).start()
     yield srv
     assert srv.stop() == 0, srv.log()
 
 
-def assert_error(r: httpx.Response, status: int, param: str | None = None, code: str | None = None,
-                 contains: tuple[str, ...] = ()) -> dict[str, Any]:
+def assert_error(
+    r: httpx.Response,
+    status: int,
+    param: str | None = None,
+    code: str | None = None,
+    contains: tuple[str, ...] = (),
+) -> dict[str, Any]:
     assert r.status_code == status, r.text
     body = r.json()
     assert set(body) == {"error"}
@@ -67,7 +74,9 @@ def assert_error(r: httpx.Response, status: int, param: str | None = None, code:
     return err
 
 
-def complete(server: ServerProcess, body: dict[str, Any], headers: dict[str, str] = AUTH) -> httpx.Response:
+def complete(
+    server: ServerProcess, body: dict[str, Any], headers: dict[str, str] = AUTH
+) -> httpx.Response:
     return server.post("/v1/completions", json={"model": MODEL, **body}, headers=headers)
 
 
@@ -80,7 +89,9 @@ def test_401_without_or_with_a_wrong_api_key(server: ServerProcess) -> None:
     with pytest.raises(openai.AuthenticationError):
         client.models.list()
     # Either configured key works (the env var holds a comma-separated list).
-    assert server.get("/v1/models", headers={"Authorization": "Bearer other-key"}).status_code == 200
+    assert (
+        server.get("/v1/models", headers={"Authorization": "Bearer other-key"}).status_code == 200
+    )
 
 
 def test_tokenize_and_detokenize_take_the_same_api_keys(server: ServerProcess) -> None:
@@ -88,8 +99,9 @@ def test_tokenize_and_detokenize_take_the_same_api_keys(server: ServerProcess) -
         assert_error(server.post(path, json=body), 401, code="invalid_api_key")
         assert_error(server.post(path, json=body, headers=ADMIN_AUTH), 401)
         assert server.post(path, json=body, headers=AUTH).status_code == 200
-    r = server.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]},
-                    headers=AUTH).json()
+    r = server.post(
+        "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}, headers=AUTH
+    ).json()
     assert r["count"] == len(r["tokens"]) > 0 and r["max_model_len"] > 0
 
 
@@ -124,19 +136,27 @@ def test_ops_endpoints_need_no_key(server: ServerProcess) -> None:
         ({"prompt": "x", "max_tokens": 4, "min_tokens": 8}, "min_tokens", ("max_tokens",)),
     ],
 )
-def test_400_names_the_field_and_its_limit(server: ServerProcess, body: dict[str, Any], param: str,
-                                           contains: tuple[str, ...]) -> None:
+def test_400_names_the_field_and_its_limit(
+    server: ServerProcess, body: dict[str, Any], param: str, contains: tuple[str, ...]
+) -> None:
     err = assert_error(complete(server, body), 400, param=param, contains=contains)
     assert err["type"] == "invalid_request_error"
 
 
 def test_400_bad_json_and_bad_chat(server: ServerProcess) -> None:
-    r = server.post("/v1/completions", content=b"{not json", headers={**AUTH, "content-type": "application/json"})
+    r = server.post(
+        "/v1/completions",
+        content=b"{not json",
+        headers={**AUTH, "content-type": "application/json"},
+    )
     assert_error(r, 400)
     r = server.post("/v1/chat/completions", json={"model": MODEL, "messages": []}, headers=AUTH)
     assert_error(r, 400, param="messages")
-    r = server.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user"}],
-                                                  "max_completion_tokens": 999}, headers=AUTH)
+    r = server.post(
+        "/v1/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user"}], "max_completion_tokens": 999},
+        headers=AUTH,
+    )
     assert_error(r, 400, param="max_completion_tokens", contains=("512",))
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
     with pytest.raises(openai.BadRequestError) as info:
@@ -146,7 +166,12 @@ def test_400_bad_json_and_bad_chat(server: ServerProcess) -> None:
 
 # -- 404, 413 ------------------------------------------------------------------------------------
 def test_404_unknown_model_and_route(server: ServerProcess) -> None:
-    assert_error(complete(server, {"model": "gpt-4", "prompt": "x"}), 404, param="model", code="model_not_found")
+    assert_error(
+        complete(server, {"model": "gpt-4", "prompt": "x"}),
+        404,
+        param="model",
+        code="model_not_found",
+    )
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "x"}])
@@ -170,8 +195,10 @@ class Streamer(threading.Thread):
 
     def run(self) -> None:
         body = {"model": MODEL, "stream": True, "temperature": 0, "ignore_eos": True, **self.body}
-        with httpx.Client(timeout=60, headers=AUTH) as http, \
-                http.stream("POST", self.server.url + "/v1/completions", json=body) as r:
+        with (
+            httpx.Client(timeout=60, headers=AUTH) as http,
+            http.stream("POST", self.server.url + "/v1/completions", json=body) as r,
+        ):
             self.status = r.status_code
             for line in r.iter_lines():
                 if line.startswith("data: "):
@@ -218,7 +245,9 @@ def test_429_queue_full_is_refused_before_tokenizing(server: ServerProcess) -> N
         assert r.headers["retry-after"] == "3"
         client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
         with pytest.raises(openai.RateLimitError):
-            client.completions.create(model=MODEL, prompt="d", max_tokens=2, extra_body={"priority": "batch"})
+            client.completions.create(
+                model=MODEL, prompt="d", max_tokens=2, extra_body={"priority": "batch"}
+            )
         assert _rejections(server)[("queue_full", "batch")] >= 2
         running.stop.set()  # it hangs up at its next token, after the resume
     finally:
@@ -238,7 +267,13 @@ def test_429_queue_timeout(server: ServerProcess) -> None:
     _pause(server, True)
 
     def late(stream: bool) -> tuple[httpx.Response, float]:
-        body = {"model": MODEL, "prompt": "late", "max_tokens": 2, "priority": "realtime", "stream": stream}
+        body = {
+            "model": MODEL,
+            "prompt": "late",
+            "max_tokens": 2,
+            "priority": "realtime",
+            "stream": stream,
+        }
         with httpx.Client(timeout=60, headers=AUTH) as http:
             t0 = time.monotonic()
             r = http.post(server.url + "/v1/completions", json=body)

@@ -58,9 +58,14 @@ def test_fuzz_published_schema(server: ServerProcess) -> None:
     def fuzz(op: Any, mode: GenerationMode) -> None:
         where = f"{mode.value} {op.method.upper()} {op.path}"
 
-        @settings(max_examples=EXAMPLES_PER_MODE, deadline=None, database=None,
-                  phases=[Phase.explicit, Phase.generate], derandomize=True,
-                  suppress_health_check=list(HealthCheck))
+        @settings(
+            max_examples=EXAMPLES_PER_MODE,
+            deadline=None,
+            database=None,
+            phases=[Phase.explicit, Phase.generate],
+            derandomize=True,
+            suppress_health_check=list(HealthCheck),
+        )
         @given(case=op.as_strategy(generation_mode=mode))
         def run(case: Any) -> None:
             if time.monotonic() > deadline:
@@ -74,7 +79,11 @@ def test_fuzz_published_schema(server: ServerProcess) -> None:
 
     for op in operations:
         # Negative generation needs inputs to break: GET /v1/models has none.
-        modes = (GenerationMode.POSITIVE, GenerationMode.NEGATIVE) if op.body else (GenerationMode.POSITIVE,)
+        modes = (
+            (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)
+            if op.body
+            else (GenerationMode.POSITIVE,)
+        )
         for mode in modes:
             fuzz(op, mode)
     print(f"fuzz: {sent} statuses {statuses}")
@@ -82,5 +91,7 @@ def test_fuzz_published_schema(server: ServerProcess) -> None:
     # fuzz that sent nothing would pass anything); GET /v1/models has no inputs to vary.
     for op in operations:
         for mode in ("positive", "negative") if op.body else ("positive",):
-            assert sent.get(f"{mode} {op.method.upper()} {op.path}", 0) >= (10 if op.body else 1), sent
+            assert sent.get(f"{mode} {op.method.upper()} {op.path}", 0) >= (10 if op.body else 1), (
+                sent
+            )
     assert server.get("/health").status_code == 200

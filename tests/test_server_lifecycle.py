@@ -59,9 +59,19 @@ class StreamClient(threading.Thread):
     def run(self) -> None:
         import json
 
-        body = {"model": MODEL, "prompt": "drain me", "max_tokens": self.max_tokens, "temperature": 0,
-                "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
-        with httpx.Client(timeout=120) as http, http.stream("POST", self.url + "/v1/completions", json=body) as r:
+        body = {
+            "model": MODEL,
+            "prompt": "drain me",
+            "max_tokens": self.max_tokens,
+            "temperature": 0,
+            "stream": True,
+            "ignore_eos": True,
+            "stream_options": {"include_usage": True},
+        }
+        with (
+            httpx.Client(timeout=120) as http,
+            http.stream("POST", self.url + "/v1/completions", json=body) as r,
+        ):
             self.status = r.status_code
             for line in r.iter_lines():
                 if line == "data: [DONE]":
@@ -92,7 +102,9 @@ def test_loading_drain_and_signals(tiny_model_dir: Path, tmp_path: Path) -> None
         # SIGHUP reloads the same template (systemd's ExecReload).
         n_ready = notes.messages.count("READY=1")
         srv.signal(signal.SIGHUP)
-        wait_for(lambda: notes.messages.count("READY=1") > n_ready, timeout_s=START_TIMEOUT_S)  # a new engine
+        wait_for(
+            lambda: notes.messages.count("READY=1") > n_ready, timeout_s=START_TIMEOUT_S
+        )  # a new engine
         assert "RELOADING=1" in notes.messages
         assert srv.get("/admin/stats").json()["server"]["engine_generation"] == 2
 
@@ -140,13 +152,25 @@ def _try(srv: ServerProcess, path: str) -> int | None:
 
 
 def _try_post(srv: ServerProcess) -> int:
-    return srv.post("/v1/completions", json={"model": MODEL, "prompt": "early", "max_tokens": 2}).status_code
+    return srv.post(
+        "/v1/completions", json={"model": MODEL, "prompt": "early", "max_tokens": 2}
+    ).status_code
 
 
 def test_refuses_non_loopback_bind_without_api_key(tiny_model_dir: Path, tmp_path: Path) -> None:
     template = write_template(tmp_path / "t.toml", tiny_model_dir)
-    cmd = [sys.executable, "-m", "appliance.cli", "up", "--template", str(template), "--host", "0.0.0.0",
-           "--port", "0"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "appliance.cli",
+        "up",
+        "--template",
+        str(template),
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "0",
+    ]
     env = {k: v for k, v in os.environ.items() if k != "NOTIFY_SOCKET"}
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 2

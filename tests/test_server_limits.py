@@ -32,8 +32,9 @@ def client(server: ServerProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
 
 
-def assert_error(r: httpx.Response, status: int, param: str | None,
-                 contains: tuple[str, ...] = ()) -> dict[str, Any]:
+def assert_error(
+    r: httpx.Response, status: int, param: str | None, contains: tuple[str, ...] = ()
+) -> dict[str, Any]:
     assert r.status_code == status, r.text
     assert r.headers["content-type"].startswith("application/json")
     body = r.json()
@@ -80,23 +81,33 @@ def test_body_at_the_depth_limit_is_decoded(server: ServerProcess) -> None:
 
 # -- integer ranges ------------------------------------------------------------------------------
 def test_prompt_token_id_2_pow_70(server: ServerProcess) -> None:
-    assert_error(post(server, "/v1/completions", completion(prompt=[1, HUGE])), 400, "prompt",
-                 ("vocabulary [0, 4096)",))
+    assert_error(
+        post(server, "/v1/completions", completion(prompt=[1, HUGE])),
+        400,
+        "prompt",
+        ("vocabulary [0, 4096)",),
+    )
 
 
 def test_prompt_token_id_just_outside_the_vocabulary(server: ServerProcess) -> None:
-    assert_error(post(server, "/v1/completions", completion(prompt=[[1], [VOCAB]])), 400,
-                 "prompt", ("4096",))
+    assert_error(
+        post(server, "/v1/completions", completion(prompt=[[1], [VOCAB]])), 400, "prompt", ("4096",)
+    )
 
 
 def test_seed_2_pow_70(server: ServerProcess) -> None:
-    assert_error(post(server, "/v1/completions", completion(seed=HUGE)), 400, "seed",
-                 (str(INT64_MAX),))
+    assert_error(
+        post(server, "/v1/completions", completion(seed=HUGE)), 400, "seed", (str(INT64_MAX),)
+    )
 
 
 def test_seed_below_int64(server: ServerProcess) -> None:
-    assert_error(post(server, "/v1/completions", completion(seed=-(2**63) - 1)), 400, "seed",
-                 (str(-(2**63)),))
+    assert_error(
+        post(server, "/v1/completions", completion(seed=-(2**63) - 1)),
+        400,
+        "seed",
+        (str(-(2**63)),),
+    )
 
 
 def test_seed_at_the_int64_bounds_is_served(client: openai.OpenAI) -> None:
@@ -110,38 +121,57 @@ def test_n_2_pow_70(server: ServerProcess) -> None:
 
 
 def test_max_tokens_2_pow_70(server: ServerProcess) -> None:
-    assert_error(post(server, "/v1/completions", completion(max_tokens=HUGE)), 400,
-                 "max_tokens", ("<= 2147483647",))
+    assert_error(
+        post(server, "/v1/completions", completion(max_tokens=HUGE)),
+        400,
+        "max_tokens",
+        ("<= 2147483647",),
+    )
 
 
 def test_max_completion_tokens_zero(server: ServerProcess) -> None:
-    assert_error(post(server, "/v1/chat/completions", chat(max_completion_tokens=0)), 400,
-                 "max_completion_tokens", (">= 1",))
+    assert_error(
+        post(server, "/v1/chat/completions", chat(max_completion_tokens=0)),
+        400,
+        "max_completion_tokens",
+        (">= 1",),
+    )
 
 
 def test_logprobs_2_pow_70(server: ServerProcess) -> None:
-    assert_error(post(server, "/v1/completions", completion(logprobs=HUGE)), 400, "logprobs",
-                 ("<= 20",))
+    assert_error(
+        post(server, "/v1/completions", completion(logprobs=HUGE)), 400, "logprobs", ("<= 20",)
+    )
 
 
 def test_top_logprobs_2_pow_70(server: ServerProcess) -> None:
-    assert_error(post(server, "/v1/chat/completions", chat(logprobs=True, top_logprobs=HUGE)),
-                 400, "top_logprobs", ("<= 20",))
+    assert_error(
+        post(server, "/v1/chat/completions", chat(logprobs=True, top_logprobs=HUGE)),
+        400,
+        "top_logprobs",
+        ("<= 20",),
+    )
 
 
 def test_min_tokens_2_pow_70(server: ServerProcess) -> None:
-    assert_error(post(server, "/v1/completions", completion(min_tokens=HUGE)), 400,
-                 "min_tokens", ("<= 2147483647",))
+    assert_error(
+        post(server, "/v1/completions", completion(min_tokens=HUGE)),
+        400,
+        "min_tokens",
+        ("<= 2147483647",),
+    )
 
 
 def test_top_k_2_pow_70(server: ServerProcess) -> None:
-    assert_error(post(server, "/v1/completions", completion(top_k=HUGE)), 400, "top_k",
-                 ("<= 2147483647",))
+    assert_error(
+        post(server, "/v1/completions", completion(top_k=HUGE)), 400, "top_k", ("<= 2147483647",)
+    )
 
 
 def test_top_k_beyond_the_vocabulary(server: ServerProcess) -> None:
-    assert_error(post(server, "/v1/completions", completion(top_k=VOCAB + 1)), 400, "top_k",
-                 ("4096",))
+    assert_error(
+        post(server, "/v1/completions", completion(top_k=VOCAB + 1)), 400, "top_k", ("4096",)
+    )
 
 
 def test_top_k_below_minus_one(server: ServerProcess) -> None:
@@ -149,35 +179,50 @@ def test_top_k_below_minus_one(server: ServerProcess) -> None:
 
 
 def test_priority_int_2_pow_70(server: ServerProcess) -> None:
-    assert_error(post(server, "/v1/completions", completion(priority=HUGE)), 400, "priority",
-                 ("2147483647",))
+    assert_error(
+        post(server, "/v1/completions", completion(priority=HUGE)), 400, "priority", ("2147483647",)
+    )
 
 
 def test_best_of_2_pow_70(server: ServerProcess) -> None:
-    assert_error(post(server, "/v1/completions", completion(best_of=HUGE)), 400, "best_of",
-                 ("<= 16",))
+    assert_error(
+        post(server, "/v1/completions", completion(best_of=HUGE)), 400, "best_of", ("<= 16",)
+    )
 
 
 def test_stop_token_id_2_pow_70(server: ServerProcess) -> None:
-    assert_error(post(server, "/v1/completions", completion(stop_token_ids=[HUGE])), 400,
-                 "stop_token_ids[0]", ("<= 2147483647",))
+    assert_error(
+        post(server, "/v1/completions", completion(stop_token_ids=[HUGE])),
+        400,
+        "stop_token_ids[0]",
+        ("<= 2147483647",),
+    )
 
 
 def test_stop_token_id_outside_the_vocabulary(server: ServerProcess) -> None:
-    assert_error(post(server, "/v1/completions", completion(stop_token_ids=[2, VOCAB])), 400,
-                 "stop_token_ids", ("vocabulary [0, 4096)",))
+    assert_error(
+        post(server, "/v1/completions", completion(stop_token_ids=[2, VOCAB])),
+        400,
+        "stop_token_ids",
+        ("vocabulary [0, 4096)",),
+    )
 
 
 def test_detokenize_token_2_pow_70(server: ServerProcess) -> None:
-    assert_error(post(server, "/detokenize", {"tokens": [1, HUGE]}), 400, "tokens[1]",
-                 ("<= 2147483647",))
+    assert_error(
+        post(server, "/detokenize", {"tokens": [1, HUGE]}), 400, "tokens[1]", ("<= 2147483647",)
+    )
 
 
 # -- chat roles and tool_choice ------------------------------------------------------------------
 def test_unknown_chat_role(server: ServerProcess) -> None:
     body = chat(messages=[{"role": "user", "content": "a"}, {"role": "wizard", "content": "b"}])
-    assert_error(post(server, "/v1/chat/completions", body), 400, "messages[1].role",
-                 ("'wizard'", "assistant", "developer", "function", "system", "tool", "user"))
+    assert_error(
+        post(server, "/v1/chat/completions", body),
+        400,
+        "messages[1].role",
+        ("'wizard'", "assistant", "developer", "function", "system", "tool", "user"),
+    )
 
 
 def test_unknown_chat_role_on_tokenize(server: ServerProcess) -> None:
@@ -195,8 +240,12 @@ def test_every_openai_role_passes_the_role_check(server: ServerProcess) -> None:
 
 def test_tool_choice_required_without_tools(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
-                                       max_tokens=2, tool_choice="required")
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "x"}],
+            max_tokens=2,
+            tool_choice="required",
+        )
     assert info.value.status_code == 400
     assert info.value.body["param"] == "tool_choice"
     assert "'required' needs `tools`" in info.value.body["message"]
@@ -204,19 +253,31 @@ def test_tool_choice_required_without_tools(client: openai.OpenAI) -> None:
 
 def test_tool_choice_named_function_without_tools(server: ServerProcess) -> None:
     body = chat(tool_choice={"type": "function", "function": {"name": "get_weather"}})
-    assert_error(post(server, "/v1/chat/completions", body), 400, "tool_choice",
-                 ("'get_weather' needs `tools`",))
+    assert_error(
+        post(server, "/v1/chat/completions", body),
+        400,
+        "tool_choice",
+        ("'get_weather' needs `tools`",),
+    )
 
 
 def test_tool_choice_unknown_string(server: ServerProcess) -> None:
-    assert_error(post(server, "/v1/chat/completions", chat(tool_choice="always")), 400,
-                 "tool_choice", ("'always'",))
+    assert_error(
+        post(server, "/v1/chat/completions", chat(tool_choice="always")),
+        400,
+        "tool_choice",
+        ("'always'",),
+    )
 
 
 def test_tool_choice_none_and_auto_without_tools_are_served(client: openai.OpenAI) -> None:
     for choice in ("none", "auto"):
-        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
-                                           max_tokens=2, tool_choice=choice)
+        r = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "x"}],
+            max_tokens=2,
+            tool_choice=choice,
+        )
         assert r.choices[0].finish_reason == "length"
 
 
@@ -234,8 +295,12 @@ def _raw_http(server: ServerProcess, request: bytes) -> tuple[int, dict[str, str
 
 
 def test_4mb_header_gets_an_openai_error_body(server: ServerProcess) -> None:
-    r = httpx.post(server.url + "/v1/completions", json=completion(),
-                   headers={"x-big": "a" * (4 * 1024 * 1024)}, timeout=30)
+    r = httpx.post(
+        server.url + "/v1/completions",
+        json=completion(),
+        headers={"x-big": "a" * (4 * 1024 * 1024)},
+        timeout=30,
+    )
     err = assert_error(r, 431, None, ("request headers too large", "65536 bytes"))
     assert err["code"] == "request_header_too_large"
 

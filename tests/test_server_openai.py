@@ -40,8 +40,13 @@ def test_models_list(client: openai.OpenAI) -> None:
 
 
 def test_completion_greedy_is_deterministic(client: openai.OpenAI) -> None:
-    kw = dict(model=MODEL, prompt="The appliance", max_tokens=12, temperature=0,
-              extra_body={"ignore_eos": True})
+    kw = dict(
+        model=MODEL,
+        prompt="The appliance",
+        max_tokens=12,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     a = client.completions.create(**kw)
     b = client.completions.create(**kw)
     assert a.choices[0].text == b.choices[0].text and a.choices[0].text
@@ -51,15 +56,25 @@ def test_completion_greedy_is_deterministic(client: openai.OpenAI) -> None:
 
 
 def test_completion_token_prompt_and_batch(client: openai.OpenAI) -> None:
-    out = client.completions.create(model=MODEL, prompt=[[5, 6, 7], [8, 9]], max_tokens=3, temperature=0)
+    out = client.completions.create(
+        model=MODEL, prompt=[[5, 6, 7], [8, 9]], max_tokens=3, temperature=0
+    )
     assert sorted(c.index for c in out.choices) == [0, 1]
     assert out.usage.prompt_tokens == 5
 
 
 def test_completion_stream_matches_non_stream(client: openai.OpenAI) -> None:
-    kw = dict(model=MODEL, prompt="Hello world", max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+    kw = dict(
+        model=MODEL,
+        prompt="Hello world",
+        max_tokens=16,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     full = client.completions.create(**kw)
-    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    chunks = list(
+        client.completions.create(stream=True, stream_options={"include_usage": True}, **kw)
+    )
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == full.choices[0].text
     last = chunks[-1]
@@ -69,8 +84,15 @@ def test_completion_stream_matches_non_stream(client: openai.OpenAI) -> None:
 
 
 def test_n2_with_seed_is_reproducible_and_distinct(client: openai.OpenAI) -> None:
-    kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=10, temperature=1.0, seed=1234, n=2,
-              extra_body={"ignore_eos": True})
+    kw = dict(
+        model=MODEL,
+        prompt="Once upon a time",
+        max_tokens=10,
+        temperature=1.0,
+        seed=1234,
+        n=2,
+        extra_body={"ignore_eos": True},
+    )
     a = client.completions.create(**kw)
     b = client.completions.create(**kw)
     assert [c.text for c in a.choices] == [c.text for c in b.choices]
@@ -79,23 +101,43 @@ def test_n2_with_seed_is_reproducible_and_distinct(client: openai.OpenAI) -> Non
 
 
 def test_stop_string_cuts_the_text(client: openai.OpenAI) -> None:
-    base = client.completions.create(model=MODEL, prompt="abc", max_tokens=24, temperature=0,
-                                     extra_body={"ignore_eos": True})
+    base = client.completions.create(
+        model=MODEL, prompt="abc", max_tokens=24, temperature=0, extra_body={"ignore_eos": True}
+    )
     text = base.choices[0].text
     stop = text[5:8]
     assert stop.strip(), text
-    out = client.completions.create(model=MODEL, prompt="abc", max_tokens=24, temperature=0, stop=[stop],
-                                    extra_body={"ignore_eos": True})
+    out = client.completions.create(
+        model=MODEL,
+        prompt="abc",
+        max_tokens=24,
+        temperature=0,
+        stop=[stop],
+        extra_body={"ignore_eos": True},
+    )
     assert out.choices[0].finish_reason == "stop"
     assert out.choices[0].text == text[: text.index(stop)]
-    streamed = client.completions.create(model=MODEL, prompt="abc", max_tokens=24, temperature=0, stop=stop,
-                                         stream=True, extra_body={"ignore_eos": True})
+    streamed = client.completions.create(
+        model=MODEL,
+        prompt="abc",
+        max_tokens=24,
+        temperature=0,
+        stop=stop,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     assert "".join(c.choices[0].text for c in streamed if c.choices) == out.choices[0].text
 
 
 def test_completion_logprobs(client: openai.OpenAI) -> None:
-    out = client.completions.create(model=MODEL, prompt="Hi", max_tokens=5, temperature=0, logprobs=3,
-                                    extra_body={"ignore_eos": True})
+    out = client.completions.create(
+        model=MODEL,
+        prompt="Hi",
+        max_tokens=5,
+        temperature=0,
+        logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
     lp = out.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
     for tok, val, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
@@ -108,13 +150,20 @@ def test_completion_logprobs(client: openai.OpenAI) -> None:
 
 def test_chat_non_stream_and_stream(client: openai.OpenAI) -> None:
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi"}]
-    full = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12, temperature=0,
-                                          extra_body={"ignore_eos": True})
+    full = client.chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert full.choices[0].message.role == "assistant"
     assert full.choices[0].message.content
-    stream = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12, temperature=0,
-                                            stream=True, stream_options={"include_usage": True},
-                                            extra_body={"ignore_eos": True})
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=msgs,
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -125,8 +174,13 @@ def test_chat_non_stream_and_stream(client: openai.OpenAI) -> None:
 
 def test_chat_logprobs_and_priority(client: openai.OpenAI) -> None:
     out = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=4, temperature=0,
-        logprobs=True, top_logprobs=2, extra_body={"priority": "batch", "top_k": 5, "ignore_eos": True},
+        model=MODEL,
+        messages=[{"role": "user", "content": "x"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"priority": "batch", "top_k": 5, "ignore_eos": True},
     )
     content = out.choices[0].logprobs.content
     assert len(content) == 4
@@ -138,8 +192,12 @@ async def test_async_sdk_concurrent_streams(aclient: openai.AsyncOpenAI) -> None
 
     async def one(i: int) -> tuple[str, int]:
         stream = await aclient.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": f"number {i}"}], max_tokens=8,
-            temperature=0, stream=True, stream_options={"include_usage": True},
+            model=MODEL,
+            messages=[{"role": "user", "content": f"number {i}"}],
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
             extra_body={"ignore_eos": True},
         )
         text, usage = "", 0
@@ -173,9 +231,18 @@ def _blocks_used(server: ServerProcess) -> int:
 
 
 def test_disconnect_mid_stream_frees_blocks(server: ServerProcess) -> None:
-    body = {"model": MODEL, "prompt": "long " * 40, "max_tokens": 400, "temperature": 0,
-            "stream": True, "ignore_eos": True}
-    with httpx.Client(timeout=30) as http, http.stream("POST", server.url + "/v1/completions", json=body) as r:
+    body = {
+        "model": MODEL,
+        "prompt": "long " * 40,
+        "max_tokens": 400,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    with (
+        httpx.Client(timeout=30) as http,
+        http.stream("POST", server.url + "/v1/completions", json=body) as r,
+    ):
         assert r.status_code == 200
         rid = r.headers["x-request-id"]
         lines = r.iter_lines()
@@ -197,16 +264,29 @@ def test_disconnect_mid_stream_frees_blocks(server: ServerProcess) -> None:
         for s in fam.samples
     }
     assert samples[("appliance_kv_blocks", (("model_name", MODEL), ("state", "used")))] == 0
-    assert samples[("vllm:request_success_total", (("finished_reason", "abort"), ("model_name", MODEL)))] >= 1
+    assert (
+        samples[
+            ("vllm:request_success_total", (("finished_reason", "abort"), ("model_name", MODEL)))
+        ]
+        >= 1
+    )
 
 
 def test_disconnect_while_waiting_for_a_full_answer_aborts(server: ServerProcess) -> None:
-    body = {"model": MODEL, "prompt": "slow", "max_tokens": 450, "temperature": 0, "ignore_eos": True}
+    body = {
+        "model": MODEL,
+        "prompt": "slow",
+        "max_tokens": 450,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     # Paused, the answer cannot be complete before the client gives up, however fast the machine.
     assert server.post("/admin/pause").status_code == 200
     try:
         with pytest.raises(httpx.ReadTimeout):
-            httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.5))
+            httpx.post(
+                server.url + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.5)
+            )
         wait_for(lambda: not server.get("/admin/stats").json()["requests"], timeout_s=10)
         assert _blocks_used(server) == 0
     finally:
@@ -216,7 +296,9 @@ def test_disconnect_while_waiting_for_a_full_answer_aborts(server: ServerProcess
 # Last in the module: an engine error here kills the core (fatal by design, as in vLLM v1),
 # which would fail every later test of this module's server.
 
+
 def test_min_tokens_extra(client: openai.OpenAI) -> None:
-    out = client.completions.create(model=MODEL, prompt="x", max_tokens=6, temperature=0,
-                                    extra_body={"min_tokens": 6})
+    out = client.completions.create(
+        model=MODEL, prompt="x", max_tokens=6, temperature=0, extra_body={"min_tokens": 6}
+    )
     assert out.usage.completion_tokens == 6  # min_tokens == max_tokens: EOS is banned

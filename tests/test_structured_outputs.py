@@ -67,14 +67,26 @@ def client(server: ServerProcess) -> openai.OpenAI:
 
 def _chat(client: openai.OpenAI, stream: bool, seed: int, **kw: Any) -> list[Any]:
     """The n choices' messages ({content, tool_calls, finish_reason}) of one request."""
-    args = dict(model=MODEL, messages=[{"role": "user", "content": "Fill it in."}], n=N,
-                temperature=1.0, seed=seed, max_tokens=120, **kw)
+    args = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Fill it in."}],
+        n=N,
+        temperature=1.0,
+        seed=seed,
+        max_tokens=120,
+        **kw,
+    )
     if not stream:
         resp = client.chat.completions.create(**args)
         return [
-            {"content": c.message.content, "finish_reason": c.finish_reason,
-             "tool_calls": [(t.id, t.function.name, t.function.arguments)
-                            for t in c.message.tool_calls or []]}
+            {
+                "content": c.message.content,
+                "finish_reason": c.finish_reason,
+                "tool_calls": [
+                    (t.id, t.function.name, t.function.arguments)
+                    for t in c.message.tool_calls or []
+                ],
+            }
             for c in sorted(resp.choices, key=lambda c: c.index)
         ]
     out = [{"content": "", "finish_reason": None, "tool_calls": {}} for _ in range(N)]
@@ -109,8 +121,13 @@ def test_parse_with_a_pydantic_model_gives_valid_objects(client: openai.OpenAI) 
     parsed = []
     for seed in SEEDS:
         resp = client.chat.completions.parse(
-            model=MODEL, messages=[{"role": "user", "content": "A person."}], n=N,
-            temperature=1.0, seed=seed, max_tokens=120, response_format=Person,
+            model=MODEL,
+            messages=[{"role": "user", "content": "A person."}],
+            n=N,
+            temperature=1.0,
+            seed=seed,
+            max_tokens=120,
+            response_format=Person,
         )
         for c in resp.choices:
             assert c.finish_reason == "stop", c.message.content
@@ -121,8 +138,10 @@ def test_parse_with_a_pydantic_model_gives_valid_objects(client: openai.OpenAI) 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_json_schema_samples_validate(client: openai.OpenAI, stream: bool) -> None:
-    fmt = {"type": "json_schema",
-           "json_schema": {"name": "person", "schema": PERSON_SCHEMA, "strict": True}}
+    fmt = {
+        "type": "json_schema",
+        "json_schema": {"name": "person", "schema": PERSON_SCHEMA, "strict": True},
+    }
     for o in _samples(client, stream, response_format=fmt):
         assert o["finish_reason"] == "stop"
         jsonschema.validate(json.loads(o["content"]), PERSON_SCHEMA)
@@ -199,11 +218,20 @@ def test_named_tool_samples_have_valid_arguments(client: openai.OpenAI, stream: 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_required_tool_choice_calls_one_of_the_tools(client: openai.OpenAI, stream: bool) -> None:
-    other = {"type": "function", "function": {
-        "name": "get_time", "parameters": {"type": "object", "properties": {
-            "zone": {"type": "string", "enum": ["utc", "cet"]}}, "required": ["zone"]}}}
-    outs = _chat(client, stream, 0, tools=[WEATHER, other], tool_choice="required",
-                 parallel_tool_calls=False)
+    other = {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "parameters": {
+                "type": "object",
+                "properties": {"zone": {"type": "string", "enum": ["utc", "cet"]}},
+                "required": ["zone"],
+            },
+        },
+    }
+    outs = _chat(
+        client, stream, 0, tools=[WEATHER, other], tool_choice="required", parallel_tool_calls=False
+    )
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, other)}
     for o in outs:
         assert o["finish_reason"] == "tool_calls"
@@ -213,7 +241,12 @@ def test_required_tool_choice_calls_one_of_the_tools(client: openai.OpenAI, stre
 
 def test_completions_take_structured_outputs_too(client: openai.OpenAI) -> None:
     resp = client.completions.create(
-        model=MODEL, prompt="The answer:", n=4, temperature=1.0, seed=3, max_tokens=120,
+        model=MODEL,
+        prompt="The answer:",
+        n=4,
+        temperature=1.0,
+        seed=3,
+        max_tokens=120,
         extra_body={"structured_outputs": {"json": PERSON_SCHEMA}},
     )
     for c in resp.choices:
@@ -222,25 +255,80 @@ def test_completions_take_structured_outputs_too(client: openai.OpenAI) -> None:
 
 # -- 400s, before anything is queued --------------------------------------------------------------
 BAD = [
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
-        "type": "object", "properties": {"a": {"type": "nonsense"}}}}}},
-     "response_format.json_schema.schema", "nonsense"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
-        "type": "integer", "multipleOf": 3}}}},
-     "response_format.json_schema.schema", "multipleOf"),
+    (
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "x",
+                    "schema": {"type": "object", "properties": {"a": {"type": "nonsense"}}},
+                },
+            }
+        },
+        "response_format.json_schema.schema",
+        "nonsense",
+    ),
+    (
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "integer", "multipleOf": 3}},
+            }
+        },
+        "response_format.json_schema.schema",
+        "multipleOf",
+    ),
     ({"structured_outputs": {"regex": "(ab"}}, "structured_outputs.regex", "parenthes"),
-    ({"structured_outputs": {"grammar": 'root ::= "a" | undefined_rule'}},
-     "structured_outputs.grammar", "undefined_rule"),
-    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
-     "tool_choice", "nope"),
-    ({"tools": [WEATHER, {"type": "function", "function": {"name": "pick", "parameters": {
-        "type": "object", "properties": {"n": {"type": "integer", "multipleOf": 5}}}}}]},
-     "tools[1].function.parameters", "'pick'"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "patternProperties": {"^x": {}}}}}], "tool_choice": "required"},
-     "tools[0].function.parameters", "patternProperties"),
-    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
-     "structured_outputs.regex", "at most one"),
+    (
+        {"structured_outputs": {"grammar": 'root ::= "a" | undefined_rule'}},
+        "structured_outputs.grammar",
+        "undefined_rule",
+    ),
+    (
+        {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+        "tool_choice",
+        "nope",
+    ),
+    (
+        {
+            "tools": [
+                WEATHER,
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "pick",
+                        "parameters": {
+                            "type": "object",
+                            "properties": {"n": {"type": "integer", "multipleOf": 5}},
+                        },
+                    },
+                },
+            ]
+        },
+        "tools[1].function.parameters",
+        "'pick'",
+    ),
+    (
+        {
+            "tools": [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "f",
+                        "parameters": {"type": "object", "patternProperties": {"^x": {}}},
+                    },
+                }
+            ],
+            "tool_choice": "required",
+        },
+        "tools[0].function.parameters",
+        "patternProperties",
+    ),
+    (
+        {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+        "structured_outputs.regex",
+        "at most one",
+    ),
     ({"response_format": {"type": "json_object"}, "min_tokens": 2}, "min_tokens", "structured"),
 ]
 
@@ -262,8 +350,13 @@ def test_unenforceable_constraints_are_400_naming_the_field(
 def test_json_schema_without_a_schema_is_any_object(client: openai.OpenAI) -> None:
     # OpenAI's json_schema.schema is optional: then any JSON object, not only {}.
     resp = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "x"}], n=8, temperature=1.0, seed=7,
-        max_tokens=60, response_format={"type": "json_schema", "json_schema": {"name": "any"}},
+        model=MODEL,
+        messages=[{"role": "user", "content": "x"}],
+        n=8,
+        temperature=1.0,
+        seed=7,
+        max_tokens=60,
+        response_format={"type": "json_schema", "json_schema": {"name": "any"}},
     )
     done = [c.message.content for c in resp.choices if c.finish_reason == "stop"]
     assert done and all(isinstance(json.loads(t), dict) for t in done)

@@ -22,12 +22,18 @@ REPO = Path(__file__).resolve().parents[1]
 ANALYZE = shutil.which("systemd-analyze")
 SYSTEMD = Path("/lib/systemd/systemd")
 WATCHDOG_S = 4  # WatchdogSec= of the test's drop-in
-needs_analyze = pytest.mark.skipif(ANALYZE is None, reason="systemd-analyze is not installed (Debian: apt-get install systemd)")
+needs_analyze = pytest.mark.skipif(
+    ANALYZE is None, reason="systemd-analyze is not installed (Debian: apt-get install systemd)"
+)
 
 
 def install(dest: Path, *args: str) -> None:
-    proc = subprocess.run([str(REPO / "install.sh"), "--destdir", str(dest), "--no-venv", *args],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [str(REPO / "install.sh"), "--destdir", str(dest), "--no-venv", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -46,16 +52,25 @@ def units(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @needs_analyze
 def test_units_pass_systemd_analyze_verify_with_empty_stderr(units: Path) -> None:
     names = ["appliance@test.service", "appliance.target", "appliance-router.service"]
-    proc = subprocess.run([ANALYZE, "verify", "--man=no", *names], cwd=units,  # type: ignore[list-item]
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [ANALYZE, "verify", "--man=no", *names],
+        cwd=units,  # type: ignore[list-item]
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert (proc.returncode, proc.stderr) == (0, ""), proc.stderr
 
 
 @needs_analyze
 @pytest.mark.parametrize("unit", ["appliance@test.service", "appliance-router.service"])
 def test_units_score_3_or_better_in_systemd_analyze_security(units: Path, unit: str) -> None:
-    proc = subprocess.run([ANALYZE, "security", "--offline=true", "--no-pager", str(units / unit)],  # type: ignore[list-item]
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [ANALYZE, "security", "--offline=true", "--no-pager", str(units / unit)],  # type: ignore[list-item]
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     m = re.search(r"Overall exposure level for \S+: (\d+\.\d+)", proc.stdout)
     assert m, proc.stdout + proc.stderr
     assert float(m.group(1)) <= 3.0, proc.stdout
@@ -75,8 +90,13 @@ def test_unit_promises() -> None:
     assert one["ExecReload"] == "/bin/kill -HUP $MAINPID" and one["KillSignal"] == "SIGTERM"
     assert one["Restart"] == "on-failure" and one["EnvironmentFile"] == "/etc/appliance/%i.env"
     check_timeout_stop_leaves_the_drain_its_time(int(one["TimeoutStopSec"]))
-    for k, v in {"NoNewPrivileges": "yes", "ProtectSystem": "strict", "ProtectHome": "yes",
-                 "PrivateTmp": "yes", "DevicePolicy": "closed"}.items():
+    for k, v in {
+        "NoNewPrivileges": "yes",
+        "ProtectSystem": "strict",
+        "ProtectHome": "yes",
+        "PrivateTmp": "yes",
+        "DevicePolicy": "closed",
+    }.items():
         assert one[k] == v, k
     assert "char-nvidia* rw" in keys["DeviceAllow"] and int(one["LimitNOFILE"]) >= 65536
     assert "/var/lib/appliance" in one["ReadWritePaths"] and one["WantedBy"] == "appliance.target"
@@ -159,8 +179,12 @@ def unshare_refusal() -> str | None:
         return "needs root (a private systemd in new PID and mount namespaces)"
     if not SYSTEMD.exists() or shutil.which("unshare") is None or shutil.which("nsenter") is None:
         return "systemd, unshare or nsenter is missing"
-    proc = subprocess.run(["unshare", "--pid", "--fork", "--mount", "--uts", "--ipc", "--mount-proc", "true"],
-                          capture_output=True, text=True, timeout=30)
+    proc = subprocess.run(
+        ["unshare", "--pid", "--fork", "--mount", "--uts", "--ipc", "--mount-proc", "true"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     if proc.returncode != 0:
         return f"the kernel refuses the namespaces: {proc.stderr.strip()}"
     return None
@@ -171,8 +195,21 @@ class PrivateSystemd:
         self.boot_log = boot_log
         with open(boot_log, "wb") as out:
             self.proc = subprocess.Popen(
-                ["unshare", "--pid", "--fork", "--mount", "--uts", "--ipc", "--mount-proc", "bash", str(boot)],
-                env={**os.environ, **env}, start_new_session=True, stdout=out, stderr=subprocess.STDOUT,
+                [
+                    "unshare",
+                    "--pid",
+                    "--fork",
+                    "--mount",
+                    "--uts",
+                    "--ipc",
+                    "--mount-proc",
+                    "bash",
+                    str(boot),
+                ],
+                env={**os.environ, **env},
+                start_new_session=True,
+                stdout=out,
+                stderr=subprocess.STDOUT,
             )
         self.pid = self._find_pid1()
 
@@ -187,8 +224,9 @@ class PrivateSystemd:
     def _find_pid1(self) -> int:
         deadline = time.monotonic() + 60  # the boot script copies /etc first: slow on a slow disk
         while time.monotonic() < deadline:
-            out = subprocess.run(["pgrep", "-P", str(self.proc.pid), "-x", "systemd"],
-                                 capture_output=True, text=True).stdout.split()
+            out = subprocess.run(
+                ["pgrep", "-P", str(self.proc.pid), "-x", "systemd"], capture_output=True, text=True
+            ).stdout.split()
             if out:
                 return int(out[0])
             if self.proc.poll() is not None:
@@ -197,8 +235,12 @@ class PrivateSystemd:
         raise RuntimeError("the private systemd did not start: " + self.boot_log.read_text())
 
     def run(self, *args: str, check: bool = False) -> str:
-        proc = subprocess.run(["nsenter", "-t", str(self.pid), "-m", "-p", *args],
-                              capture_output=True, text=True, timeout=60)
+        proc = subprocess.run(
+            ["nsenter", "-t", str(self.pid), "-m", "-p", *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         if check:
             assert proc.returncode == 0, proc.stdout + proc.stderr
         return proc.stdout.strip()
@@ -209,7 +251,15 @@ class PrivateSystemd:
 
     def wait(self, unit: str, what: str, cond: object, timeout_s: float = 120.0) -> dict[str, str]:
         deadline = time.monotonic() + timeout_s
-        props = ["ActiveState", "SubState", "Result", "NRestarts", "MainPID", "StatusText", "ExecMainStatus"]
+        props = [
+            "ActiveState",
+            "SubState",
+            "Result",
+            "NRestarts",
+            "MainPID",
+            "StatusText",
+            "ExecMainStatus",
+        ]
         state: dict[str, str] = {}
         while time.monotonic() < deadline:
             state = self.show(unit, *props)
@@ -218,9 +268,11 @@ class PrivateSystemd:
             if state.get("ActiveState") == "failed":
                 break
             time.sleep(0.2)
-        raise AssertionError(f"{unit} never {what}: {state}\n{self.run('systemctl', 'status', '--no-pager', unit)}\n"
-                             f"{self.run('systemctl', 'list-jobs', '--no-pager')}\n"
-                             f"--- service log ---\n{self.service_log()}")
+        raise AssertionError(
+            f"{unit} never {what}: {state}\n{self.run('systemctl', 'status', '--no-pager', unit)}\n"
+            f"{self.run('systemctl', 'list-jobs', '--no-pager')}\n"
+            f"--- service log ---\n{self.service_log()}"
+        )
 
     def close(self) -> None:
         for pid in (self.pid, self.proc.pid):
@@ -232,13 +284,23 @@ class PrivateSystemd:
 
 
 @pytest.fixture
-def private_systemd(tmp_path: Path, tiny_model_dir: Path) -> Iterator[tuple[PrivateSystemd, int, int, Path]]:
+def private_systemd(
+    tmp_path: Path, tiny_model_dir: Path
+) -> Iterator[tuple[PrivateSystemd, int, int, Path]]:
     reason = unshare_refusal()
     if reason:
         pytest.skip(reason)
     port, router_port = free_port(), free_port()
     dest = tmp_path / "dest"
-    install(dest, "--instance", f"test:{port}", "--template", "nstest", "--router-port", str(router_port))
+    install(
+        dest,
+        "--instance",
+        f"test:{port}",
+        "--template",
+        "nstest",
+        "--router-port",
+        str(router_port),
+    )
     conf = dest / "etc/appliance/router.toml"  # the operator keeps the router on loopback here
     conf.write_text(conf.read_text().replace('host = "0.0.0.0"', 'host = "127.0.0.1"'))
     # An operator template in /etc/appliance/templates, naming the model where it is mounted.
@@ -264,8 +326,15 @@ def private_systemd(tmp_path: Path, tiny_model_dir: Path) -> Iterator[tuple[Priv
     (units / "appliance-router.service.d/test.conf").write_text("\n".join(common) + "\n")
     boot = tmp_path / "boot.sh"
     boot.write_text(BOOT)
-    env = {"DEST": str(dest), "PREFIX_DIR": str(dest / "opt/appliance"), "MODEL": str(tiny_model_dir),
-           "VENV": str(Path(sys.executable).parents[1]), "CHECKOUT": str(CHECKOUT), "UNITS": str(units), "SVC_ID": "61234"}
+    env = {
+        "DEST": str(dest),
+        "PREFIX_DIR": str(dest / "opt/appliance"),
+        "MODEL": str(tiny_model_dir),
+        "VENV": str(Path(sys.executable).parents[1]),
+        "CHECKOUT": str(CHECKOUT),
+        "UNITS": str(units),
+        "SVC_ID": "61234",
+    }
     ns = PrivateSystemd(boot, env, tmp_path / "boot.log")
     try:
         yield ns, port, router_port, dest
@@ -290,7 +359,12 @@ def test_appliance_test_runs_under_a_private_systemd(
     assert user in ("appliance", "61234"), user
     # appliance-router.service (DynamicUser, its own hardening) routes to the instance.
     router = f"http://127.0.0.1:{router_port}"
-    ns.wait("appliance-router.service", "became active", lambda s: s["SubState"] == "running", timeout_s=60)
+    ns.wait(
+        "appliance-router.service",
+        "became active",
+        lambda s: s["SubState"] == "running",
+        timeout_s=60,
+    )
     api = {"Authorization": "Bearer " + (dest / "etc/appliance/keys/api.key").read_text().strip()}
     models = httpx.get(router + "/v1/models", headers=api, timeout=10)
     assert models.status_code == 200 and models.headers["x-appliance-pool"] == "test", models.text
@@ -302,9 +376,17 @@ def test_appliance_test_runs_under_a_private_systemd(
     assert again == {"NRestarts": "0", "MainPID": state["MainPID"], "ActiveState": "active"}
 
     # systemctl reload: SIGHUP re-applies the template from disk (here: a new max_num_seqs).
-    admin = {"Authorization": "Bearer " + (dest / "etc/appliance/keys/admin.token").read_text().strip()}
+    admin = {
+        "Authorization": "Bearer " + (dest / "etc/appliance/keys/admin.token").read_text().strip()
+    }
     template = dest / "etc/appliance/templates/nstest.toml"
-    ns.run("sed", "-i", "s/^max_num_seqs = 16$/max_num_seqs = 7/", f"/etc/appliance/templates/{template.name}", check=True)
+    ns.run(
+        "sed",
+        "-i",
+        "s/^max_num_seqs = 16$/max_num_seqs = 7/",
+        f"/etc/appliance/templates/{template.name}",
+        check=True,
+    )
     ns.run("systemctl", "reload", unit, check=True)
 
     def reloaded() -> bool:
@@ -322,8 +404,15 @@ def test_appliance_test_runs_under_a_private_systemd(
 
     # A crash (SIGKILL to the main process) is restarted: Restart=on-failure.
     ns.run("kill", "-9", state["MainPID"], check=True)
-    restarted = ns.wait(unit, "restarted", lambda s: s["NRestarts"] == "1" and s["ActiveState"] == "active"
-                        and s["MainPID"] not in ("0", state["MainPID"]))
+    restarted = ns.wait(
+        unit,
+        "restarted",
+        lambda s: (
+            s["NRestarts"] == "1"
+            and s["ActiveState"] == "active"
+            and s["MainPID"] not in ("0", state["MainPID"])
+        ),
+    )
     assert httpx.get(url + "/health", timeout=5).status_code == 200
 
     # systemctl stop: SIGTERM drains and the service exits 0.
@@ -336,5 +425,10 @@ def test_appliance_test_runs_under_a_private_systemd(
         httpx.get(url + "/health", timeout=2)
     # Stopping appliance.target stops what is PartOf it: the router.
     ns.run("systemctl", "stop", "appliance.target", check=True)
-    gone = ns.wait("appliance-router.service", "stopped", lambda s: s["ActiveState"] == "inactive", timeout_s=60)
+    gone = ns.wait(
+        "appliance-router.service",
+        "stopped",
+        lambda s: s["ActiveState"] == "inactive",
+        timeout_s=60,
+    )
     assert gone["Result"] == "success", gone

@@ -22,15 +22,28 @@ from appliance.server.tool_parsers import PARSERS
 
 TEMPLATES = Path(__file__).parent / "templates"
 TOOLS = [
-    {"type": "function", "function": {
-        "name": "get_weather", "description": "Weather in a city",
-        "parameters": {"type": "object", "properties": {
-            "city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"]}}},
-    {"type": "function", "function": {
-        "name": "get_time", "description": "Time in a zone",
-        "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                "required": ["city"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "description": "Time in a zone",
+            "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}},
+        },
+    },
 ]
-CALLS = [("get_weather", {"city": "Paris, \"FR\"", "days": 3}), ("get_time", {"zone": "CET"})]
+CALLS = [("get_weather", {"city": 'Paris, "FR"', "days": 3}), ("get_time", {"zone": "CET"})]
 # (template, parser, end of the assistant turn, calls per turn)
 FAMILIES = [
     ("qwen2.5_hermes.jinja", "hermes", "<|im_end|>\n", 2),
@@ -48,14 +61,20 @@ def tokenizer(tiny_model_dir: Path) -> Any:
 
 def _openai_calls(n: int) -> list[dict[str, Any]]:
     # As clients send them: arguments as JSON text; 9-character ids (Mistral insists).
-    return [{"id": f"call{i:05d}", "type": "function",
-             "function": {"name": name, "arguments": json.dumps(args)}}
-            for i, (name, args) in enumerate(CALLS[:n])]
+    return [
+        {
+            "id": f"call{i:05d}",
+            "type": "function",
+            "function": {"name": name, "arguments": json.dumps(args)},
+        }
+        for i, (name, args) in enumerate(CALLS[:n])
+    ]
 
 
 def _render(tok: Any, template: str, messages: list[dict[str, Any]], gen: bool) -> str:
-    return tok.apply_chat_template(messages, tools=TOOLS, chat_template=template,
-                                   add_generation_prompt=gen, tokenize=False)
+    return tok.apply_chat_template(
+        messages, tools=TOOLS, chat_template=template, add_generation_prompt=gen, tokenize=False
+    )
 
 
 @pytest.mark.parametrize(("name", "parser", "eot", "n"), FAMILIES)
@@ -66,11 +85,14 @@ def test_parser_round_trips_the_template(
     convo = [{"role": "user", "content": "Weather in Paris and the time?"}]
     prefix = _render(tokenizer, template, convo, True)
     assert "get_weather" in prefix and "get_time" in prefix  # the tools were offered
-    assistant = {"role": "assistant", "content": "",
-                 "tool_calls": template_tool_calls(_openai_calls(n), 1)}
+    assistant = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": template_tool_calls(_openai_calls(n), 1),
+    }
     full = _render(tokenizer, template, [*convo, assistant], False)
     assert full.startswith(prefix)
-    text = full[len(prefix):].removesuffix(eot)
+    text = full[len(prefix) :].removesuffix(eot)
     content, calls = PARSERS[parser](text)
     assert content is None
     assert [(c.name, json.loads(c.arguments)) for c in calls] == CALLS[:n]
@@ -78,14 +100,16 @@ def test_parser_round_trips_the_template(
     stream = ToolStream(ToolPlan("auto", TOOLS, parser=parser))
     got_content, deltas = "", []
     for i in range(0, len(text), 3):
-        piece, d = stream.feed(text[i:i + 3], i + 3 >= len(text))
+        piece, d = stream.feed(text[i : i + 3], i + 3 >= len(text))
         got_content += piece
         deltas += d
     assert got_content == "" and stream.made_calls
     assert [(d.function.name, json.loads(d.function.arguments)) for d in deltas] == CALLS[:n]
     # The conversation goes on with the tool's answers, and the template takes it.
-    answers = [{"role": "tool", "tool_call_id": c["id"], "content": "{\"ok\": true}"}
-               for c in _openai_calls(n)]
+    answers = [
+        {"role": "tool", "tool_call_id": c["id"], "content": '{"ok": true}'}
+        for c in _openai_calls(n)
+    ]
     rendered = _render(tokenizer, template, [*convo, assistant, *answers], True)
     assert rendered.count("ok") >= n
 
@@ -95,7 +119,9 @@ def test_plain_text_is_content_not_a_call(parser: str) -> None:
     text = "The weather is fine, no tool needed."
     assert PARSERS[parser](text) == (text, [])
     stream = ToolStream(ToolPlan("auto", TOOLS, parser=parser))
-    out = "".join(stream.feed(text[i:i + 4], i + 4 >= len(text))[0] for i in range(0, len(text), 4))
+    out = "".join(
+        stream.feed(text[i : i + 4], i + 4 >= len(text))[0] for i in range(0, len(text), 4)
+    )
     assert out == text and not stream.made_calls
 
 
@@ -118,7 +144,11 @@ def qwen_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     for extra in model.glob("chat_template.jinja"):
         extra.unlink()
     t = write_template(d / "t.toml", model)
-    t.write_text(t.read_text().replace("name = \"tiny\"\n", "name = \"tiny\"\ntool_call_parser = \"hermes\"\n").replace("max_model_len = 512", "max_model_len = 1024"))
+    t.write_text(
+        t.read_text()
+        .replace('name = "tiny"\n', 'name = "tiny"\ntool_call_parser = "hermes"\n')
+        .replace("max_model_len = 512", "max_model_len = 1024")
+    )
     srv = ServerProcess(t, d / "log.txt").start()
     yield srv
     assert srv.stop() == 0, srv.log()
@@ -137,8 +167,11 @@ def test_auto_renders_the_tools_and_takes_tool_turns(qwen_server: ServerProcess)
     assert auto["usage"]["prompt_tokens"] > plain["usage"]["prompt_tokens"]
     assert none["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"]
     assert auto["choices"][0]["finish_reason"] in ("stop", "length")
-    turns = [*convo, {"role": "assistant", "content": None, "tool_calls": _openai_calls(1)},
-             {"role": "tool", "tool_call_id": "call00000", "content": "sunny, 21 C"}]
+    turns = [
+        *convo,
+        {"role": "assistant", "content": None, "tool_calls": _openai_calls(1)},
+        {"role": "tool", "tool_call_id": "call00000", "content": "sunny, 21 C"},
+    ]
     r = _post(qwen_server, messages=turns, tools=TOOLS)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["prompt_tokens"] > auto["usage"]["prompt_tokens"]

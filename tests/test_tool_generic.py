@@ -39,25 +39,48 @@ SMOLLM2_TEMPLATE = (
     "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
     "{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Weather in a city",
-    "parameters": {"type": "object", "properties": {
-        "city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-        "required": ["city", "days"], "additionalProperties": False}}}  # fmt: skip
-TIME = {"type": "function", "function": {
-    "name": "get_time", "description": "Time in a zone",
-    "parameters": {"type": "object", "properties": {
-        "zone": {"type": "string", "enum": ["utc", "cet"]}}, "required": ["zone"]}}}  # fmt: skip
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "Time in a zone",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "string", "enum": ["utc", "cet"]}},
+            "required": ["zone"],
+        },
+    },
+}
 TOOLS = [WEATHER, TIME]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
 
 # -- which format, from the template --------------------------------------------------------------
-@pytest.mark.parametrize(("name", "parser"), [
-    ("qwen2.5_hermes.jinja", "hermes"), ("llama3.1_json.jinja", "llama3_json"),
-    ("mistral_v0.3.jinja", "mistral"), ("no_system_role.jinja", ""),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("name", "parser"),
+    [
+        ("qwen2.5_hermes.jinja", "hermes"),
+        ("llama3.1_json.jinja", "llama3_json"),
+        ("mistral_v0.3.jinja", "mistral"),
+        ("no_system_role.jinja", ""),
+    ],
+)
 def test_the_parser_is_detected_from_the_template(name: str, parser: str) -> None:
     assert detect_parser((TEMPLATES / name).read_text()) == parser
 
@@ -74,7 +97,11 @@ def test_a_template_format_is_used_and_a_configured_parser_wins() -> None:
     hermes = (TEMPLATES / "qwen2.5_hermes.jinja").read_text()
     body = ChatCompletionRequest(messages=[], tools=TOOLS)  # no tool_choice: auto
     plan = plan_tools(body, "", hermes)
-    assert plan is not None and (plan.mode, plan.parser, plan.structured) == ("auto", "hermes", None)
+    assert plan is not None and (plan.mode, plan.parser, plan.structured) == (
+        "auto",
+        "hermes",
+        None,
+    )
     plan = plan_tools(body, "llama3_json", hermes)
     assert plan is not None and plan.parser == "llama3_json"
 
@@ -113,8 +140,11 @@ def _prompt(tokenizer: Any, template: str, messages: list[dict[str, Any]], **bod
     return tokenizer.decode(ids)
 
 
-CALL = {"id": "call00001", "type": "function",
-        "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "days": 2}'}}  # fmt: skip
+CALL = {
+    "id": "call00001",
+    "type": "function",
+    "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "days": 2}'},
+}
 FOLLOW_UP = [
     {"role": "user", "content": "Weather in Oslo?"},
     {"role": "assistant", "content": None, "tool_calls": [CALL]},
@@ -126,12 +156,22 @@ def test_a_template_without_a_system_role_gets_the_tools_in_the_first_user_turn(
     tokenizer: Any,
 ) -> None:
     template = (TEMPLATES / "no_system_role.jinja").read_text()
-    text = _prompt(tokenizer, template, [
-        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"}])
+    text = _prompt(
+        tokenizer,
+        template,
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"}],
+    )
     turns = text.split("<start_of_turn>")
     first_user = next(t for t in turns if t.startswith("user\n"))
-    for needle in ("Be brief.", "get_weather", "get_time", "Weather in a city", '"response"',
-                   '"enum": ["Paris", "Oslo", "Lima"]', "Weather?"):
+    for needle in (
+        "Be brief.",
+        "get_weather",
+        "get_time",
+        "Weather in a city",
+        '"response"',
+        '"enum": ["Paris", "Oslo", "Lima"]',
+        "Weather?",
+    ):
         assert needle in first_user, (needle, text)
     assert first_user.index("get_weather") < first_user.index("Weather?")
     # A conversation with calls and a tool result renders too, alternating user/model turns.
@@ -151,14 +191,17 @@ def test_chatml_renders_the_calls_and_results_in_the_generic_format(tokenizer: A
     assert "<|im_start|>tool" not in text
 
 
-@pytest.mark.parametrize("text", [
-    '{"response": "plain \\"quoted\\" caf\\u00e9 \\ud83d\\ude00\\nend"}',
-    '{"response": "cut in an escape \\u00',
-    '{"tool_calls": [{"name": "get_time", "arguments": {"zone": "utc"}}]}',
-    '{"tool_call": {"name": "get_time", "arguments": {"zone": "cet"}}}',
-    '{"response": {"answer": "a \\"b\\"", "n": [1, 2]}}',
-    '{"response": {"answer": "cut',
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"response": "plain \\"quoted\\" caf\\u00e9 \\ud83d\\ude00\\nend"}',
+        '{"response": "cut in an escape \\u00',
+        '{"tool_calls": [{"name": "get_time", "arguments": {"zone": "utc"}}]}',
+        '{"tool_call": {"name": "get_time", "arguments": {"zone": "cet"}}}',
+        '{"response": {"answer": "a \\"b\\"", "n": [1, 2]}}',
+        '{"response": {"answer": "cut',
+    ],
+)
 @pytest.mark.parametrize("step", [1, 2, 5])
 def test_the_stream_gives_what_the_whole_answer_gives(text: str, step: int) -> None:
     plan = plan_tools(ChatCompletionRequest(messages=[], tools=TOOLS), "", None)
@@ -172,12 +215,13 @@ def test_the_stream_gives_what_the_whole_answer_gives(text: str, step: int) -> N
         deltas += d
     assert "".join(pieces) == (content or "")
     assert [(d.function.name, d.function.arguments) for d in deltas] == [
-        (c.name, c.arguments) for c in calls]  # fmt: skip
+        (c.name, c.arguments) for c in calls
+    ]
     if text.startswith('{"response": "'):
         assert calls == [] and content and not content.startswith("{")
         assert sum(1 for p in pieces if p) > 1  # the answer streams as it is generated
     if text.startswith('{"response": {'):  # a JSON answer (response_format): the JSON itself
-        assert calls == [] and content == text[len('{"response": '):].removesuffix("}")
+        assert calls == [] and content == text[len('{"response": ') :].removesuffix("}")
     if text.startswith('{"response": "plain'):
         assert content == json.loads(text)["response"]
 
@@ -188,8 +232,11 @@ def test_unparsable_text_is_the_content_and_a_cut_list_keeps_its_whole_calls() -
     assert plan.extract('{"tool_calls": [{"name": "get_') == ('{"tool_calls": [{"name": "get_', [])
     one = '{"name": "get_time", "arguments": {"zone": "utc"}}'
     content, calls = plan.extract(f'{{"tool_calls": [{one}, {one}, {{"name": "get_wea')
-    assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [
-        ("get_time", {"zone": "utc"})] * 2  # fmt: skip
+    assert (
+        content is None
+        and [(c.name, json.loads(c.arguments)) for c in calls]
+        == [("get_time", {"zone": "utc"})] * 2
+    )
     content, [call] = plan.extract(f'{{"tool_call": {one}')
     assert content is None and call.name == "get_time"
 
@@ -215,10 +262,18 @@ def _answers(client: openai.OpenAI, stream: bool, n: int = 8, **kw: Any) -> list
     args.setdefault("messages", [{"role": "user", "content": "Weather in Oslo for 2 days?"}])
     if not stream:
         resp = client.chat.completions.create(**args)
-        return [{"content": c.message.content, "finish": c.finish_reason, "content_deltas": 1,
-                 "calls": [(t.function.name, json.loads(t.function.arguments))
-                           for t in c.message.tool_calls or []]}
-                for c in sorted(resp.choices, key=lambda c: c.index)]  # fmt: skip
+        return [
+            {
+                "content": c.message.content,
+                "finish": c.finish_reason,
+                "content_deltas": 1,
+                "calls": [
+                    (t.function.name, json.loads(t.function.arguments))
+                    for t in c.message.tool_calls or []
+                ],
+            }
+            for c in sorted(resp.choices, key=lambda c: c.index)
+        ]
     out = [{"content": None, "finish": None, "content_deltas": 0, "calls": {}} for _ in range(n)]
     for chunk in client.chat.completions.create(stream=True, **args):
         for c in chunk.choices:
@@ -261,7 +316,10 @@ def test_tools_without_tool_choice_answer_in_openai_shape(client: openai.OpenAI)
     assert any(o["calls"] for o in whole) and any(not o["calls"] for o in whole)
     for w, st in zip(whole, streamed, strict=True):
         assert (w["content"] or None, w["calls"], w["finish"]) == (
-            st["content"] or None, st["calls"], st["finish"])
+            st["content"] or None,
+            st["calls"],
+            st["finish"],
+        )
     assert any(o["content_deltas"] > 1 for o in streamed)  # plain answers stream in pieces
 
 
@@ -273,22 +331,28 @@ def test_a_follow_up_with_a_tool_result_is_answered(client: openai.OpenAI, strea
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_required_always_calls_with_valid_arguments(client: openai.OpenAI, stream: bool) -> None:
-    outs = _answers(client, stream, tool_choice="required", parallel_tool_calls=False,
-                    max_tokens=100)
+    outs = _answers(
+        client, stream, tool_choice="required", parallel_tool_calls=False, max_tokens=100
+    )
     for o in outs:
         assert o["finish"] == "tool_calls" and len(o["calls"]) == 1, o
         _check_openai_shape([o])
 
 
-ANSWER = {"type": "object", "properties": {"mood": {"enum": ["good", "bad"]}},
-          "required": ["mood"], "additionalProperties": False}  # fmt: skip
+ANSWER = {
+    "type": "object",
+    "properties": {"mood": {"enum": ["good", "bad"]}},
+    "required": ["mood"],
+    "additionalProperties": False,
+}
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_response_format_shapes_the_plain_answer(client: openai.OpenAI, stream: bool) -> None:
     fmt = {"type": "json_schema", "json_schema": {"name": "mood", "schema": ANSWER}}
-    outs = _answers(client, stream, n=16, parallel_tool_calls=False, response_format=fmt,
-                    max_tokens=100)
+    outs = _answers(
+        client, stream, n=16, parallel_tool_calls=False, response_format=fmt, max_tokens=100
+    )
     answers = [o for o in outs if not o["calls"] and not o["content"].startswith('{"tool_call')]
     assert answers and any(o["calls"] for o in outs)
     _check_openai_shape([o for o in outs if o not in answers])
@@ -300,15 +364,31 @@ def test_response_format_shapes_the_plain_answer(client: openai.OpenAI, stream: 
 def test_tokenize_with_tools_shows_the_prompt(server: ServerProcess) -> None:
     msgs = [{"role": "user", "content": "Weather?"}]
     plain = httpx.post(server.url + "/tokenize", json={"messages": msgs}).json()
-    with_tools = httpx.post(server.url + "/tokenize", json={"messages": msgs, "tools": TOOLS}).json()
+    with_tools = httpx.post(
+        server.url + "/tokenize", json={"messages": msgs, "tools": TOOLS}
+    ).json()
     text = httpx.post(server.url + "/detokenize", json={"tokens": with_tools["tokens"]}).json()
     assert with_tools["count"] > plain["count"] and "get_weather" in text["prompt"]
 
 
-def test_an_unenforceable_schema_is_a_400_naming_the_tool_and_keyword(server: ServerProcess) -> None:
-    bad = {"type": "function", "function": {"name": "pick_number", "parameters": {
-        "type": "object", "properties": {"n": {"type": "integer", "multipleOf": 5}}}}}
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER, bad]}
+def test_an_unenforceable_schema_is_a_400_naming_the_tool_and_keyword(
+    server: ServerProcess,
+) -> None:
+    bad = {
+        "type": "function",
+        "function": {
+            "name": "pick_number",
+            "parameters": {
+                "type": "object",
+                "properties": {"n": {"type": "integer", "multipleOf": 5}},
+            },
+        },
+    }
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": [WEATHER, bad],
+    }
     r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
@@ -319,8 +399,13 @@ def test_an_unenforceable_schema_is_a_400_naming_the_tool_and_keyword(server: Se
 def test_a_schema_the_grammar_cannot_compile_names_the_tool() -> None:
     from appliance.server.errors import APIError
 
-    odd = {"type": "function", "function": {"name": "odd", "parameters": {
-        "type": "object", "properties": {"x": {"type": "nonsense"}}}}}
+    odd = {
+        "type": "function",
+        "function": {
+            "name": "odd",
+            "parameters": {"type": "object", "properties": {"x": {"type": "nonsense"}}},
+        },
+    }
     body = ChatCompletionRequest(messages=[], tools=[WEATHER, odd])
     with pytest.raises(APIError) as info:
         plan_tools(body, "", SMOLLM2_TEMPLATE)  # generic: the grammar constrains the calls

@@ -19,17 +19,34 @@ from appliance.tools.smollm2 import ModelUnavailable, gguf_file
 from tests.server_harness import ServerProcess, write_template
 
 TOOLS = [
-    {"type": "function", "function": {
-        "name": "get_weather", "description": "Get the current weather in a city",
-        "parameters": {"type": "object", "properties": {
-            "city": {"type": "string", "maxLength": 40},
-            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-            "required": ["city", "unit"]}}},
-    {"type": "function", "function": {
-        "name": "get_time", "description": "Get the current time in a time zone",
-        "parameters": {"type": "object", "properties": {
-            "zone": {"type": "string", "maxLength": 40}}, "required": ["zone"]}}},
-]  # fmt: skip
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Get the current weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string", "maxLength": 40},
+                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+                },
+                "required": ["city", "unit"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "description": "Get the current time in a time zone",
+            "parameters": {
+                "type": "object",
+                "properties": {"zone": {"type": "string", "maxLength": 40}},
+                "required": ["zone"],
+            },
+        },
+    },
+]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
 
@@ -62,7 +79,8 @@ def _valid_calls(calls: list[Any]) -> None:
 
 def test_tools_without_tool_choice_give_an_assistant_message(client: openai.OpenAI) -> None:
     r = client.chat.completions.create(
-        model="tiny", messages=ASK, tools=TOOLS, temperature=0, max_tokens=48)
+        model="tiny", messages=ASK, tools=TOOLS, temperature=0, max_tokens=48
+    )
     choice = r.choices[0]
     assert choice.message.role == "assistant"
     if choice.message.tool_calls:
@@ -78,9 +96,14 @@ def test_required_calls_with_valid_arguments_streamed(client: openai.OpenAI) -> 
     calls: dict[int, list[str]] = {}
     finish = None
     for chunk in client.chat.completions.create(
-        model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", temperature=0,
-        max_tokens=48, stream=True,
-    ):  # fmt: skip
+        model="tiny",
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice="required",
+        temperature=0,
+        max_tokens=48,
+        stream=True,
+    ):
         for c in chunk.choices:
             assert not c.delta.content
             for tc in c.delta.tool_calls or []:
@@ -96,12 +119,22 @@ def test_required_calls_with_valid_arguments_streamed(client: openai.OpenAI) -> 
 
 
 def test_a_tool_result_is_answered(client: openai.OpenAI) -> None:
-    call = {"id": "call_1", "type": "function", "function": {
-        "name": "get_weather", "arguments": json.dumps({"city": "Paris", "unit": "celsius"})}}
-    turns = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
-             {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 24 degrees celsius"}]
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "arguments": json.dumps({"city": "Paris", "unit": "celsius"}),
+        },
+    }
+    turns = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 24 degrees celsius"},
+    ]
     r = client.chat.completions.create(
-        model="tiny", messages=turns, tools=TOOLS, temperature=0, max_tokens=48)
+        model="tiny", messages=turns, tools=TOOLS, temperature=0, max_tokens=48
+    )
     choice = r.choices[0]
     assert choice.message.role == "assistant"
     if choice.message.tool_calls:

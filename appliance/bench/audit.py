@@ -22,7 +22,10 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import httpx
 
 GRACE_S = 5.0
 SAMPLE_EVERY_S = 10.0
@@ -45,7 +48,9 @@ def classify(o: Outcome) -> str:
     if o.status == 200:
         return "completed"
     if o.status in (429, 503):
-        return f"{o.status} with Retry-After" if o.retry_after else f"{o.status} WITHOUT Retry-After"
+        return (
+            f"{o.status} with Retry-After" if o.retry_after else f"{o.status} WITHOUT Retry-After"
+        )
     return f"other: {o.status}"
 
 
@@ -68,14 +73,17 @@ class ServerAudit:
     rss: dict[str, list[int]] = field(default_factory=dict)
     _task: asyncio.Task[None] | None = None
 
-    async def _stats(self, client: Any, count_objects: bool = False) -> dict[str, Any]:
+    async def _stats(
+        self, client: httpx.AsyncClient, count_objects: bool = False
+    ) -> dict[str, Any]:
         params = {"count_objects": "true"} if count_objects else {}
-        r = await client.get(self.base_url + "/admin/stats", headers=self.headers, params=params,
-                             timeout=30)
+        r = await client.get(
+            self.base_url + "/admin/stats", headers=self.headers, params=params, timeout=30
+        )
         r.raise_for_status()
         return r.json()
 
-    async def start(self, client: Any) -> None:
+    async def start(self, client: httpx.AsyncClient) -> None:
         s = await self._stats(client)
         self.limits = {q["priority_class"]: q["queue_timeout_s"] for q in s["queues"]}
         self.pids = {"api": s["server"]["pid"]}
@@ -98,7 +106,7 @@ class ServerAudit:
             await asyncio.sleep(SAMPLE_EVERY_S)
             self._sample()
 
-    async def finish(self, client: Any, outcomes: list[Outcome]) -> dict[str, Any]:
+    async def finish(self, client: httpx.AsyncClient, outcomes: list[Outcome]) -> dict[str, Any]:
         if self._task is not None:
             self._task.cancel()
         # The load is over: wait for the engine to let go of everything.
@@ -140,13 +148,18 @@ class ServerAudit:
                 "samples": len(v),
                 "series_mib": [round(x / 2**20, 1) for x in v],
             }
-            for name, v in self.rss.items() if v
+            for name, v in self.rss.items()
+            if v
         }
         return {
             "outcomes": counts,
             "limits_s": self.limits,
-            "late": {"count": len(lates), "max_over_s": round(max(lates), 2) if lates else 0.0,
-                     "grace_s": GRACE_S, **answered},
+            "late": {
+                "count": len(lates),
+                "max_over_s": round(max(lates), 2) if lates else 0.0,
+                "grace_s": GRACE_S,
+                **answered,
+            },
             "idle_after": {
                 "engine_requests": len(s["requests"]),
                 "blocks_used": eng.get("blocks_used"),
@@ -163,17 +176,23 @@ def print_audit(a: dict[str, Any]) -> None:
     print("\naudit:")
     print(f"  outcomes: {a['outcomes']}")
     lt = a["late"]
-    print(f"  late past class limit + {lt['grace_s']:.0f} s: {lt['count']} "
-          f"(max {lt['max_over_s']:.2f} s over); limits {a['limits_s']}")
+    print(
+        f"  late past class limit + {lt['grace_s']:.0f} s: {lt['count']} "
+        f"(max {lt['max_over_s']:.2f} s over); limits {a['limits_s']}"
+    )
     for kind, what in (("refused", "refusal came"), ("completed", "first token came")):
         k = lt[kind]
         print(f"    {kind}: {k['late']} late; latest {what} after {k['max_s']} s")
     i = a["idle_after"]
-    print(f"  after the load: engine requests {i['engine_requests']}, KV blocks used "
-          f"{i['blocks_used']} (cached free {i['blocks_cached']}), API tracked "
-          f"{i['api_requests_tracked']}, in flight {i['api_in_flight']}; live engine objects "
-          f"{i['engine_objects']}")
+    print(
+        f"  after the load: engine requests {i['engine_requests']}, KV blocks used "
+        f"{i['blocks_used']} (cached free {i['blocks_cached']}), API tracked "
+        f"{i['api_requests_tracked']}, in flight {i['api_in_flight']}; live engine objects "
+        f"{i['engine_objects']}"
+    )
     for name, r in a["rss"].items():
-        print(f"  RSS {name}: idle before -> idle after the load {r['first_mib']} -> "
-              f"{r['last_mib']} MiB ({r['change_pct']:+.2f}%), max under load {r['max_mib']} "
-              f"MiB ({r['max_change_pct']:+.2f}%), {r['samples']} samples")
+        print(
+            f"  RSS {name}: idle before -> idle after the load {r['first_mib']} -> "
+            f"{r['last_mib']} MiB ({r['change_pct']:+.2f}%), max under load {r['max_mib']} "
+            f"MiB ({r['max_change_pct']:+.2f}%), {r['samples']} samples"
+        )

@@ -50,8 +50,13 @@ def _once(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> float:
     return time.perf_counter() - start
 
 
-def run(shapes: dict[str, tuple[int, int]], formats: list[str], rows: list[int], repeats: int,
-        seed: int = 0) -> list[dict[str, Any]]:  # fmt: skip
+def run(
+    shapes: dict[str, tuple[int, int]],
+    formats: list[str],
+    rows: list[int],
+    repeats: int,
+    seed: int = 0,
+) -> list[dict[str, Any]]:
     """One result per shape, format and row count: packed and float32-GEMM seconds and rates."""
     act8 = cpu_quant.tiles_supported()
     results = []
@@ -66,24 +71,37 @@ def run(shapes: dict[str, tuple[int, int]], formats: list[str], rows: list[int],
                 packed = cpu_quant.quant_matmul(x, w, None, act8=act8)
                 ref = cpu_quant.act8_reference(x, w) if act8 else x @ dense.T
                 if not torch.allclose(packed, ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max())):
-                    raise KernelMismatch(f"{name} {fmt} at {m} rows: the packed kernel's result "
-                                         "differs from its torch reference")  # fmt: skip
+                    raise KernelMismatch(
+                        f"{name} {fmt} at {m} rows: the packed kernel's result "
+                        "differs from its torch reference"
+                    )
                 t_packed = t_gemm = float("inf")
                 for _ in range(repeats):
                     t_packed = min(t_packed, _once(cpu_quant.quant_matmul, x, w, None, act8=act8))
                     t_gemm = min(t_gemm, _once(F.linear, x, dense))
                 macs = m * n * k
-                results.append(dict(
-                    shape=name, n=n, k=k, format=fmt, layout="row tiles, int8 x" if w.tile_rows > 1
-                    else ("row-major, int8 x" if act8 else "row-major, float32 x"), rows=m,
-                    packed_ms=t_packed * 1e3, packed_gmacs=macs / t_packed / 1e9,
-                    gemm_ms=t_gemm * 1e3, gemm_gmacs=macs / t_gemm / 1e9,
-                    weight_mb=w.nbytes() / 1e6, dense_mb=dense.numel() * 4 / 1e6,
-                ))  # fmt: skip
+                results.append(
+                    dict(
+                        shape=name,
+                        n=n,
+                        k=k,
+                        format=fmt,
+                        layout="row tiles, int8 x"
+                        if w.tile_rows > 1
+                        else ("row-major, int8 x" if act8 else "row-major, float32 x"),
+                        rows=m,
+                        packed_ms=t_packed * 1e3,
+                        packed_gmacs=macs / t_packed / 1e9,
+                        gemm_ms=t_gemm * 1e3,
+                        gemm_gmacs=macs / t_gemm / 1e9,
+                        weight_mb=w.nbytes() / 1e6,
+                        dense_mb=dense.numel() * 4 / 1e6,
+                    )
+                )
     return results
 
 
-def add_parser(sub: Any) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("cpu-kernels", help="packed-weight CPU matmuls vs torch's float32 GEMM")
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"of {', '.join(SHAPES)}")
     p.add_argument("--formats", default="q4,q8")
@@ -98,8 +116,10 @@ def main(ns: argparse.Namespace) -> int:
     unknown = [s for s in names if s not in SHAPES]
     formats = [f for f in ns.formats.split(",") if f]
     if unknown or not names or any(f not in ("q4", "q8") for f in formats) or not formats:
-        print(f"bench cpu-kernels: --shapes takes {', '.join(SHAPES)}; --formats q4, q8",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"bench cpu-kernels: --shapes takes {', '.join(SHAPES)}; --formats q4, q8",
+            file=sys.stderr,
+        )
         return 2
     rows = [int(r) for r in ns.rows.split(",") if r]
     results = run({s: SHAPES[s] for s in names}, formats, rows, max(1, ns.repeats))
@@ -111,7 +131,9 @@ def main(ns: argparse.Namespace) -> int:
     print(head)
     print("-" * len(head))
     for r in results:
-        print(f"{r['shape']:8s} {r['format']:4s} {r['layout']:20s} {r['rows']:5d} {r['packed_ms']:10.3f} "
-              f"{r['packed_gmacs']:7.1f} {r['gemm_ms']:13.3f} {r['gemm_gmacs']:7.1f} "
-              f"{r['gemm_ms'] / r['packed_ms']:7.2f}x")  # fmt: skip
+        print(
+            f"{r['shape']:8s} {r['format']:4s} {r['layout']:20s} {r['rows']:5d} {r['packed_ms']:10.3f} "
+            f"{r['packed_gmacs']:7.1f} {r['gemm_ms']:13.3f} {r['gemm_gmacs']:7.1f} "
+            f"{r['gemm_ms'] / r['packed_ms']:7.2f}x"
+        )
     return 0

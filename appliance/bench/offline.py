@@ -91,7 +91,11 @@ def weight_bytes_per_step(loaded: LoadedModel, path: str) -> int:
     packed = packed_weight_bytes(loaded)
     if packed is not None:
         return packed
-    elem = loaded.dtype.itemsize if path == "fused" else (loaded.compute_dtype or loaded.dtype).itemsize
+    elem = (
+        loaded.dtype.itemsize
+        if path == "fused"
+        else (loaded.compute_dtype or loaded.dtype).itemsize
+    )
     return _params(loaded) * elem
 
 
@@ -210,7 +214,7 @@ def kv_summary(loaded: LoadedModel, config: Any, seq_len: int) -> dict[str, Any]
     }
 
 
-def add_parser(sub: Any) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("offline", help="offline throughput per scheduling mode")
     p.add_argument("--model", required=True, help="Hugging Face model directory")
     p.add_argument("--template", default="cpu-demo")
@@ -270,7 +274,9 @@ def main(ns: argparse.Namespace) -> int:
     modes = list(MODES) if ns.policy == "all" else [ns.policy]
     try:
         results = [
-            run_mode(m, loaded, overrides, ns.template, prompts, ns.output_len, ns.static_batch, rates)
+            run_mode(
+                m, loaded, overrides, ns.template, prompts, ns.output_len, ns.static_batch, rates
+            )
             for m in modes
         ]
     except InvalidBound as exc:

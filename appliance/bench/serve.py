@@ -17,10 +17,13 @@ import json
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from appliance.bench.audit import Outcome, ServerAudit, print_audit
 from appliance.bench.workload import PROFILES, Item, make_workload
+
+if TYPE_CHECKING:
+    import httpx
 
 
 @dataclass
@@ -66,9 +69,13 @@ class SLO:
 
 # -- HTTP ----------------------------------------------------------------------------------------
 async def _one(
-    client: Any, url: str, item: Item, ns: argparse.Namespace, t0: float,
+    client: httpx.AsyncClient,
+    url: str,
+    item: Item,
+    ns: argparse.Namespace,
+    t0: float,
     slots: asyncio.Semaphore | None = None,
-) -> Result:  # fmt: skip
+) -> Result:
     await asyncio.sleep(max(0.0, t0 + item.arrival_s - time.perf_counter()))
     if slots is None:
         return await _send(client, url, item, ns, t0 + item.arrival_s)
@@ -78,7 +85,9 @@ async def _one(
         return await _send(client, url, item, ns, max(t0 + item.arrival_s, time.perf_counter()))
 
 
-async def _send(client: Any, url: str, item: Item, ns: argparse.Namespace, start: float) -> Result:
+async def _send(
+    client: httpx.AsyncClient, url: str, item: Item, ns: argparse.Namespace, start: float
+) -> Result:
     # Without the priority extra the server picks the class (its default): say so in the rows.
     label = "(default)" if ns.no_priority else item.priority_class
     res = Result(item.index, label, len(item.prompt))
@@ -128,9 +137,13 @@ async def run_http(
     import httpx
 
     headers = {"Authorization": f"Bearer {ns.api_key}"} if ns.api_key else {}
-    limits = httpx.Limits(max_connections=ns.max_connections, max_keepalive_connections=ns.max_connections)
+    limits = httpx.Limits(
+        max_connections=ns.max_connections, max_keepalive_connections=ns.max_connections
+    )
     url = ns.url.rstrip("/") + "/v1/completions"
-    async with httpx.AsyncClient(headers=headers, limits=limits, timeout=httpx.Timeout(ns.timeout)) as client:
+    async with httpx.AsyncClient(
+        headers=headers, limits=limits, timeout=httpx.Timeout(ns.timeout)
+    ) as client:
         if ns.model is None:
             models = (await client.get(ns.url.rstrip("/") + "/v1/models")).json()
             ns.model = models["data"][0]["id"]
@@ -147,10 +160,13 @@ async def run_http(
         if audit is not None:
             # Requests sent without `priority` are in the server's default class.
             default = "interactive" if "interactive" in audit.limits else ""
-            report = await audit.finish(client, [
-                outcome(r, it.priority_class if not ns.no_priority else default)
-                for r, it in zip(results, items, strict=True)
-            ])
+            report = await audit.finish(
+                client,
+                [
+                    outcome(r, it.priority_class if not ns.no_priority else default)
+                    for r, it in zip(results, items, strict=True)
+                ],
+            )
         return list(results), seconds, report
 
 
@@ -178,7 +194,9 @@ def run_offline(items: list[Item], ns: argparse.Namespace) -> tuple[list[Result]
         now = time.perf_counter() - t0
         while pending and pending[0].arrival_s <= now:
             it = pending.pop(0)
-            params = SamplingParams(max_tokens=it.output_len, temperature=0.0, ignore_eos=not ns.allow_eos)
+            params = SamplingParams(
+                max_tokens=it.output_len, temperature=0.0, ignore_eos=not ns.allow_eos
+            )
             prio = None if ns.no_priority else it.priority_class
             rid = str(it.index)
             arrival[rid] = t0 + it.arrival_s
@@ -196,7 +214,9 @@ def run_offline(items: list[Item], ns: argparse.Namespace) -> tuple[list[Result]
                 r.ttft_s = t
             r.output_tokens += len(out.new_token_ids)
             if out.finished:
-                r.status = 200 if out.finish_reason in ("stop", "length") else out.finish_reason or "?"
+                r.status = (
+                    200 if out.finish_reason in ("stop", "length") else out.finish_reason or "?"
+                )
                 r.e2e_s = t
     return list(results.values()), time.perf_counter() - t0, time.process_time() - cpu0
 
@@ -257,14 +277,18 @@ def errors_by_status(results: list[Result]) -> dict[str, int]:
     return out
 
 
-def print_table(title: str, overall: Summary, per_class: dict[str, Summary], errors: dict[str, int]) -> None:
+def print_table(
+    title: str, overall: Summary, per_class: dict[str, Summary], errors: dict[str, int]
+) -> None:
     print(title)
     head = f"{'':<10} {'reqs':>5} {'ok':>5} {'req/s':>7} {'out tok/s':>10} {'tot tok/s':>10} {'goodput/s':>10}"
     print(head)
     print("-" * len(head))
     for name, s in [("all", overall), *per_class.items()]:
-        print(f"{name:<10} {s.requests:>5} {s.ok:>5} {s.request_throughput:>7.2f} "
-              f"{s.output_token_throughput:>10.1f} {s.total_token_throughput:>10.1f} {s.goodput:>10.2f}")
+        print(
+            f"{name:<10} {s.requests:>5} {s.ok:>5} {s.request_throughput:>7.2f} "
+            f"{s.output_token_throughput:>10.1f} {s.total_token_throughput:>10.1f} {s.goodput:>10.2f}"
+        )
     head = f"{'':<10} {'TTFT p50':>9} {'p90':>8} {'p99':>8} ms | {'TPOT p50':>9} {'p99':>7} ms | {'E2E p50':>8} {'p99':>7} s"
     print()
     print(head)
@@ -274,12 +298,14 @@ def print_table(title: str, overall: Summary, per_class: dict[str, Summary], err
         return f"{v:>{w}.1f}" if v is not None else f"{'-':>{w}}"
 
     for name, s in [("all", overall), *per_class.items()]:
-        print(f"{name:<10} {f(s.ttft_ms['p50'], 9)} {f(s.ttft_ms['p90'], 8)} {f(s.ttft_ms['p99'], 8)}    | "
-              f"{f(s.tpot_ms['p50'], 9)} {f(s.tpot_ms['p99'], 7)}    | {f(s.e2e_s['p50'], 8)} {f(s.e2e_s['p99'], 7)}")
+        print(
+            f"{name:<10} {f(s.ttft_ms['p50'], 9)} {f(s.ttft_ms['p90'], 8)} {f(s.ttft_ms['p99'], 8)}    | "
+            f"{f(s.tpot_ms['p50'], 9)} {f(s.tpot_ms['p99'], 7)}    | {f(s.e2e_s['p50'], 8)} {f(s.e2e_s['p99'], 7)}"
+        )
     print(f"\nerrors by status: {errors or 'none'}")
 
 
-def add_parser(sub: Any) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("serve", help="load-test an OpenAI-compatible server (or --offline)")
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--api-key", default=None)
@@ -288,8 +314,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--arrival", choices=["burst", "poisson"], default="poisson")
     p.add_argument("--rate", type=float, default=2.0, help="requests/s for Poisson arrivals")
     p.add_argument("--num-requests", type=int, default=100)
-    p.add_argument("--prompt-len", type=int, default=0, help="every prompt this long (0: the profile's)")
-    p.add_argument("--output-len", type=int, default=0, help="every output this long (0: the profile's)")
+    p.add_argument(
+        "--prompt-len", type=int, default=0, help="every prompt this long (0: the profile's)"
+    )
+    p.add_argument(
+        "--output-len", type=int, default=0, help="every output this long (0: the profile's)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vocab", type=int, default=8000, help="token ids are drawn from [16, vocab)")
     p.add_argument("--prompt-format", choices=["tokens", "text"], default="tokens")
@@ -299,16 +329,23 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--no-priority", action="store_true", help="do not send the priority extra")
     p.add_argument("--allow-eos", action="store_true", help="let requests stop at EOS")
     p.add_argument("--max-connections", type=int, default=1024)
-    p.add_argument("--max-concurrency", type=int, default=0,
-                   help="at most this many requests in flight (1: one at a time; 0: no limit)")
+    p.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=0,
+        help="at most this many requests in flight (1: one at a time; 0: no limit)",
+    )
     p.add_argument("--timeout", type=float, default=3600.0)
     p.add_argument("--offline", action="store_true", help="replay in-process (no server)")
     p.add_argument("--template", default="cpu-demo", help="--offline: engine template")
     p.add_argument("--model-dir", default=None, help="--offline: model directory")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--audit", action="store_true",
-                   help="soak checks: outcomes with Retry-After, late answers, KV blocks and "
-                        "requests left after the load, RSS (run on the server's box)")
+    p.add_argument(
+        "--audit",
+        action="store_true",
+        help="soak checks: outcomes with Retry-After, late answers, KV blocks and "
+        "requests left after the load, RSS (run on the server's box)",
+    )
     p.add_argument("--admin-token", default=None, help="--audit: token for /admin/stats")
     p.add_argument("--json", action="store_true", help="print JSON instead of the tables")
     p.add_argument("--json-out", help="also write the JSON report to this file")
@@ -317,12 +354,21 @@ def add_parser(sub: Any) -> None:
 
 def main(ns: argparse.Namespace) -> int:
     if ns.max_concurrency < 0:
-        print(f"--max-concurrency must be >= 0 (0: no limit), got {ns.max_concurrency}", file=sys.stderr)
+        print(
+            f"--max-concurrency must be >= 0 (0: no limit), got {ns.max_concurrency}",
+            file=sys.stderr,
+        )
         return 2
     items = make_workload(
-        ns.profile, ns.num_requests, ns.arrival, ns.rate, ns.seed, ns.vocab,
-        ns.prompt_len, ns.output_len,
-    )  # fmt: skip
+        ns.profile,
+        ns.num_requests,
+        ns.arrival,
+        ns.rate,
+        ns.seed,
+        ns.vocab,
+        ns.prompt_len,
+        ns.output_len,
+    )
     cpu_s = None
     audit = None
     if ns.offline:
@@ -334,15 +380,27 @@ def main(ns: argparse.Namespace) -> int:
     slo = SLO(ns.slo_ttft_ms, ns.slo_tpot_ms, ns.slo_e2e_ms)
     overall = summarize(results, seconds, slo)
     classes = sorted({r.priority_class for r in results})
-    per_class = {c: summarize([r for r in results if r.priority_class == c], seconds, slo) for c in classes}
+    per_class = {
+        c: summarize([r for r in results if r.priority_class == c], seconds, slo) for c in classes
+    }
     errors = errors_by_status(results)
-    report = json.dumps({
-        "source": source, "profile": ns.profile, "arrival": ns.arrival, "rate": ns.rate,
-        "num_requests": ns.num_requests, "seed": ns.seed, "slo": asdict(slo),
-        "summary": asdict(overall), "per_class": {c: asdict(s) for c, s in per_class.items()},
-        "errors": errors, "offline_cpu_s": cpu_s, "audit": audit,
-        "max_concurrency": ns.max_concurrency,
-    })
+    report = json.dumps(
+        {
+            "source": source,
+            "profile": ns.profile,
+            "arrival": ns.arrival,
+            "rate": ns.rate,
+            "num_requests": ns.num_requests,
+            "seed": ns.seed,
+            "slo": asdict(slo),
+            "summary": asdict(overall),
+            "per_class": {c: asdict(s) for c, s in per_class.items()},
+            "errors": errors,
+            "offline_cpu_s": cpu_s,
+            "audit": audit,
+            "max_concurrency": ns.max_concurrency,
+        }
+    )
     if ns.json_out:
         with open(ns.json_out, "w") as f:
             f.write(report + "\n")
@@ -352,9 +410,12 @@ def main(ns: argparse.Namespace) -> int:
     arrival = "burst" if ns.arrival == "burst" else f"poisson {ns.rate:g} req/s"
     if ns.max_concurrency and not ns.offline:
         arrival += f", at most {ns.max_concurrency} in flight"
-    print_table(f"bench serve: {source}, profile {ns.profile}, {ns.num_requests} requests, {arrival}",
-                overall, per_class, errors)
+    print_table(
+        f"bench serve: {source}, profile {ns.profile}, {ns.num_requests} requests, {arrival}",
+        overall,
+        per_class,
+        errors,
+    )
     if audit is not None:
         print_audit(audit)
     return 0
-

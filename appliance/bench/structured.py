@@ -23,14 +23,21 @@ from appliance.sampling_params import SamplingParams, StructuredOutputs
 
 def bench_schema(output_len: int, tag: str = "values") -> str:
     items = {"type": "integer", "minimum": 0, "maximum": 999}
-    return json.dumps({
-        "type": "object",
-        "properties": {
-            "id": {"type": "integer", "minimum": 0, "maximum": 99},
-            tag: {"type": "array", "items": items, "minItems": output_len, "maxItems": output_len},
-        },
-        "required": ["id", tag],
-    })  # fmt: skip
+    return json.dumps(
+        {
+            "type": "object",
+            "properties": {
+                "id": {"type": "integer", "minimum": 0, "maximum": 99},
+                tag: {
+                    "type": "array",
+                    "items": items,
+                    "minItems": output_len,
+                    "maxItems": output_len,
+                },
+            },
+            "required": ["id", tag],
+        }
+    )
 
 
 @dataclass
@@ -127,7 +134,9 @@ def run_structured(
             share = max(share, share_now)
         total_s = batch * out_len / b
         rows.append(
-            ThroughputRow(batch, a, b, 100 * (1 - b / a), 1e3 * share * total_s / steps, 100 * share)
+            ThroughputRow(
+                batch, a, b, 100 * (1 - b / a), 1e3 * share * total_s / steps, 100 * share
+            )
         )
 
     engine = _engine(loaded, ns.template, overrides, 1)
@@ -149,13 +158,27 @@ def run_structured(
     med = statistics.median
     ft = [
         FirstTokenRow("unconstrained", 0.0, 1e3 * first_plain, 0.0, 0.0),
-        FirstTokenRow("schema, first", 1e3 * med(first_compile), 1e3 * med(firsts),
-                      1e3 * (med(firsts) - first_plain), med(guided_ms[0::2])),
-        FirstTokenRow("schema, cached", 1e3 * med(cached_compile), 1e3 * med(cached),
-                      1e3 * (med(cached) - first_plain), med(guided_ms[1::2])),
-    ]  # fmt: skip
+        FirstTokenRow(
+            "schema, first",
+            1e3 * med(first_compile),
+            1e3 * med(firsts),
+            1e3 * (med(firsts) - first_plain),
+            med(guided_ms[0::2]),
+        ),
+        FirstTokenRow(
+            "schema, cached",
+            1e3 * med(cached_compile),
+            1e3 * med(cached),
+            1e3 * (med(cached) - first_plain),
+            med(guided_ms[1::2]),
+        ),
+    ]
     if ns.json:
-        print(json.dumps({"throughput": [asdict(r) for r in rows], "first_token": [asdict(r) for r in ft]}))
+        print(
+            json.dumps(
+                {"throughput": [asdict(r) for r in rows], "first_token": [asdict(r) for r in ft]}
+            )
+        )
         return 0
     print(
         f"structured outputs, json-schema: {len(prompts)} requests x {ns.prompt_len} prompt + "

@@ -39,8 +39,10 @@ PROFILES: dict[str, list[Kind]] = {
     "batch": [Kind(1.0, "batch", (192, 320), (192, 320))],
 }
 
-_WORDS = ("the appliance serves tokens from a paged cache while batches of requests arrive "
-          "and leave at every step of the engine").split()
+_WORDS = (
+    "the appliance serves tokens from a paged cache while batches of requests arrive "
+    "and leave at every step of the engine"
+).split()
 
 
 def make_workload(

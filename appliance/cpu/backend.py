@@ -22,7 +22,7 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -32,10 +32,14 @@ from appliance.cpu.features import CpuFeatures, detect
 from appliance.cpu.fused_decode import FusedCpuDecode
 from appliance.cpu.primitive_cache import bound_primitive_caches, warm_primitive_caches
 from appliance.kernels import cpu_native, get_attention_backend
-from appliance.layers.linear import MatmulWeight, reference_quant_matmul
+from appliance.layers.linear import MatmulWeight, QuantMatmul, reference_quant_matmul
 from appliance.layers.norm import RMSNorm
 from appliance.layers.ops import LayerOps
 from appliance.layers.rotary import RotaryEmbedding
+from appliance.models.llama import LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from appliance.cpu.quant_decode import QuantFusedCpuDecode
 
 log = logging.getLogger("appliance.cpu")
 
@@ -161,7 +165,12 @@ def plan_cpu(
         return cpu_native.load(features) is not None, cpu_native.load_error(features)
 
     c = choose(
-        config, num_heads, num_kv_heads, features, torch.backends.mkldnn.is_available(), native_built
+        config,
+        num_heads,
+        num_kv_heads,
+        features,
+        torch.backends.mkldnn.is_available(),
+        native_built,
     )
     fused_max = BF16_FUSED_MAX if c.compute == "bfloat16" else FP32_FUSED_MAX
     return CpuPlan(features=features, choice=c, fused_max_batch=fused_max)
@@ -208,7 +217,7 @@ class CpuBackend:
         self.plan = plan
         # Packed weights' native dot products take int8 activations (cpu_quant_activations).
         self.act8 = act8
-        self.fused_decode: FusedCpuDecode | None = None
+        self.fused_decode: FusedCpuDecode | QuantFusedCpuDecode | None = None
         # oneDNN's and ideep's primitive cache capacities in force, and the load-time warm-up.
         self.primitive_caches: dict[str, str] = {}
         self.warm_matmuls = 0
@@ -228,7 +237,7 @@ class CpuBackend:
         backend.primitive_caches = caches
         return backend
 
-    def prepare_model(self, model: torch.nn.Module, batch_hint: int) -> None:
+    def prepare_model(self, model: LlamaForCausalLM, batch_hint: int) -> None:
         """After the weights are loaded in plan.weight_dtype: the compute dtype of the small
         parameters, the matmul weights, the element-wise ops and the attention kernels."""
         plan = self.plan
@@ -252,15 +261,15 @@ class CpuBackend:
                 self._set_matmul_weight(module, batch_hint)
         if self.act8 and self._quant_matmul() is not reference_quant_matmul:
             self._tile_packed(model)
-        model.model.embed_tokens.quant_out_dtype = plan.compute_dtype  # type: ignore[union-attr]
-        rotary = model.model.rotary  # type: ignore[union-attr]
-        model.set_ops(  # type: ignore[operator]
+        model.model.embed_tokens.quant_out_dtype = plan.compute_dtype
+        rotary = model.model.rotary
+        model.set_ops(
             NativeCpuOps(plan.compute_dtype, rotary)
             if plan.native_ops
             else LayerOps(plan.compute_dtype)
         )
         write_kv, attend = get_attention_backend(torch.device("cpu"), native_cpu=plan.native_ops)
-        for attn in model.attention_layers():  # type: ignore[operator]
+        for attn in model.attention_layers():
             attn.set_backend(write_kv, attend)
 
     def _tile_packed(self, model: torch.nn.Module) -> None:
@@ -272,13 +281,14 @@ class CpuBackend:
 
         for module in model.modules():
             # A tied or own LM head reads its embedding's table (tiled as an embedding).
-            owns = isinstance(module, VocabParallelEmbedding) or (
-                isinstance(module, MatmulWeight) and not isinstance(module, ParallelLMHead)
-            )
-            if owns and module.quant is not None:
+            if not isinstance(module, VocabParallelEmbedding | MatmulWeight):
+                continue
+            if isinstance(module, ParallelLMHead):
+                continue
+            if module.quant is not None:
                 module.quant = cpu_quant.tiled_for_int8(module.quant, self.plan.features)
 
-    def _quant_matmul(self) -> Any:
+    def _quant_matmul(self) -> QuantMatmul:
         from appliance.kernels import cpu_quant
 
         if self.plan.native_ops and cpu_quant.load(self.plan.features) is not None:
@@ -314,7 +324,7 @@ class CpuBackend:
 
     def wire(
         self,
-        model: torch.nn.Module,
+        model: LlamaForCausalLM,
         kv_caches: list[tuple[torch.Tensor, ...]],
         block_size: int,
     ) -> None:
@@ -328,32 +338,39 @@ class CpuBackend:
                 "per-token scales"
             )
             return
+        pairs = cast("list[tuple[torch.Tensor, torch.Tensor]]", kv_caches)  # (k, v): checked
         if self.plan.native_decode and _is_quantized(model):
             from appliance.cpu.quant_decode import QuantFusedCpuDecode
             from appliance.kernels import cpu_quant
 
             qlib = cpu_quant.load(self.plan.features)
-            if qlib is not None and QuantFusedCpuDecode.supports(model):  # type: ignore[arg-type]
-                self.fused_decode = QuantFusedCpuDecode(  # type: ignore[assignment]
-                    model,  # type: ignore[arg-type]
-                    kv_caches,
+            if qlib is not None and QuantFusedCpuDecode.supports(model):
+                packed = QuantFusedCpuDecode(
+                    model,
+                    pairs,
                     block_size,
                     self.plan.weight_dtype,
                     qlib,
                     act8=self.act8,
                 )
-                if self.fused_decode.tiled:  # type: ignore[attr-defined]
-                    log.info("packed weights in row tiles: native decode for steps of up to %d "
-                             "sequences", self.fused_max_batch())  # fmt: skip
+                self.fused_decode = packed
+                if packed.tiled:
+                    log.info(
+                        "packed weights in row tiles: native decode for steps of up to %d "
+                        "sequences",
+                        self.fused_max_batch(),
+                    )
             else:
-                log.info("packed weights: no fused native decode (%s)",
-                         cpu_quant.load_error(self.plan.features) or "some linears are dense")
+                log.info(
+                    "packed weights: no fused native decode (%s)",
+                    cpu_quant.load_error(self.plan.features) or "some linears are dense",
+                )
         elif self.plan.native_decode:
             lib = cpu_native.load(self.plan.features)
             assert lib is not None, "plan_cpu checked that the kernels built"
             self.fused_decode = FusedCpuDecode(
-                model,  # type: ignore[arg-type]
-                kv_caches,
+                model,
+                pairs,
                 block_size,
                 self.plan.weight_dtype,
                 lib,
@@ -365,8 +382,11 @@ class CpuBackend:
         start-up then already holds them. After `wire` (the native decode's limit is known)."""
         first = max(self.fused_max_batch(), BF16_GEMV_MAX_ROWS) + 1
         self.warm_matmuls = warm_primitive_caches(model.modules(), first)
-        log.info("matmul primitive caches %s, filled with %d matmuls", self.primitive_caches,
-                 self.warm_matmuls)
+        log.info(
+            "matmul primitive caches %s, filled with %d matmuls",
+            self.primitive_caches,
+            self.warm_matmuls,
+        )
 
     def fused_max_batch(self) -> int:
         if self.fused_decode is None:
@@ -386,7 +406,8 @@ class CpuBackend:
             yield
             return
         before = torch.backends.mkldnn.enabled
-        torch.backends.mkldnn.enabled = rows > BF16_GEMV_MAX_ROWS
+        # torch's stubs type the module flag as its descriptor (ContextProp), not a bool.
+        torch.backends.mkldnn.enabled = rows > BF16_GEMV_MAX_ROWS  # type: ignore[assignment]
         try:
             yield
         finally:

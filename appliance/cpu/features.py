@@ -189,7 +189,9 @@ def read_features(
         model_name=name,
         flags=frozenset(f for f in KNOWN_FEATURES if f in visible),
         masked=frozenset(f for f in masked if f in raw),
-        cores=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1,
+        cores=len(os.sched_getaffinity(0))
+        if hasattr(os, "sched_getaffinity")
+        else os.cpu_count() or 1,
         l1d_bytes=l1d,
         l2_bytes=l2,
         l3_bytes=l3,

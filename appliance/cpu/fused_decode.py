@@ -11,7 +11,7 @@ where oneDNN's matmuls win once a step is compute-bound.
 from __future__ import annotations
 
 import ctypes
-from typing import Any, Protocol
+from typing import Any, Protocol, overload
 
 import torch
 import torch.nn.functional as F
@@ -69,17 +69,35 @@ def run_decode_forward(
     pos = positions.to(torch.int64).contiguous()
     slot_ids = slots.to(torch.int64).contiguous()
     shape = cpu_native.shape_vector(
-        batch=batch, layers=a.num_layers, hidden=a.hidden_size, heads=d.heads,
-        kv_heads=d.kv_heads, head_dim=a.head_dim, inter=d.inter,
-        vocab=d.vocab, block_size=d.block_size, table_stride=tables.shape[1],
+        batch=batch,
+        layers=a.num_layers,
+        hidden=a.hidden_size,
+        heads=d.heads,
+        kv_heads=d.kv_heads,
+        head_dim=a.head_dim,
+        inter=d.inter,
+        vocab=d.vocab,
+        block_size=d.block_size,
+        table_stride=tables.shape[1],
         threads=torch.get_num_threads(),
-    )  # fmt: skip
+    )
     p = cpu_native.ptr
     rc = d._forward(
-        p(shape), p(d.layer_ptrs), p(d.final_norm), p(lm_head), p(d.cos),
-        p(d.sin), p(pos), p(slot_ids), p(tables), p(lens), ctypes.c_float(d.eps),
-        ctypes.c_float(d.scale), p(hidden), p(logits),
-    )  # fmt: skip
+        p(shape),
+        p(d.layer_ptrs),
+        p(d.final_norm),
+        p(lm_head),
+        p(d.cos),
+        p(d.sin),
+        p(pos),
+        p(slot_ids),
+        p(tables),
+        p(lens),
+        ctypes.c_float(d.eps),
+        ctypes.c_float(d.scale),
+        p(hidden),
+        p(logits),
+    )
     if rc != 0:
         raise MemoryError(f"{what}: out of memory for its scratch buffers")
     return logits[:, : a.vocab_size]
@@ -124,13 +142,24 @@ class FusedCpuDecode:
             named = {**tensors, "k_cache": k_cache, "v_cache": v_cache}
             # A quantized cache stores bytes, so the dtype check refuses it too.
             rows.append(
-                [self._checked(name, self._own(named[name], name)) for name in cpu_native.LAYER_FIELDS]
+                [
+                    self._checked(name, self._own(named[name], name))
+                    for name in cpu_native.LAYER_FIELDS
+                ]
             )
-        for name, t in (("embed", self.embed), ("lm_head", self.lm_head), ("norm", self.final_norm)):
+        for name, t in (
+            ("embed", self.embed),
+            ("lm_head", self.lm_head),
+            ("norm", self.final_norm),
+        ):
             self._checked(name, t)
         self.layer_ptrs = torch.tensor(rows, dtype=torch.int64)
         self.vocab = self.lm_head.shape[0]
 
+    @overload
+    def _own(self, t: torch.Tensor, name: str) -> torch.Tensor: ...
+    @overload
+    def _own(self, t: torch.Tensor | None, name: str) -> torch.Tensor | None: ...
     def _own(self, t: torch.Tensor | None, name: str) -> torch.Tensor | None:
         """The tensor itself, or for a small one in another dtype a copy this object keeps."""
         if t is None or t.dtype == self.dtype or name not in SMALL_TENSORS:
@@ -142,7 +171,12 @@ class FusedCpuDecode:
     def _checked(self, name: str, t: torch.Tensor | None) -> int:
         if t is None:
             return 0
-        if t.dtype != self.dtype or not t.is_contiguous() or t.device.type != "cpu" or t.numel() == 0:
+        if (
+            t.dtype != self.dtype
+            or not t.is_contiguous()
+            or t.device.type != "cpu"
+            or t.numel() == 0
+        ):
             raise ValueError(
                 f"native decode: {name} must be a contiguous, non-empty CPU {self.dtype} tensor "
                 f"(got {t.dtype}, shape {tuple(t.shape)})"
@@ -163,4 +197,3 @@ class FusedCpuDecode:
         return run_decode_forward(
             self, self.lm_head, hidden, positions, slots, block_tables, seq_lens, "native decode"
         )
-

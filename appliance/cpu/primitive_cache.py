@@ -70,7 +70,7 @@ def warm_primitive_caches(modules: Iterable[torch.nn.Module], first_rows: int) -
     distinct: dict[tuple[object, ...], tuple[MatmulWeight, torch.Tensor | None]] = {}
     for m in modules:
         if isinstance(m, MatmulWeight) and m.onednn_packed and m.matmul_weight is not None:
-            bias = m.bias if isinstance(m, MergedColumnLinear) else None
+            bias: torch.Tensor | None = m.bias if isinstance(m, MergedColumnLinear) else None
             key = (*m.matmul_weight.shape, m.matmul_weight.dtype, bias is None)
             distinct.setdefault(key, (m, bias))
     if not distinct:

@@ -55,16 +55,20 @@ class QuantFusedCpuDecode:
             rows.append([named[name] for name in cpu_quant.QLAYER_FIELDS])
         self.layer_ptrs = torch.tensor(rows, dtype=torch.int64)
         self.final_norm = self._small(model.model.norm.weight)
-        head = model.lm_head.quant
-        self.lm_head_desc = cpu_quant.descriptor(self._need(head, "lm_head"), act8)
+        head = self._need(model.lm_head.quant, "lm_head")
+        self.lm_head_desc = cpu_quant.descriptor(head, act8)
         # Every matrix in row tiles (int8 activations): the backend lets wider steps in.
-        self.tiled = head.tile_rows != 1 and all(  # type: ignore[union-attr]
-            lin.quant.tile_rows != 1  # type: ignore[union-attr]
+        self.tiled = head.tile_rows != 1 and all(
+            self._need(lin.quant, "a linear").tile_rows != 1
             for layer in layers
-            for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                        layer.mlp.gate_up_proj, layer.mlp.down_proj)
-        )  # fmt: skip
-        self.vocab = self._need(head, "lm_head").out_features
+            for lin in (
+                layer.self_attn.qkv_proj,
+                layer.self_attn.o_proj,
+                layer.mlp.gate_up_proj,
+                layer.mlp.down_proj,
+            )
+        )
+        self.vocab = head.out_features
         self.embedding = model.model.embed_tokens
         self.cos = model.model.rotary.cos.float().contiguous()
         self.sin = model.model.rotary.sin.float().contiguous()
@@ -79,8 +83,12 @@ class QuantFusedCpuDecode:
         """Every linear and the LM head packed (a GGUF file with some dense linears runs the
         layer-by-layer path instead)."""
         for layer in model.model.layers:
-            for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                        layer.mlp.gate_up_proj, layer.mlp.down_proj):  # fmt: skip
+            for lin in (
+                layer.self_attn.qkv_proj,
+                layer.self_attn.o_proj,
+                layer.mlp.gate_up_proj,
+                layer.mlp.down_proj,
+            ):
                 if lin.quant is None:
                     return False
         return model.lm_head.quant is not None
@@ -105,8 +113,10 @@ class QuantFusedCpuDecode:
 
     def _cache(self, t: torch.Tensor) -> int:
         if t.dtype != self.dtype or not t.is_contiguous() or t.device.type != "cpu":
-            raise ValueError(f"quantized native decode: the KV cache must be a contiguous CPU "
-                             f"{self.dtype} tensor (got {t.dtype})")  # fmt: skip
+            raise ValueError(
+                f"quantized native decode: the KV cache must be a contiguous CPU "
+                f"{self.dtype} tensor (got {t.dtype})"
+            )
         return t.data_ptr()
 
     def __call__(
@@ -122,9 +132,18 @@ class QuantFusedCpuDecode:
         table = self.embedding.quant
         # A packed table is dequantized straight to float32 (the lookup would round to the
         # model dtype first).
-        hidden = (cpu_quant.dequant_rows(table, input_ids) if table is not None
-                  else self.embedding(input_ids).float().contiguous())  # fmt: skip
+        hidden = (
+            cpu_quant.dequant_rows(table, input_ids)
+            if table is not None
+            else self.embedding(input_ids).float().contiguous()
+        )
         return run_decode_forward(
-            self, self.lm_head_desc, hidden, positions, slots, block_tables, seq_lens,
+            self,
+            self.lm_head_desc,
+            hidden,
+            positions,
+            slots,
+            block_tables,
+            seq_lens,
             "quantized native decode",
-        )  # fmt: skip
+        )

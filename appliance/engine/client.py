@@ -17,6 +17,7 @@ import os
 import socket
 import time
 from collections.abc import Callable
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 import msgspec
@@ -57,7 +58,7 @@ class EngineClient:
         self.on_frame = on_frame
         self.on_death = on_death
         self.info: ipc.CoreInfo | None = None
-        self.proc: Any = None
+        self.proc: BaseProcess | None = None
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._task: asyncio.Task[None] | None = None
@@ -115,6 +116,7 @@ class EngineClient:
                 return msg
 
     def _join(self, timeout: float) -> int | None:
+        assert self.proc is not None  # (shutdown checked)
         self.proc.join(timeout)
         return self.proc.exitcode
 
@@ -292,8 +294,13 @@ class EngineClient:
         output, and the core drops it (freeing anything it held) between its steps."""
         self.output.process(
             [
-                EngineOutput(request_id=rid, new_token_ids=[], finished=True,
-                             finish_reason="queue_timeout", finish_detail=detail)
+                EngineOutput(
+                    request_id=rid,
+                    new_token_ids=[],
+                    finished=True,
+                    finish_reason="queue_timeout",
+                    finish_detail=detail,
+                )
                 for rid in request_ids
             ]
         )

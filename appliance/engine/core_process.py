@@ -25,7 +25,9 @@ from appliance.engine.heap import HeapTrimmer
 
 if TYPE_CHECKING:
     from appliance.config import ApplianceConfig
+    from appliance.core.scheduler_output import SchedulerOutput
     from appliance.engine.llm_engine import Engine
+    from appliance.engine.model_runner import RunnerOutput
 
 log = logging.getLogger("appliance.core")
 
@@ -93,11 +95,12 @@ def _slow_forward(engine: Engine, delay_s: float) -> None:
     scheduling, as a long prefill or a loaded box would)."""
     execute = engine.executor.execute
 
-    def slow_execute(out: Any) -> Any:
+    def slow_execute(out: SchedulerOutput) -> RunnerOutput:
         time.sleep(delay_s)
         return execute(out)
 
-    engine.executor.execute = slow_execute
+    # Fault injection: the instance's method, replaced on this instance only.
+    engine.executor.execute = slow_execute  # type: ignore[method-assign]
     log.warning("fault injection: every engine step sleeps %.1fs (%s)", delay_s, STEP_DELAY_ENV)
 
 

@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Protocol
+
+
+class TokenDecoder(Protocol):
+    """What turning token ids into text takes of a tokenizer (a transformers one has it)."""
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
 
 
 class IncrementalDetokenizer:
     """Emits text as tokens arrive without re-decoding the whole output each step: decode a
     short window and emit only once the window's text no longer ends in a partial character."""
 
-    def __init__(self, tokenizer: Any, stop: list[str], include_stop: bool = False) -> None:
+    def __init__(
+        self, tokenizer: TokenDecoder, stop: list[str], include_stop: bool = False
+    ) -> None:
         self.tokenizer = tokenizer
         self.stop = stop
         self.include_stop = include_stop

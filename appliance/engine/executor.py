@@ -25,5 +25,7 @@ def load_model(
     if config.parallel.tensor_parallel_size > 1 and tp_size() == 1:
         from appliance.engine.tp import TPExecutor
 
-        return TPExecutor.start(config, progress).loaded
+        loaded = TPExecutor.start(config, progress).loaded
+        assert loaded is not None  # start() returns once every rank has loaded
+        return loaded
     return load_this_rank(config, progress)

@@ -32,8 +32,8 @@ log = logging.getLogger("appliance.engine.guided")
 # `[^"\\\r\n]`, which lets raw control characters through (invalid JSON: a strict parser
 # such as pydantic's refuses "\x0b" inside a string). Its unbounded strings exclude them; the
 # bounded ones are tightened to the same class before compiling.
-_LOOSE_CHARS = r'[^\"\\\r\n]'
-_JSON_CHARS = r'[^\0-\x1f\"\\]'
+_LOOSE_CHARS = r"[^\"\\\r\n]"
+_JSON_CHARS = r"[^\0-\x1f\"\\]"
 # Compiled grammars kept, by constraint text (a schema compiles in ~10 ms, a hit in ~0).
 _CACHE_SIZE = 256
 
@@ -172,7 +172,9 @@ class GuidedDecoder:
             row.accepted += 1  # past the end (ignore_eos): nothing more to check
             return
         if not row.matcher.accept_token(token):
-            log.warning("%s: token %d is outside the grammar; unconstrained from here", request_id, token)
+            log.warning(
+                "%s: token %d is outside the grammar; unconstrained from here", request_id, token
+            )
             row.broken = True
         row.accepted += 1
 

@@ -33,9 +33,21 @@ _UNSUPPORTED = {
 }
 # String formats xgrammar turns into a grammar (others would be accepted and ignored).
 _FORMATS = {
-    "email", "date", "time", "date-time", "duration", "uuid", "ipv4", "ipv6", "hostname",
-    "uri", "uri-reference", "uri-template", "json-pointer", "relative-json-pointer",
-}  # fmt: skip
+    "email",
+    "date",
+    "time",
+    "date-time",
+    "duration",
+    "uuid",
+    "ipv4",
+    "ipv6",
+    "hostname",
+    "uri",
+    "uri-reference",
+    "uri-template",
+    "json-pointer",
+    "relative-json-pointer",
+}
 
 
 class StructuredError(ValueError):

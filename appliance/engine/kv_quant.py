@@ -42,7 +42,8 @@ backend over the side cache (`apply_layer_spec`).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 import torch
 
@@ -52,7 +53,7 @@ from appliance.engine.model_runner import KVCachePool, KVStorage, ModelRunner
 from appliance.kernels.paged_attention import cache_storage_dtype
 from appliance.kv_layout import PER_TOKEN_KIND, LayerKV
 from appliance.kv_layout import layer_layout as kv_layer_layout
-from appliance.layers.attention import Attention, KVCacheSpec
+from appliance.layers.attention import Attention, KVCacheSpec, PagedAttention, WriteKV
 from appliance.layers.parallel import tp_rank, tp_size
 from appliance.models.llama import LlamaForCausalLM
 from appliance.sampling_params import SamplingParams
@@ -94,27 +95,32 @@ class RotatedKV:
     batches with this step's K/V attend to them (rotated the same way) for the chunk's own
     positions (every backend's attention takes them as key=/value=)."""
 
-    def __init__(self, write: object, attend: object, head_dim: int, device: torch.device) -> None:
+    def __init__(
+        self, write: WriteKV, attend: PagedAttention, head_dim: int, device: torch.device
+    ) -> None:
         self.inner_write, self.inner_attend = write, attend
         self.rot = rotation_matrix(head_dim, device)
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, *rest: object) -> None:
-        self.inner_write(key.float() @ self.rot, value.float() @ self.rot, *rest)  # type: ignore[operator]
+        self.inner_write(key.float() @ self.rot, value.float() @ self.rot, *rest)
 
     def paged_attention(
-        self, query: torch.Tensor, *rest: object,
-        key: torch.Tensor | None = None, value: torch.Tensor | None = None,
-    ) -> torch.Tensor:  # fmt: skip
+        self,
+        query: torch.Tensor,
+        *rest: object,
+        key: torch.Tensor | None = None,
+        value: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         q = (query.float() @ self.rot).to(query.dtype)
         if key is not None and value is not None:
             fresh = (key.float() @ self.rot, value.float() @ self.rot)
-            out = self.inner_attend(q, *rest, key=fresh[0], value=fresh[1])  # type: ignore[operator]
+            out = self.inner_attend(q, *rest, key=fresh[0], value=fresh[1])
         else:
-            out = self.inner_attend(q, *rest)  # type: ignore[operator]
+            out = self.inner_attend(q, *rest)
         return (out.float() @ self.rot.T).to(query.dtype)
 
 
-def base_backend(attn: Attention) -> tuple[object, object]:
+def base_backend(attn: Attention) -> tuple[WriteKV, PagedAttention]:
     """The layer's device backend, under a RotatedKV a quantized spec may have put there."""
     owner = getattr(attn.write_kv, "__self__", None)
     if isinstance(owner, RotatedKV):
@@ -143,7 +149,13 @@ def kv_storage(layers: Sequence[LayerKV | str], model_dtype: torch.dtype) -> KVS
     )
 
 
-def calibration_windows(tokenizer: object, max_len: int) -> list[list[int]]:
+class TextEncoder(Protocol):
+    """What calibration reads of a tokenizer (a transformers one has it)."""
+
+    def encode(self, text: str) -> Iterable[int]: ...
+
+
+def calibration_windows(tokenizer: TextEncoder, max_len: int) -> list[list[int]]:
     """Token windows from the shipped corpus (spread over it, so several kinds of text)."""
     from appliance.tools.demo_spec import corpus_text
 
@@ -153,7 +165,7 @@ def calibration_windows(tokenizer: object, max_len: int) -> list[list[int]]:
     for w in range(CALIBRATION_WINDOWS):
         start = len(text) * w // CALIBRATION_WINDOWS
         # ~8 characters per token is generous for English BPE: enough text for a full window.
-        ids = list(tokenizer.encode(text[start : start + 8 * size]))  # type: ignore[attr-defined]
+        ids = list(tokenizer.encode(text[start : start + 8 * size]))
         windows.append(ids[:size])
     return [w for w in windows if w]
 
@@ -177,12 +189,12 @@ def calibrate_absmax(
     # The range of what a quantized layer stores: the rotated K/V (RotatedKV).
     rot = rotation_matrix(layers[0].head_dim, device)
 
-    def observer(i: int, write: object) -> object:
+    def observer(i: int, write: WriteKV) -> WriteKV:
         def write_kv(key: torch.Tensor, value: torch.Tensor, *rest: object) -> None:
             k_max, v_max = absmax[i]
             torch.maximum(k_max, (key.float() @ rot).abs().amax(dim=(0, 2)), out=k_max)
             torch.maximum(v_max, (value.float() @ rot).abs().amax(dim=(0, 2)), out=v_max)
-            write(key, value, *rest)  # type: ignore[operator]
+            write(key, value, *rest)
 
         return write_kv
 
@@ -203,7 +215,7 @@ def calibrate_absmax(
         for i, attn in enumerate(layers):
             attn.spec = KVCacheSpec()
             write, attend = base_backend(attn)
-            attn.set_backend(observer(i, write), attend)  # type: ignore[arg-type]
+            attn.set_backend(observer(i, write), attend)
         tokens = sum(len(w) for w in windows)
         runner.execute(SchedulerOutput(scheduled=scheduled, num_scheduled_tokens=tokens))
     finally:
@@ -225,9 +237,7 @@ def apply_kv_specs(
 ) -> None:
     """Give each attention layer its format, scales and backend (`apply_layer_spec`)."""
     for i, (attn, layer) in enumerate(zip(model.attention_layers(), layers, strict=True)):
-        apply_layer_spec(
-            attn, _as_layer(layer), absmax[i] if absmax is not None else None, device
-        )
+        apply_layer_spec(attn, _as_layer(layer), absmax[i] if absmax is not None else None, device)
 
 
 def apply_layer_spec(
@@ -244,7 +254,7 @@ def apply_layer_spec(
     write, attend = base_backend(attn)
     if layer.kind == "auto":
         attn.spec = KVCacheSpec()
-        attn.set_backend(write, attend)  # type: ignore[arg-type]
+        attn.set_backend(write, attend)
         attn.set_side(None)
         return
     # The quantized cache holds the heads not kept, in order: their scales alone.
@@ -269,12 +279,12 @@ def apply_layer_spec(
         )
     rotated = RotatedKV(write, attend, attn.head_dim, device)
     attn.set_backend(rotated.write_kv, rotated.paged_attention)
-    attn.set_side((write, attend) if layer.kept_heads else None, device)  # type: ignore[arg-type]
+    attn.set_side((write, attend) if layer.kept_heads else None, device)
 
 
 def configure_kv_cache(
     model: LlamaForCausalLM,
-    tokenizer: object,
+    tokenizer: TextEncoder,
     cache: CacheConfig,
     model_dtype: torch.dtype,
     device: torch.device,

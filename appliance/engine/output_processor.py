@@ -14,9 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
-from appliance.engine.detokenizer import IncrementalDetokenizer
+from appliance.engine.detokenizer import IncrementalDetokenizer, TokenDecoder
 from appliance.engine.outputs import CompletionResult, EngineOutput, Logprob, RequestOutput
 from appliance.sampling_params import SamplingParams
 
@@ -73,7 +72,9 @@ class RequestState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: TokenDecoder | None) -> None:
+        # None until set: the engine client's processor gets the API process's tokenizer once
+        # it is loaded, before the first request.
         self.tokenizer = tokenizer
         self.states: dict[str, RequestState] = {}
 
@@ -94,6 +95,7 @@ class OutputProcessor:
         is decoded once at the finish instead of token by token."""
         if request_id in self.states:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        assert self.tokenizer is not None, "no tokenizer yet"
         detok = None
         if stream_text or params.stop:
             detok = IncrementalDetokenizer(
@@ -145,6 +147,7 @@ class OutputProcessor:
         if detok is not None:
             delta.new_text += detok.flush()
         else:
+            assert self.tokenizer is not None  # (add checked)
             delta.new_text = self.tokenizer.decode(state.token_ids, skip_special_tokens=True)
         delta.finished = True
         delta.finish_reason = reason

@@ -99,7 +99,9 @@ class Sampler:
     def _sample(
         self, logits: torch.Tensor, requests: list[SampleRequest], greedy: torch.Tensor
     ) -> torch.Tensor:
-        temps = torch.tensor([r.params.temperature if not r.params.greedy else 1.0 for r in requests])
+        temps = torch.tensor(
+            [r.params.temperature if not r.params.greedy else 1.0 for r in requests]
+        )
         logits = logits / temps.view(-1, 1)
         top_k = torch.tensor([r.params.top_k if r.params.top_k > 0 else 0 for r in requests])
         top_p = torch.tensor([r.params.top_p for r in requests])

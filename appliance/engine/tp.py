@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import msgspec
 import torch
@@ -152,8 +152,9 @@ class TPExecutor:
             )
         # Build or fetch the model once, here, rather than racing N ranks into one directory.
         model_dir = resolve_model_dir(config, say)
-        model = msgspec.structs.replace(config.model, path=str(model_dir), demo_shape="",
-                                        packaged="")  # fmt: skip
+        model = msgspec.structs.replace(
+            config.model, path=str(model_dir), demo_shape="", packaged=""
+        )
         config = msgspec.structs.replace(config, model=model)
         ex = cls(size, "nccl" if device.type == "cuda" else "gloo")
         _active = ex
@@ -172,10 +173,14 @@ class TPExecutor:
         threads = max(1, _cpus() // self.size)
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         ctx = mp.get_context("spawn")
-        say(f"tensor parallel {self.size}: starting {self.size - 1} worker processes ({self.backend})")
+        say(
+            f"tensor parallel {self.size}: starting {self.size - 1} worker processes ({self.backend})"
+        )
         with _children_allowed():
             self._spawn(ctx, config, init_method, threads)
-        self._monitor = threading.Thread(target=self._watch, name="appliance-tp-monitor", daemon=True)
+        self._monitor = threading.Thread(
+            target=self._watch, name="appliance-tp-monitor", daemon=True
+        )
         self._monitor.start()
         for w in self.workers:
             self._await_report(w, Hello, STARTUP_TIMEOUT_S)
@@ -272,7 +277,8 @@ class TPExecutor:
             for sentinel in wait(list(by_sentinel), timeout=MONITOR_POLL_S):
                 if self._stopping.is_set():
                     return
-                self._fail(self._death_message(by_sentinel[sentinel]))
+                # wait() gives back what it was given: the sentinels, ints.
+                self._fail(self._death_message(by_sentinel[cast(int, sentinel)]))
                 return
 
     def _death_message(self, w: _Worker) -> str:

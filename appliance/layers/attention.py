@@ -126,14 +126,24 @@ class Attention(nn.Module):
         split, side = self.split, self.side_backend
         assert split is not None and side is not None, "side cache without kept heads"
         out_q = self._attend(
-            q.index_select(1, split.q_quant), k.index_select(1, split.kv_quant),
-            v.index_select(1, split.kv_quant), meta, kv_cache[:2], spec, self.write_kv,
+            q.index_select(1, split.q_quant),
+            k.index_select(1, split.kv_quant),
+            v.index_select(1, split.kv_quant),
+            meta,
+            kv_cache[:2],
+            spec,
+            self.write_kv,
             self.paged_attention,
-        )  # fmt: skip
+        )
         out_kept = self._attend(
-            q.index_select(1, split.q_kept), k.index_select(1, split.kv_kept),
-            v.index_select(1, split.kv_kept), meta, kv_cache[2:], KVCacheSpec(), *side,
-        )  # fmt: skip
+            q.index_select(1, split.q_kept),
+            k.index_select(1, split.kv_kept),
+            v.index_select(1, split.kv_kept),
+            meta,
+            kv_cache[2:],
+            KVCacheSpec(),
+            *side,
+        )
         return torch.cat([out_q, out_kept], dim=1).index_select(1, split.inverse)
 
     def _attend(

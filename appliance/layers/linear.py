@@ -51,14 +51,15 @@ class MatmulWeight(nn.Module):
     onednn_packed: bool = False
     plain_max_rows: int = 0
     quant: QuantWeight | None = None
-    quant_matmul: QuantMatmul = staticmethod(reference_quant_matmul)  # type: ignore[assignment]
+    quant_matmul: QuantMatmul = staticmethod(reference_quant_matmul)
     # The dense shape a quantized module would have had (expect_quantized).
     dense_shape: tuple[int, int] = (0, 0)
 
     def expect_quantized(self) -> None:
         """Before the model is materialized: drop the dense weight so it is never allocated
         (the checkpoint brings a QuantWeight; a dense tensor still finds room, `_dense`)."""
-        self.dense_shape = tuple(self.weight.shape)  # type: ignore[assignment]
+        rows, cols = self.weight.shape
+        self.dense_shape = (rows, cols)
         self.weight = nn.Parameter(torch.empty(0, device=self.weight.device), requires_grad=False)
 
     def _dense(self, dtype: torch.dtype) -> torch.Tensor:
@@ -110,8 +111,9 @@ class MergedColumnLinear(MatmulWeight):
         if isinstance(tensor, QuantWeight):
             # Packed parts are merged once all have arrived (rows concatenate; TP is 1).
             if tensor.out_features != rows:
-                raise ValueError(f"{part}: quantized weight has {tensor.out_features} rows, "
-                                 f"expected {rows}")  # fmt: skip
+                raise ValueError(
+                    f"{part}: quantized weight has {tensor.out_features} rows, expected {rows}"
+                )
             self._quant_parts[part] = tensor
             if len(self._quant_parts) == len(self.parts):
                 self.quant = QuantWeight.cat_rows([self._quant_parts[p] for p, _, _ in self.parts])

@@ -66,7 +66,12 @@ class QuantWeight:
             assert self.qweight.dtype == torch.int8 and self.qweight.shape == (n, k)
         assert self.scales.shape == (n, -(-k // self.group)), (self.scales.shape, n, k, self.group)
         if self.tile_rows != 1:
-            assert self.tile_rows == TILE_ROWS and tileable(self), (self.tile_rows, n, k, self.group)
+            assert self.tile_rows == TILE_ROWS and tileable(self), (
+                self.tile_rows,
+                n,
+                k,
+                self.group,
+            )
 
     @property
     def out_features(self) -> int:
@@ -85,14 +90,28 @@ class QuantWeight:
         """The rows `index` (a permutation or a shard), still packed."""
         assert self.tile_rows == 1, "take_rows on row tiles"
         mins = self.mins[index].contiguous() if self.mins is not None else None
-        return QuantWeight(self.fmt, self.qweight[index].contiguous(),
-                           self.scales[index].contiguous(), mins, self.group, self.in_features,
-                           self.source)  # fmt: skip
+        return QuantWeight(
+            self.fmt,
+            self.qweight[index].contiguous(),
+            self.scales[index].contiguous(),
+            mins,
+            self.group,
+            self.in_features,
+            self.source,
+        )
 
     def to(self, device: torch.device | str) -> QuantWeight:
         mins = self.mins.to(device) if self.mins is not None else None
-        return QuantWeight(self.fmt, self.qweight.to(device), self.scales.to(device), mins,
-                           self.group, self.in_features, self.source, self.tile_rows)  # fmt: skip
+        return QuantWeight(
+            self.fmt,
+            self.qweight.to(device),
+            self.scales.to(device),
+            mins,
+            self.group,
+            self.in_features,
+            self.source,
+            self.tile_rows,
+        )
 
     @staticmethod
     def cat_rows(parts: list[QuantWeight]) -> QuantWeight:
@@ -106,9 +125,15 @@ class QuantWeight:
                     f"({first.source}) and {p.fmt}/g{p.group} ({p.source})"
                 )
         mins = torch.cat([p.mins for p in parts]) if first.mins is not None else None  # type: ignore[misc]
-        return QuantWeight(first.fmt, torch.cat([p.qweight for p in parts]),
-                           torch.cat([p.scales for p in parts]), mins, first.group,
-                           first.in_features, first.source)  # fmt: skip
+        return QuantWeight(
+            first.fmt,
+            torch.cat([p.qweight for p in parts]),
+            torch.cat([p.scales for p in parts]),
+            mins,
+            first.group,
+            first.in_features,
+            first.source,
+        )
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The torch reference: the full matrix in `dtype` (tests, the GPU's fallback, and
@@ -141,7 +166,8 @@ def dequantize_rows(w: QuantWeight, rows: torch.Tensor | None) -> torch.Tensor:
     k = w.in_features
     if w.fmt == "q4":
         values = unpack_q4(q).float()
-        mins = (w.mins if rows is None else w.mins[rows]).float()  # type: ignore[index]
+        assert w.mins is not None  # a q4 weight carries mins (checked at construction)
+        mins = (w.mins if rows is None else w.mins[rows]).float()
         scale = scales.repeat_interleave(w.group, dim=1)
         return values * scale + mins.repeat_interleave(w.group, dim=1)
     scale = scales.repeat_interleave(w.group, dim=1)[:, :k]
@@ -155,7 +181,9 @@ def quantize_int8(weight: torch.Tensor) -> QuantWeight:
     amax = w.abs().amax(dim=1, keepdim=True).clamp_min(1e-8)
     scale = (amax / 127.0).to(torch.float16)
     q = torch.round(w / scale.float()).clamp_(-127, 127).to(torch.int8)
-    return QuantWeight("q8", q.contiguous(), scale.contiguous(), None, w.shape[1], w.shape[1], "int8")
+    return QuantWeight(
+        "q8", q.contiguous(), scale.contiguous(), None, w.shape[1], w.shape[1], "int8"
+    )
 
 
 def tileable(w: QuantWeight) -> bool:
@@ -181,8 +209,16 @@ def tile_rows_of(w: QuantWeight) -> QuantWeight:
         return a.view(n // t, t, -1).permute(0, 2, 1).reshape(a.shape).contiguous()
 
     mins = side(w.mins) if w.mins is not None else None
-    return QuantWeight(w.fmt, q.reshape(w.qweight.shape).contiguous(), side(w.scales), mins,
-                       w.group, w.in_features, w.source, TILE_ROWS)  # fmt: skip
+    return QuantWeight(
+        w.fmt,
+        q.reshape(w.qweight.shape).contiguous(),
+        side(w.scales),
+        mins,
+        w.group,
+        w.in_features,
+        w.source,
+        TILE_ROWS,
+    )
 
 
 def untile_rows(w: QuantWeight, rows: torch.Tensor | None = None) -> QuantWeight:
@@ -198,6 +234,12 @@ def untile_rows(w: QuantWeight, rows: torch.Tensor | None = None) -> QuantWeight
         return a.view(n // t, -1, t)[tile, :, lane]
 
     mins = side(w.mins) if w.mins is not None else None
-    return QuantWeight(w.fmt, q.reshape(len(idx), -1).contiguous(), side(w.scales).contiguous(),
-                       None if mins is None else mins.contiguous(), w.group, w.in_features,
-                       w.source)  # fmt: skip
+    return QuantWeight(
+        w.fmt,
+        q.reshape(len(idx), -1).contiguous(),
+        side(w.scales).contiguous(),
+        None if mins is None else mins.contiguous(),
+        w.group,
+        w.in_features,
+        w.source,
+    )

@@ -27,6 +27,11 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Te
 
 
 class RotaryEmbedding(nn.Module):
+    # Registered buffers (not persistent): declared for the type checker, which reads
+    # nn.Module's __getattr__ as "a Tensor or a Module".
+    cos: torch.Tensor
+    sin: torch.Tensor
+
     def __init__(
         self,
         head_dim: int,
@@ -61,7 +66,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The tables at absolute `positions` [T], as [T, 1, D]: looked up once per forward
         pass and shared by every layer."""
         cos = self.cos.index_select(0, positions).to(dtype).unsqueeze(1)

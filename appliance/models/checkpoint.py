@@ -72,7 +72,7 @@ class Checkpoint:
 
             stream = packed_weights(self.path, self.kind)
         else:
-            stream = hf_files.iter_safetensors(self.path)  # type: ignore[assignment]
+            stream = hf_files.iter_safetensors(self.path)
         for name, value in stream:
             if isinstance(value, torch.Tensor):
                 if self.int8 and _int8_target(name, tied):
@@ -109,8 +109,10 @@ def open_checkpoint(path: str | Path, quantization: str = "") -> Checkpoint:
             quant_settings(p, kind)  # a bad quantization_config fails before any weight
     if quantization == "int8":
         if ckpt.kind != "hf":
-            raise ValueError(f"model.quantization: 'int8' quantizes a 16-bit checkpoint; {p} is "
-                             f"already {ckpt.describe()}")  # fmt: skip
+            raise ValueError(
+                f"model.quantization: 'int8' quantizes a 16-bit checkpoint; {p} is "
+                f"already {ckpt.describe()}"
+            )
         ckpt.int8 = True
     elif quantization in ("awq", "gptq"):
         if ckpt.kind != quantization:
@@ -131,6 +133,8 @@ def _hf_quant_kind(path: Path) -> str:
         return "hf"
     method = str(qc.get("quant_method", "")).lower()
     if method not in ("awq", "gptq"):
-        raise ValueError(f"{config}: quantization_config.quant_method {method!r} is not supported "
-                         "(supported: awq, gptq; or GGUF files)")  # fmt: skip
+        raise ValueError(
+            f"{config}: quantization_config.quant_method {method!r} is not supported "
+            "(supported: awq, gptq; or GGUF files)"
+        )
     return method

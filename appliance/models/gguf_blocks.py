@@ -16,8 +16,13 @@ from appliance.layers.quant import QuantWeight, pack_q4
 from appliance.models.gguf_meta import ENGINE_BITS
 
 # ggml type name -> (elements, bytes) of one block.
-BLOCKS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144),
-          "Q6_K": (256, 210)}  # fmt: skip
+BLOCKS = {
+    "Q8_0": (32, 34),
+    "Q4_0": (32, 18),
+    "Q4_1": (32, 20),
+    "Q4_K": (256, 144),
+    "Q6_K": (256, 210),
+}
 # gguf_meta (torch-free, read by `appliance plan`) sizes the same types as repacked here.
 assert set(BLOCKS) == set(ENGINE_BITS), (set(BLOCKS), set(ENGINE_BITS))
 
@@ -51,8 +56,15 @@ def convert(raw: np.ndarray, name: str, k: int, source: str) -> QuantWeight:
             mins, qs = d * -8.0, b[..., 2:18]
         else:
             mins, qs = _f16(b[..., 2:4]), b[..., 4:20]
-        return QuantWeight("q4", qs.reshape(n, k // 2).contiguous(), d.contiguous(),
-                           mins.contiguous(), 32, k, source)  # fmt: skip
+        return QuantWeight(
+            "q4",
+            qs.reshape(n, k // 2).contiguous(),
+            d.contiguous(),
+            mins.contiguous(),
+            32,
+            k,
+            source,
+        )
     if name == "Q4_K":
         return _q4_k(b, n, k, source)
     if name == "Q6_K":

@@ -31,11 +31,16 @@ _NAMES = {
     "output.weight": "lm_head.weight",
 }
 _LAYER_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
-}  # fmt: skip
+}
 _LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 TOKENIZER_CACHE_ENV = "APPLIANCE_TOKENIZER_CACHE"
 
@@ -103,8 +108,9 @@ class GgufCheckpoint(GgufMeta):
         cached = self.tokenizer_cache_dir()
         if (cached / "tokenizer.json").is_file():
             return AutoTokenizer.from_pretrained(str(cached), local_files_only=True)
-        tok = AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name,
-                                            local_files_only=True)  # fmt: skip
+        tok = AutoTokenizer.from_pretrained(
+            str(self.path.parent), gguf_file=self.path.name, local_files_only=True
+        )
         tmp = None
         try:
             cached.parent.mkdir(parents=True, exist_ok=True)
@@ -134,10 +140,16 @@ class GgufCheckpoint(GgufMeta):
                 tensor = torch.from_numpy(arr.copy())
                 if kind == "BF16":
                     tensor = tensor.view(torch.bfloat16)
-                value = tensor.reshape([int(d) for d in reversed(t.shape)]) if t.shape.size > 1 else tensor
+                value = (
+                    tensor.reshape([int(d) for d in reversed(t.shape)])
+                    if t.shape.size > 1
+                    else tensor
+                )
             else:
-                raise ValueError(f"GGUF tensor {t.name}: type {kind} is not supported "
-                                 f"(supported: {', '.join(BLOCKS)}, F32, F16, BF16)")  # fmt: skip
+                raise ValueError(
+                    f"GGUF tensor {t.name}: type {kind} is not supported "
+                    f"(supported: {', '.join(BLOCKS)}, F32, F16, BF16)"
+                )
             # Only llama.cpp's Llama converter permutes q/k (Qwen2 keeps rotate-half order).
             qk = ("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")
             if self.arch == "llama" and name.endswith(qk):

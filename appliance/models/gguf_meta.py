@@ -46,7 +46,9 @@ def _read(path: str, size: int, mtime_ns: int) -> tuple[Any, dict[str, Any]]:
     except ImportError:
         raise ValueError("model.path: reading a GGUF file needs the gguf package") from None
     reader = GGUFReader(path)
-    meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.ggml.")}
+    meta = {
+        k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.ggml.")
+    }
     return reader, meta
 
 
@@ -58,8 +60,10 @@ class GgufMeta:
         self.meta: dict[str, Any] = dict(meta)
         arch = self.meta.get("general.architecture", "")
         if arch not in ARCHITECTURES:
-            raise ValueError(f"GGUF {path.name}: architecture {arch!r} is not supported "
-                             f"(supported: {', '.join(ARCHITECTURES)})")  # fmt: skip
+            raise ValueError(
+                f"GGUF {path.name}: architecture {arch!r} is not supported "
+                f"(supported: {', '.join(ARCHITECTURES)})"
+            )
         self.arch = arch
         self.types = sorted({t.tensor_type.name for t in self.reader.tensors})
 

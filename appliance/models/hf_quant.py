@@ -51,8 +51,9 @@ def quant_settings(model_dir: Path, kind: str) -> dict[str, Any]:
     return {"group": group, "zero_offset": 0 if kind == "awq" or v2 else 1}
 
 
-def convert(parts: dict[str, torch.Tensor], kind: str, group: int, zero_offset: int,
-            name: str) -> QuantWeight:  # fmt: skip
+def convert(
+    parts: dict[str, torch.Tensor], kind: str, group: int, zero_offset: int, name: str
+) -> QuantWeight:
     """One linear's packed tensors -> a QuantWeight [N, K]."""
     scales = parts["scales"].to(torch.float16)  # [K/g, N]
     if kind == "awq":
@@ -71,8 +72,9 @@ def convert(parts: dict[str, torch.Tensor], kind: str, group: int, zero_offset: 
         raise ValueError(f"{name}.scales: shape {tuple(scales.shape)}, expected {(k // group, n)}")
     z = zeros.to(torch.float32) + zero_offset
     mins = (-(z * scales.float())).t().contiguous()
-    return QuantWeight("q4", pack_q4(q.t().contiguous()), scales.t().contiguous(), mins, group, k,
-                       kind)  # fmt: skip
+    return QuantWeight(
+        "q4", pack_q4(q.t().contiguous()), scales.t().contiguous(), mins, group, k, kind
+    )
 
 
 def packed_weights(model_dir: Path, kind: str) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
@@ -90,11 +92,16 @@ def packed_weights(model_dir: Path, kind: str) -> Iterator[tuple[str, torch.Tens
         got[part] = tensor
         # GPTQ's g_idx may come after the rest; files without one convert at the end.
         if all(p in got for p in needed) and (kind == "awq" or "g_idx" in got):
-            yield f"{prefix}.weight", convert(got, kind, settings["group"], settings["zero_offset"], prefix)
+            yield (
+                f"{prefix}.weight",
+                convert(got, kind, settings["group"], settings["zero_offset"], prefix),
+            )
             del pending[prefix]
     for prefix, got in pending.items():
         if all(p in got for p in needed):
-            yield f"{prefix}.weight", convert(got, kind, settings["group"], settings["zero_offset"], prefix)
+            yield (
+                f"{prefix}.weight",
+                convert(got, kind, settings["group"], settings["zero_offset"], prefix),
+            )
         else:
             raise ValueError(f"{model_dir}: {prefix} lacks {sorted(set(needed) - got.keys())}")
-

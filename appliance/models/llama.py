@@ -5,8 +5,8 @@ q/k/v and gate/up merged into one matmul each."""
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -17,6 +17,7 @@ from appliance.layers.linear import MergedColumnLinear, RowParallelLinear
 from appliance.layers.norm import RMSNorm
 from appliance.layers.ops import LayerOps
 from appliance.layers.parallel import divide, tp_rank, tp_size
+from appliance.layers.quant import QuantWeight
 from appliance.layers.rotary import RotaryEmbedding
 from appliance.models.args import ModelArgs
 
@@ -44,9 +45,7 @@ class LlamaAttention(nn.Module):
             self.qkv_proj.shard_index["k"] = replica
             self.qkv_proj.shard_index["v"] = replica
         self.o_proj = RowParallelLinear(args.num_heads * self.head_dim, args.hidden_size)
-        self.attn = Attention(
-            self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5
-        )
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
 
     def forward(
         self,
@@ -101,15 +100,29 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    # An nn.ModuleList at run time, typed by what it holds: ModuleList's own type says only
+    # nn.Module, and every reader of the layers wants their attributes.
+    layers: Sequence[LlamaDecoderLayer]
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(args) for _ in range(args.num_layers))
+        self.layers = cast(
+            "Sequence[LlamaDecoderLayer]",
+            nn.ModuleList(LlamaDecoderLayer(args) for _ in range(args.num_layers)),
+        )
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         # One table for all layers: the positions' cos/sin are looked up once per forward.
         self.rotary = RotaryEmbedding(
             args.head_dim, args.max_position_embeddings, args.rope_theta, args.rope_scaling
         )
+
+
+def _dense(name: str, tensor: torch.Tensor | QuantWeight) -> torch.Tensor:
+    """A norm's weight, which no checkpoint packs."""
+    if isinstance(tensor, QuantWeight):
+        raise ValueError(f"checkpoint tensor {name!r}: a norm weight must not be packed")
+    return tensor
 
 
 class LlamaForCausalLM(nn.Module):
@@ -128,11 +141,13 @@ class LlamaForCausalLM(nn.Module):
     def set_ops(self, ops: LayerOps) -> None:
         self.ops = ops
 
-    def decode_tensors(self) -> tuple[list[dict[str, torch.Tensor | None]], dict[str, torch.Tensor]]:
+    def decode_tensors(
+        self,
+    ) -> tuple[list[dict[str, torch.Tensor | None]], dict[str, torch.Tensor]]:
         """The tensors a whole-forward kernel reads, by role: per layer (ln1, wqkv, bqkv, wo,
         ln2, wgu, wdown; q|k|v and gate|up merged, rows = output features) and for the model
         (embed, norm, lm_head). The same tensors the forward uses, not copies."""
-        layers = []
+        layers: list[dict[str, torch.Tensor | None]] = []
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             layers.append(
@@ -185,7 +200,7 @@ class LlamaForCausalLM(nn.Module):
         "mlp.up_proj": ("mlp.gate_up_proj", "up"),
     }
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantWeight]]) -> None:
         """Copy Hugging Face tensors in, each sliced to this rank. Every parameter must be set."""
         expected: set[str] = set()
         for name, _ in self.named_parameters():
@@ -213,7 +228,7 @@ class LlamaForCausalLM(nn.Module):
             match = self._LAYER.fullmatch(name)
             if match is None:
                 if name == "model.norm.weight":
-                    self.model.norm.weight.data.copy_(tensor)
+                    self.model.norm.weight.data.copy_(_dense(name, tensor))
                     loaded.add(name)
                     continue
                 raise ValueError(f"checkpoint tensor {name!r} does not belong to this model")
@@ -226,16 +241,19 @@ class LlamaForCausalLM(nn.Module):
             prefix = f"model.layers.{index}."
             if module_name in self._MERGED:
                 merged, part = self._MERGED[module_name]
-                layer.get_submodule(merged).load(part, tensor, is_bias)
+                cast(MergedColumnLinear, layer.get_submodule(merged)).load(part, tensor, is_bias)
                 loaded.add(f"{prefix}{merged}.{kind}:{part}")
             elif module_name in ("self_attn.o_proj", "mlp.down_proj"):
-                layer.get_submodule(module_name).load(tensor, is_bias)
+                cast(RowParallelLinear, layer.get_submodule(module_name)).load(tensor, is_bias)
                 loaded.add(prefix + rest)
             elif module_name in ("input_layernorm", "post_attention_layernorm"):
-                layer.get_submodule(module_name).weight.data.copy_(tensor)
+                norm = cast(RMSNorm, layer.get_submodule(module_name))
+                norm.weight.data.copy_(_dense(name, tensor))
                 loaded.add(prefix + rest)
             else:
                 raise ValueError(f"checkpoint tensor {name!r} does not belong to this model")
         missing = expected - loaded
         if missing:
-            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+            raise ValueError(
+                f"checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:3]}"
+            )

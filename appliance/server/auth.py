@@ -29,7 +29,9 @@ def _read_secrets(file: str, env: str, what: str) -> list[str]:
         try:
             text = path.read_text()
         except OSError as exc:
-            raise ConfigError(f"server.{what}_file: cannot read {str(path)!r}: {exc.strerror}") from None
+            raise ConfigError(
+                f"server.{what}_file: cannot read {str(path)!r}: {exc.strerror}"
+            ) from None
         secrets += [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
     if env:
         value = os.environ.get(env, "")
@@ -48,7 +50,9 @@ class AuthKeys:
             [s.encode() for s in _read_secrets(server.api_key_file, server.api_key_env, "api_key")],
             [
                 s.encode()
-                for s in _read_secrets(server.admin_token_file, server.admin_token_env, "admin_token")
+                for s in _read_secrets(
+                    server.admin_token_file, server.admin_token_env, "admin_token"
+                )
             ],
         )
 

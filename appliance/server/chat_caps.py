@@ -47,16 +47,22 @@ _SYS = "zq-system-probe"
 _FN = "zq_probe_function"
 _RESULT = "zq-tool-result-probe"
 _ROLE = "zqproberole"
-_PROBE_CALL = {"id": "call12345", "type": "function",  # 9 characters: Mistral's rule
-               "function": {"name": _FN, "arguments": {"zq_arg": "x"}}}  # fmt: skip
+_PROBE_CALL = {
+    "id": "call12345",
+    "type": "function",  # 9 characters: Mistral's rule
+    "function": {"name": _FN, "arguments": {"zq_arg": "x"}},
+}
 _cache: dict[str, TemplateCaps] = {}
 _lock = threading.Lock()
 
 
 def _render(tok: Any, template: str, convo: list[dict[str, Any]]) -> str | None:
     try:
-        return str(tok.apply_chat_template(
-            convo, chat_template=template, add_generation_prompt=False, tokenize=False))
+        return str(
+            tok.apply_chat_template(
+                convo, chat_template=template, add_generation_prompt=False, tokenize=False
+            )
+        )
     except Exception:  # noqa: BLE001 - a template that raises cannot render this
         return None
 

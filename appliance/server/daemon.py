@@ -87,7 +87,12 @@ async def serve(state: ServerState, t0: float | None = None) -> int:
     if serving.done():  # could not bind (uvicorn logged why)
         log.error("cannot listen on %s:%d: %s", cfg.host, cfg.port, serving.exception())
         return 1
-    log.info("listening on http://%s:%d (%.2fs); loading the engine", cfg.host, cfg.port, time.monotonic() - t0)
+    log.info(
+        "listening on http://%s:%d (%.2fs); loading the engine",
+        cfg.host,
+        cfg.port,
+        time.monotonic() - t0,
+    )
     state.start_task = asyncio.create_task(_start(state, t0), name="engine-start")
     watchdog = asyncio.create_task(_watchdog(state), name="watchdog")
     await state.stop_event.wait()
@@ -129,8 +134,14 @@ async def _start(state: ServerState, t0: float) -> None:
     phases = {k: round(v, 3) for k, v in state.startup_phases.items()}
     log.info(
         "ready in %.2fs: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d; phases %s",
-        state.ready_after_s, info.model_name, info.device, info.dtype, info.num_blocks,
-        info.block_size, info.max_model_len, msgspec.json.encode(phases).decode(),
+        state.ready_after_s,
+        info.model_name,
+        info.device,
+        info.dtype,
+        info.num_blocks,
+        info.block_size,
+        info.max_model_len,
+        msgspec.json.encode(phases).decode(),
     )
     sdnotify.notify("READY=1")
     sdnotify.notify(f"STATUS=serving {info.model_name}")
@@ -151,7 +162,9 @@ def _install_signals(state: ServerState) -> None:
             # A second signal: the operator will not wait; end the in-flight requests now.
             log.warning("%s again: aborting %d in-flight requests", signame, len(state.inflight))
             for gen in list(state.inflight):
-                gen.cut(f"the server is stopping ({signame} during the drain)", code="server_stopping")
+                gen.cut(
+                    f"the server is stopping ({signame} during the drain)", code="server_stopping"
+                )
             return
         asyncio.ensure_future(state.drain_and_stop())
 

@@ -45,8 +45,12 @@ class OpenAIErrorH11Protocol(H11Protocol):
             message = f"request headers too large: more than {max_size} bytes"
         else:
             message = f"invalid HTTP request: {exc or msg}"
-        err = APIError(status, message, code="request_header_too_large" if status == 431 else
-                       "invalid_http_request", type="invalid_request_error")
+        err = APIError(
+            status,
+            message,
+            code="request_header_too_large" if status == 431 else "invalid_http_request",
+            type="invalid_request_error",
+        )
         body = error_body(err)
         headers = [
             (b"content-type", b"application/json"),
@@ -54,8 +58,12 @@ class OpenAIErrorH11Protocol(H11Protocol):
             (b"connection", b"close"),
         ]
         # h11 lets a server answer a client's protocol error (as uvicorn's own 400 does).
-        data = self.conn.send(h11.Response(status_code=status, headers=headers,
-                                           reason=_PHRASES[status])) or b""
+        data = (
+            self.conn.send(
+                h11.Response(status_code=status, headers=headers, reason=_PHRASES[status])
+            )
+            or b""
+        )
         data += self.conn.send(h11.Data(data=body)) or b""
         data += self.conn.send(h11.EndOfMessage()) or b""
         self.transport.write(data)

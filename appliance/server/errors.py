@@ -24,7 +24,12 @@ _TYPES = {
     500: "server_error",
     503: "server_error",
 }
-_CODES = {401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+_CODES = {
+    401: "invalid_api_key",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "request_too_large",
+}
 # msgspec names the offending field as "... - at `$.field[0].sub`".
 _PATH = re.compile(r"at `\$\.?([^`]*)`")
 
@@ -114,7 +119,11 @@ def to_api_error(exc: Exception) -> APIError:
 def exception_handler(request: Request[Any, Any, Any], exc: Exception) -> Response[bytes]:
     err = to_api_error(exc)
     logger = getattr(request.app.state, "request_log", None)
-    if logger is not None and not err.logged and request.url.path.startswith(("/v1/", "/tokenize", "/detokenize")):
+    if (
+        logger is not None
+        and not err.logged
+        and request.url.path.startswith(("/v1/", "/tokenize", "/detokenize"))
+    ):
         logger.error_line(request, err)
     return Response(
         content=error_body(err),

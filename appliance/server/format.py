@@ -6,6 +6,7 @@ from typing import Any
 
 import msgspec
 
+from appliance.engine.detokenizer import TokenDecoder
 from appliance.engine.outputs import Logprob, RequestOutput
 from appliance.server import schemas as s
 from appliance.server.generate import Choice, Generation
@@ -28,7 +29,7 @@ def sse(obj: Any) -> bytes:
 class TokenText:
     """Token id -> its text, as one-token decodes (what OpenAI's logprobs show), cached."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: TokenDecoder) -> None:
         self.tokenizer = tokenizer
         self.cache: dict[int, str] = {}
 
@@ -54,7 +55,10 @@ def usage(gen: Generation, plan: ResponsePlan | None = None) -> s.Usage:
 def completion_logprobs(
     entries: list[Logprob], k: int, text_of: TokenText, offset: int
 ) -> tuple[s.CompletionLogprobs, int]:
-    tokens, lps, tops, offsets = [], [], [], []
+    tokens: list[str] = []
+    lps: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    offsets: list[int] = []
     for e in entries:
         tok = text_of(e.token_id)
         tokens.append(tok)
@@ -142,9 +146,7 @@ def chat_response(
     for ch in gen.choices:
         message, reason = _message(ch, plan)
         lps = chat_logprobs(ch.logprobs, k, text_of) if k is not None else None
-        choices.append(
-            s.ChatChoice(ch.index, message, lps, reason, _prompt_lps(plan, ch, text_of))
-        )
+        choices.append(s.ChatChoice(ch.index, message, lps, reason, _prompt_lps(plan, ch, text_of)))
     return s.ChatCompletionResponse(
         id=gen.request_id, created=created, model=model, choices=choices, usage=usage(gen, plan)
     )
@@ -197,7 +199,9 @@ class StreamFormatter:
         if plan.drop_output:
             new_text, new_lps = "", []
         has_lp = self.k is not None and bool(new_lps)
-        echo_now = plan.echo and ch.index not in self.echoed and bool(ro.new_token_ids or ro.finished)
+        echo_now = (
+            plan.echo and ch.index not in self.echoed and bool(ro.new_token_ids or ro.finished)
+        )
         if not new_text and not has_lp and not ro.finished and not echo_now:
             return None  # text held back (a possible stop string or a partial character)
         reason = ch.finish_reason if ro.finished else None
@@ -234,7 +238,11 @@ class StreamFormatter:
     def _chat_delta(
         self, ch: Choice, ro: RequestOutput, text: str, has_lp: bool, reason: str | None
     ) -> bytes | None:
-        lp = chat_logprobs(ro.new_logprobs, self.k, self.text_of) if has_lp and self.k is not None else None
+        lp = (
+            chat_logprobs(ro.new_logprobs, self.k, self.text_of)
+            if has_lp and self.k is not None
+            else None
+        )
         delta = s.DeltaMessage(content=text) if text else s.DeltaMessage()
         tools = self.plan.tools
         if tools is not None:

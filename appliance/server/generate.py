@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -109,7 +109,8 @@ class Generation:
         acks = asyncio.gather(*futures)
         done = asyncio.ensure_future(self.done.wait())
         try:
-            await asyncio.wait({acks, done}, return_when=asyncio.FIRST_COMPLETED)
+            either: set[asyncio.Future[Any]] = {acks, done}
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
         finally:
             done.cancel()
         if not acks.done():
@@ -237,9 +238,18 @@ class Generation:
         for ch in open_choices:
             ch.finish_detail = message
             if self.stream:
-                self.events.put_nowait((ch, RequestOutput(
-                    request_id=ch.request_id, new_token_ids=[], finished=True,
-                    finish_reason="abort", finish_detail=message)))
+                self.events.put_nowait(
+                    (
+                        ch,
+                        RequestOutput(
+                            request_id=ch.request_id,
+                            new_token_ids=[],
+                            finished=True,
+                            finish_reason="abort",
+                            finish_detail=message,
+                        ),
+                    )
+                )
         self.abort(message)
 
     def close(self) -> None:

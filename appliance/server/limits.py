@@ -117,8 +117,10 @@ def check_tool_choice(tools: list[Any] | None, tool_choice: Any) -> None:
     else:
         fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
         named = fn.get("name") if isinstance(fn, dict) else None
-        if not isinstance(tool_choice, dict) or tool_choice.get("type") != "function" or (
-            not isinstance(named, str)
+        if (
+            not isinstance(tool_choice, dict)
+            or tool_choice.get("type") != "function"
+            or (not isinstance(named, str))
         ):
             raise bad_request(
                 'tool_choice: a named tool choice is {"type": "function", "function": '

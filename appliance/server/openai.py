@@ -100,7 +100,9 @@ async def race_disconnect(request: Request[Any, Any, Any], aw: Awaitable[T]) -> 
 async def _generate(request: Request[Any, Any, Any], chat: bool) -> Response[Any]:
     arrival = time.monotonic()
     state = _state(request)
-    body: prep.Body = await decode_body(request, s.ChatCompletionRequest if chat else s.CompletionRequest)
+    body: prep.Body = await decode_body(
+        request, s.ChatCompletionRequest if chat else s.CompletionRequest
+    )
     prep.check_model(state, body.model)
     _check_limits(state, body)
     prep.refuse_unsupported(body)
@@ -114,10 +116,16 @@ async def _generate(request: Request[Any, Any, Any], chat: bool) -> Response[Any
         if plan.tools is not None and plan.tools.structured is not None:
             if structured is not None:
                 plan.tools = with_output_constraint(plan.tools, structured)
+            # (a generic plan, which with_output_constraint returns, constrains its output)
+            assert plan.tools.structured is not None
             structured = validated(plan.tools.structured, "tools")
         prompts = [prep.chat_prompt(state, body.messages, body.add_generation_prompt, plan.tools)]
         name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        asked = (
+            body.max_completion_tokens
+            if body.max_completion_tokens is not None
+            else body.max_tokens
+        )
         k = (body.top_logprobs or 0) if body.logprobs else None
         if body.top_logprobs is not None and not body.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
@@ -137,16 +145,29 @@ async def _generate(request: Request[Any, Any, Any], chat: bool) -> Response[Any
     params = prep.sampling_params(body, max_tokens, k, max(wanted) if wanted else None)
     params.structured = structured
     rid = state.next_id("chatcmpl" if chat else "cmpl")
-    gen = Generation(state, rid, prompts, params, body.n, body.priority, priority_class, arrival, body.stream)
+    gen = Generation(
+        state, rid, prompts, params, body.n, body.priority, priority_class, arrival, body.stream
+    )
     await gen.submit()
     ctx = _LogContext(state, gen, request.url.path, body.stream)
     text_of = _token_text(state)
     created = int(time.time())
     if body.stream:
-        return await _stream(request, gen, ctx, StreamFormatter(
-            gen, chat, state.model_name, created, k,
-            bool(body.stream_options and body.stream_options.include_usage), text_of, plan,
-        ))
+        return await _stream(
+            request,
+            gen,
+            ctx,
+            StreamFormatter(
+                gen,
+                chat,
+                state.model_name,
+                created,
+                k,
+                bool(body.stream_options and body.stream_options.include_usage),
+                text_of,
+                plan,
+            ),
+        )
     try:
         await race_disconnect(request, gen.done.wait())
     except ClientGone:
@@ -213,11 +234,17 @@ async def _stream(
     return Stream(
         _sse_body(gen, ctx, fmt, first),
         media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "x-request-id": gen.request_id},
+        headers={
+            "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no",
+            "x-request-id": gen.request_id,
+        },
     )
 
 
-async def _sse_body(gen: Generation, ctx: _LogContext, fmt: StreamFormatter, first: Any) -> AsyncIterator[bytes]:
+async def _sse_body(
+    gen: Generation, ctx: _LogContext, fmt: StreamFormatter, first: Any
+) -> AsyncIterator[bytes]:
     status = 499
     try:
         parts = fmt.opening()
@@ -309,9 +336,11 @@ async def tokenize(request: Request[Any, Any, Any]) -> Response[bytes]:
     if body.messages is not None:
         limits.check_roles([m.role for m in body.messages])
         chat = s.ChatCompletionRequest(
-            messages=body.messages, tools=body.tools, tool_choice=body.tool_choice,
+            messages=body.messages,
+            tools=body.tools,
+            tool_choice=body.tool_choice,
             parallel_tool_calls=body.parallel_tool_calls,
-        )  # fmt: skip
+        )
         plan = _tool_plan(state, chat)
         ids = prep.chat_prompt(state, body.messages, body.add_generation_prompt, plan)
     else:
@@ -328,7 +357,9 @@ async def detokenize(request: Request[Any, Any, Any]) -> Response[bytes]:
     vocab = state.info.vocab_size if state.info else 0
     bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
     if bad is not None:
-        raise bad_request(f"tokens: id {bad} is outside the vocabulary [0, {vocab})", param="tokens")
+        raise bad_request(
+            f"tokens: id {bad} is outside the vocabulary [0, {vocab})", param="tokens"
+        )
     return _json(s.DetokenizeResponse(state.tokenizer.decode(body.tokens)))
 
 

@@ -22,8 +22,14 @@ _REF = "#/components/schemas/{name}"
 # (method, path, request body type or None, response type, summary, streams)
 _OPERATIONS: list[tuple[str, str, type | None, type, str, bool]] = [
     ("post", "/v1/completions", s.CompletionRequest, s.CompletionResponse, "Completions", True),
-    ("post", "/v1/chat/completions", s.ChatCompletionRequest, s.ChatCompletionResponse,
-     "Chat completions", True),
+    (
+        "post",
+        "/v1/chat/completions",
+        s.ChatCompletionRequest,
+        s.ChatCompletionResponse,
+        "Chat completions",
+        True,
+    ),
     ("get", "/v1/models", None, s.ModelList, "The served model", False),
     ("post", "/tokenize", s.TokenizeRequest, s.TokenizeResponse, "Tokenize (vLLM)", False),
     ("post", "/detokenize", s.DetokenizeRequest, s.DetokenizeResponse, "Detokenize (vLLM)", False),
@@ -41,8 +47,10 @@ def openapi_document() -> dict[str, Any]:
         types += [t for t in (req, resp) if t is not None]
     refs, components = msgspec.json.schema_components(types, ref_template=_REF)
     ref_of = dict(zip(map(id, types), refs, strict=True))
-    error = {"description": "OpenAI's error body", "content": {
-        "application/json": {"schema": _ref(ref_of[id(ErrorBody)])}}}
+    error = {
+        "description": "OpenAI's error body",
+        "content": {"application/json": {"schema": _ref(ref_of[id(ErrorBody)])}},
+    }
     paths: dict[str, Any] = {}
     for method, path, req, resp, summary, streams in _OPERATIONS:
         ok: dict[str, Any] = {"application/json": {"schema": _ref(ref_of[id(resp)])}}
@@ -50,12 +58,13 @@ def openapi_document() -> dict[str, Any]:
             ok["text/event-stream"] = {"schema": {"type": "string"}}
         op: dict[str, Any] = {
             "summary": summary,
-            "responses": {"200": {"description": "OK", "content": ok}, "4XX": error,
-                          "5XX": error},
+            "responses": {"200": {"description": "OK", "content": ok}, "4XX": error, "5XX": error},
         }
         if req is not None:
-            op["requestBody"] = {"required": True, "content": {
-                "application/json": {"schema": _ref(ref_of[id(req)])}}}
+            op["requestBody"] = {
+                "required": True,
+                "content": {"application/json": {"schema": _ref(ref_of[id(req)])}},
+            }
         paths[path] = {method: op}
     return {
         "openapi": "3.1.0",

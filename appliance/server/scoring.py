@@ -6,11 +6,12 @@ log-probabilities, the first one null, before the generated ones) and vLLM's
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from appliance.server import schemas as s
 
 if TYPE_CHECKING:
+    from appliance.engine.detokenizer import TokenDecoder
     from appliance.server.format import TokenText
     from appliance.server.generate import Choice
     from appliance.server.tool_calls import ToolPlan
@@ -29,7 +30,7 @@ class ResponsePlan:
     tools: ToolPlan | None = None
 
 
-def prompt_text(tokenizer: Any, ch: Choice) -> str:
+def prompt_text(tokenizer: TokenDecoder, ch: Choice) -> str:
     return tokenizer.decode(ch.prompt_token_ids, skip_special_tokens=True)
 
 
@@ -73,7 +74,9 @@ def vllm_prompt_logprobs(ch: Choice, k: int, text_of: TokenText) -> s.PromptLogp
     prompt token itself and its top k (the first prompt token: null)."""
     out: s.PromptLogprobs = [None]
     for e, tid in zip(ch.prompt_logprobs, ch.prompt_token_ids[1:], strict=False):
-        entry = {str(t): s.PromptLogprob(lp, r + 1, text_of(t)) for r, (t, lp) in enumerate(e.top[:k])}
+        entry = {
+            str(t): s.PromptLogprob(lp, r + 1, text_of(t)) for r, (t, lp) in enumerate(e.top[:k])
+        }
         if str(tid) not in entry:
             entry[str(tid)] = s.PromptLogprob(e.logprob, None, text_of(tid))
         out.append(entry)

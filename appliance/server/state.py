@@ -340,8 +340,11 @@ def _check_model_path(config: ApplianceConfig) -> None:
         gguf = find_gguf(path)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    if not (path / "config.json").is_file() and gguf is None and not (
-        config.model.demo_shape or config.model.packaged
+    if (
+        not (path / "config.json").is_file()
+        and gguf is None
+        and not (config.model.demo_shape or config.model.packaged)
     ):
-        raise ConfigError(f"model.path: {str(path)!r} holds no Hugging Face model (config.json) "
-                          "and no GGUF file")  # fmt: skip
+        raise ConfigError(
+            f"model.path: {str(path)!r} holds no Hugging Face model (config.json) and no GGUF file"
+        )

@@ -63,23 +63,41 @@ def _candidates(body: Body) -> list[tuple[StructuredOutputs, str]]:
     if so_params is not None:
         p = "structured_outputs"
         if so_params.json is not None:
-            found.append((StructuredOutputs(kind="json", spec=_schema_text(so_params.json, p + ".json")), p + ".json"))
+            found.append(
+                (
+                    StructuredOutputs(kind="json", spec=_schema_text(so_params.json, p + ".json")),
+                    p + ".json",
+                )
+            )
         if so_params.regex is not None:
             found.append((StructuredOutputs(kind="regex", spec=so_params.regex), p + ".regex"))
         if so_params.choice is not None:
-            found.append((StructuredOutputs(kind="choice", spec=json.dumps(so_params.choice)), p + ".choice"))
+            found.append(
+                (StructuredOutputs(kind="choice", spec=json.dumps(so_params.choice)), p + ".choice")
+            )
         if so_params.grammar is not None:
-            found.append((StructuredOutputs(kind="grammar", spec=so_params.grammar), p + ".grammar"))
+            found.append(
+                (StructuredOutputs(kind="grammar", spec=so_params.grammar), p + ".grammar")
+            )
         if so_params.json_object:
             found.append((StructuredOutputs(kind="json_object"), p + ".json_object"))
     if body.guided_json is not None:
-        found.append((StructuredOutputs(kind="json", spec=_schema_text(body.guided_json, "guided_json")), "guided_json"))
+        found.append(
+            (
+                StructuredOutputs(kind="json", spec=_schema_text(body.guided_json, "guided_json")),
+                "guided_json",
+            )
+        )
     if body.guided_regex is not None:
         found.append((StructuredOutputs(kind="regex", spec=body.guided_regex), "guided_regex"))
     if body.guided_choice is not None:
-        found.append((StructuredOutputs(kind="choice", spec=json.dumps(body.guided_choice)), "guided_choice"))
+        found.append(
+            (StructuredOutputs(kind="choice", spec=json.dumps(body.guided_choice)), "guided_choice")
+        )
     if body.guided_grammar is not None:
-        found.append((StructuredOutputs(kind="grammar", spec=body.guided_grammar), "guided_grammar"))
+        found.append(
+            (StructuredOutputs(kind="grammar", spec=body.guided_grammar), "guided_grammar")
+        )
     return found
 
 

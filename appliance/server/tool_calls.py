@@ -87,7 +87,8 @@ class ToolPlan:
             except json.JSONDecodeError:
                 return text, []  # cut by max_tokens: no valid call to report
             return None, [
-                ParsedCall(i["name"], json.dumps(i["parameters"], ensure_ascii=False)) for i in items
+                ParsedCall(i["name"], json.dumps(i["parameters"], ensure_ascii=False))
+                for i in items
             ]
         if self.mode == "generic":
             return parse_generic(text)
@@ -100,7 +101,9 @@ def _function(i: int, tool: Any) -> dict[str, Any]:
         raise bad_request(f"{param}: only tools of type function are supported", param=param)
     fn = tool.get("function")
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-        raise bad_request(f"{param}.function.name: required (a string)", param=f"{param}.function.name")
+        raise bad_request(
+            f"{param}.function.name: required (a string)", param=f"{param}.function.name"
+        )
     params = fn.get("parameters", {"type": "object", "properties": {}})
     try:
         text = check_schema(params)
@@ -143,14 +146,22 @@ def _required_schema(functions: list[dict[str, Any]], parallel: bool) -> dict[st
     return schema
 
 
-def _generic(functions: list[dict[str, Any]], tools: list[dict[str, Any]], parallel: bool,
-             required: bool, answer: dict[str, Any] | None = None) -> ToolPlan:
+def _generic(
+    functions: list[dict[str, Any]],
+    tools: list[dict[str, Any]],
+    parallel: bool,
+    required: bool,
+    answer: dict[str, Any] | None = None,
+) -> ToolPlan:
     schema = json.dumps(generic_schema(functions, parallel, required, answer))
     return ToolPlan(
-        "generic", tools, parallel=parallel, required=required,
+        "generic",
+        tools,
+        parallel=parallel,
+        required=required,
         structured=StructuredOutputs(kind="json", spec=schema),
         preamble=instructions(functions, parallel, required, answer),
-    )  # fmt: skip
+    )
 
 
 def with_output_constraint(plan: ToolPlan, so: StructuredOutputs) -> ToolPlan:
@@ -164,7 +175,11 @@ def with_output_constraint(plan: ToolPlan, so: StructuredOutputs) -> ToolPlan:
             + (" (only a JSON schema or object can)" if plan.choice == "auto" else ""),
             param="response_format",
         )
-    answer = json.loads(so.spec) if so.kind == "json" else {"type": "object", "additionalProperties": True}
+    answer = (
+        json.loads(so.spec)
+        if so.kind == "json"
+        else {"type": "object", "additionalProperties": True}
+    )
     return _generic([t["function"] for t in plan.tools], plan.tools, plan.parallel, False, answer)
 
 
@@ -205,9 +220,12 @@ def plan_tools(
         # grammar alone would make valid arguments, but blind ones).
         has_format = bool(parser or detect_parser(chat_template))
         return ToolPlan(
-            "named", tools, name=name, structured=StructuredOutputs(kind="json", spec=schema),
+            "named",
+            tools,
+            name=name,
+            structured=StructuredOutputs(kind="json", spec=schema),
             preamble="" if has_format else named_instructions(by_name[name]),
-        )  # fmt: skip
+        )
     configured = bool(parser)
     parser = parser or detect_parser(chat_template)
     if choice == "required" or not parser:
@@ -217,9 +235,11 @@ def plan_tools(
             return _generic(functions, tools, body.parallel_tool_calls, required=True)
         schema = json.dumps(_required_schema(functions, body.parallel_tool_calls))
         return ToolPlan(
-            "required", tools, parallel=body.parallel_tool_calls,
+            "required",
+            tools,
+            parallel=body.parallel_tool_calls,
             structured=StructuredOutputs(kind="json", spec=schema),
-        )  # fmt: skip
+        )
     if choice != "auto":
         raise bad_request(
             f"tool_choice must be none, auto, required or a named function, got {choice!r}",
@@ -249,8 +269,12 @@ def template_tool_calls(calls: list[dict[str, Any]], i: int) -> list[dict[str, A
             try:
                 args = json.loads(args or "{}")
             except json.JSONDecodeError:
-                raise bad_request(f"{param}.arguments: not valid JSON", param=f"{param}.arguments") from None
-        out.append({**call, "type": "function", "function": {"name": fn["name"], "arguments": args}})
+                raise bad_request(
+                    f"{param}.arguments: not valid JSON", param=f"{param}.arguments"
+                ) from None
+        out.append(
+            {**call, "type": "function", "function": {"name": fn["name"], "arguments": args}}
+        )
     return out
 
 
@@ -295,14 +319,14 @@ class ToolStream:
             return self._auto_content(), []
         if not finished:
             return "", []
-        content, calls = plan.extract(self.held)
+        body, calls = plan.extract(self.held)
         self.held = ""
         self.made_calls = bool(calls)
         deltas = [
             s.DeltaToolCall(j, call_id(), "function", s.DeltaFunction(c.name, c.arguments))
             for j, c in enumerate(calls)
         ]
-        return content or "", deltas
+        return body or "", deltas
 
     def _auto_content(self) -> str:
         """Release what cannot be (the start of) a call; hold the rest."""

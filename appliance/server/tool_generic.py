@@ -37,7 +37,9 @@ def _call_schema(fn: dict[str, Any]) -> dict[str, Any]:
 
 
 def generic_schema(
-    functions: list[dict[str, Any]], parallel: bool, required: bool,
+    functions: list[dict[str, Any]],
+    parallel: bool,
+    required: bool,
     answer: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One JSON object: a call (or several) of the tools, or a plain answer unless required
@@ -72,7 +74,9 @@ def _describe(f: dict[str, Any]) -> str:
 
 
 def instructions(
-    functions: list[dict[str, Any]], parallel: bool, required: bool,
+    functions: list[dict[str, Any]],
+    parallel: bool,
+    required: bool,
     answer: dict[str, Any] | None = None,
 ) -> str:
     """The tool description the model reads. Kept short: small models have small contexts."""
@@ -96,10 +100,13 @@ def instructions(
 
 def named_instructions(f: dict[str, Any]) -> str:
     """For a named tool_choice: the one tool, whose arguments are the whole answer."""
-    return "\n".join([
-        "Call this tool (name: description; JSON schema of the arguments):", _describe(f),
-        "Answer with the arguments of the call, as one JSON object.",
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            "Call this tool (name: description; JSON schema of the arguments):",
+            _describe(f),
+            "Answer with the arguments of the call, as one JSON object.",
+        ]
+    )
 
 
 # -- reading the answer back ---------------------------------------------------------------------
@@ -126,7 +133,8 @@ def _completed_calls(text: str) -> list[ParsedCall]:
     m = _CALLS_HEAD.match(text)
     if m is None or bool(m.group(1)) != bool(m.group(2)):
         return []
-    dec, pos, items = json.JSONDecoder(), m.end(), []
+    dec, pos = json.JSONDecoder(), m.end()
+    items: list[Any] = []
     while not items or m.group(1):  # one item for "tool_call", as many as whole for a list
         while pos < len(text) and (text[pos].isspace() or text[pos] == ","):
             pos += 1
@@ -155,11 +163,13 @@ def parse_generic(text: str) -> tuple[str | None, list[ParsedCall]]:
         return (None, calls) if calls else (text, [])
     if isinstance(obj, dict) and RESPONSE_KEY in obj:
         answer = obj[RESPONSE_KEY]
-        return (_clean(answer) if isinstance(answer, str) else json.dumps(answer, ensure_ascii=False)), []
+        return (
+            _clean(answer) if isinstance(answer, str) else json.dumps(answer, ensure_ascii=False)
+        ), []
     if isinstance(obj, dict) and ("tool_calls" in obj or "tool_call" in obj):
-        calls = _calls(obj)
-        if calls:
-            return None, calls
+        found = _calls(obj)
+        if found:
+            return None, found
     return text, []
 
 

@@ -38,7 +38,8 @@ def _call(obj: Any, args_key: str = "arguments") -> ParsedCall | None:
 def _json_values(text: str, separators: str) -> list[Any] | None:
     """Consecutive JSON values in `text`, separated by whitespace or `separators`."""
     dec = json.JSONDecoder()
-    values, pos = [], 0
+    values: list[Any] = []
+    pos = 0
     while True:
         while pos < len(text) and (text[pos].isspace() or text[pos] in separators):
             pos += 1

@@ -13,10 +13,13 @@ import math
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 from appliance.tools.demo_spec import ARCHS, DEMO_SHAPES, SHAPES, DemoShape, corpus_text
 
@@ -149,7 +152,7 @@ def _make_config(shape: DemoShape, arch: str, vocab: int, max_pos: int) -> Any:
 
 
 @torch.no_grad()
-def _init_weights(model: torch.nn.Module, seed: int, real_vocab: int) -> None:
+def _init_weights(model: PreTrainedModel, seed: int, real_vocab: int) -> None:
     """Overwrite every parameter from one generator, in sorted-name order (see INIT_GAIN)."""
     gen = torch.Generator().manual_seed(seed)
     for name, param in sorted(model.named_parameters()):
@@ -169,8 +172,10 @@ def _init_weights(model: torch.nn.Module, seed: int, real_vocab: int) -> None:
                 param[real_vocab:] = 0.0
 
 
-def _param_vocab(model: torch.nn.Module) -> int:
-    return int(model.get_input_embeddings().weight.shape[0])
+def _param_vocab(model: PreTrainedModel) -> int:
+    weight = model.get_input_embeddings().weight
+    assert isinstance(weight, torch.Tensor)
+    return int(weight.shape[0])
 
 
 def _clear_weights(out_dir: Path) -> None:
@@ -255,7 +260,8 @@ def _no_init_weights() -> Any:
     try:
         from transformers.initialization import no_init_weights
     except ImportError:  # transformers 4.x
-        from transformers.modeling_utils import no_init_weights
+        # (this transformers' stubs are 5.x: the 4.x location is unknown to them)
+        from transformers.modeling_utils import no_init_weights  # type: ignore[attr-defined,no-redef]
     return no_init_weights()
 
 

@@ -124,16 +124,22 @@ def kv_perplexities(
 
     # A 16-bit engine; each run below builds its own pool in the format it measures.
     cache = msgspec.structs.replace(
-        config.cache, kv_cache_dtype="auto", kv_cache_keep_16bit=[], kv_cache_keep_16bit_heads=[],
+        config.cache,
+        kv_cache_dtype="auto",
+        kv_cache_keep_16bit=[],
+        kv_cache_keep_16bit_heads=[],
         swap_space=0.0,
     )
     loaded = load_model(msgspec.structs.replace(config, cache=cache))
     try:
         windows = heldout_windows(loaded.tokenizer, tokens, window)
         absmax = calibrate_absmax(
-            loaded.model, calibration_windows(loaded.tokenizer, loaded.max_model_len),
-            loaded.block_size, loaded.device, loaded.dtype,
-        )  # fmt: skip
+            loaded.model,
+            calibration_windows(loaded.tokenizer, loaded.max_model_len),
+            loaded.block_size,
+            loaded.device,
+            loaded.dtype,
+        )
         layers = loaded.args.num_layers
 
         def ppl(kind: str, quantized: set[int], kept: dict[int, set[int]] | None = None) -> float:
@@ -191,15 +197,25 @@ def table(
     from appliance.tools.plan import make_plan
 
     def config(fmt: str, kept: list[int], heads: list[str]) -> ApplianceConfig:
-        return load_config(None, {
-            "model.path": model, "model.dtype": "float32", "model.max_model_len": 1024,
-            "model.cpu_prepack_weights": False, **cache_settings(fmt),
-            "cache.kv_cache_keep_16bit": kept, "cache.kv_cache_keep_16bit_heads": heads,
-            "cache.kv_cache_memory": 0.25, "cache.swap_space": 0.0, "hardware.device": "cpu",
-        })  # fmt: skip
+        return load_config(
+            None,
+            {
+                "model.path": model,
+                "model.dtype": "float32",
+                "model.max_model_len": 1024,
+                "model.cpu_prepack_weights": False,
+                **cache_settings(fmt),
+                "cache.kv_cache_keep_16bit": kept,
+                "cache.kv_cache_keep_16bit_heads": heads,
+                "cache.kv_cache_memory": 0.25,
+                "cache.swap_space": 0.0,
+                "hardware.device": "cpu",
+            },
+        )
 
     lists: list[KeepList] = [([], []), *keep_lists]
-    runs = [("auto", [], [])] + [(f, k, h) for f in formats for k, h in lists]
+    runs: list[tuple[str, list[int], list[str]]] = [("auto", [], [])]
+    runs += [(f, k, h) for f in formats for k, h in lists]
     reference = greedy_answers(config("auto", [], []), max_tokens=max_tokens)
     ppl = kv_perplexities(config("auto", [], []), [r for r in runs if r[0] != "auto"])
     rows = [
@@ -214,10 +230,17 @@ def table(
             else greedy_answers(config(fmt, kept, heads), max_tokens=max_tokens)
         )
         score = score_answers(fmt, reference, answers)
-        plan = make_plan(load_config("cpu-demo", {
-            "model.path": model, **cache_settings(fmt), "cache.kv_cache_keep_16bit": kept,
-            "cache.kv_cache_keep_16bit_heads": heads,
-        })).chosen  # fmt: skip
+        plan = make_plan(
+            load_config(
+                "cpu-demo",
+                {
+                    "model.path": model,
+                    **cache_settings(fmt),
+                    "cache.kv_cache_keep_16bit": kept,
+                    "cache.kv_cache_keep_16bit_heads": heads,
+                },
+            )
+        ).chosen
         name = "auto" if fmt == "auto" else run_name(fmt, kept, heads)
         parts = [f"layers {kept}"] if kept else []
         parts += [f"{len(heads)} heads {heads}"] if heads else []
@@ -239,14 +262,18 @@ if __name__ == "__main__":
     parser.add_argument("--model", help="HF directory (default: build SmolLM2 from its wheel)")
     parser.add_argument("--keep", default="17,20,23", help="a layer keep-list (kv-eval's)")
     parser.add_argument(
-        "--keep-heads", action="append", default=[], metavar="L:H,...",
+        "--keep-heads",
+        action="append",
+        default=[],
+        metavar="L:H,...",
         help='a keep-list of single KV heads, e.g. "1:0,1:1" (repeatable; kv-eval --per-head\'s)',
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--formats", default="fp8_e4m3,fp8_e5m2,int8,int8_token",
+        "--formats",
+        default="fp8_e4m3,fp8_e5m2,int8,int8_token",
         help="kv_cache_dtype values (int8: per-head scales), and int8_token: INT8 with "
         "per-token scales",
-    )  # fmt: skip
+    )
     parser.add_argument("--max-tokens", type=int, default=64)
     ns = parser.parse_args()
     if ns.model is None:

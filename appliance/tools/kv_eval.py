@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -86,7 +86,7 @@ class Report:
 
 
 class _Accumulator:
-    def __init__(self, name: str, layers: Sequence[int], head: int | None = None) -> None:
+    def __init__(self, name: str, layers: Iterable[int], head: int | None = None) -> None:
         self.name, self.layers, self.head = name, sorted(layers), head
         self.kl = self.agree = self.nll = 0.0
         self.positions = self.nll_positions = 0
@@ -194,7 +194,9 @@ class Run:
     head: int | None = None
 
 
-def evaluate(forcer: TeacherForcer, windows: list[list[int]], runs: Sequence[Run]) -> tuple[list[Score], float]:
+def evaluate(
+    forcer: TeacherForcer, windows: list[list[int]], runs: Sequence[Run]
+) -> tuple[list[Score], float]:
     """Scores of each run against the 16-bit run, and the 16-bit NLL."""
     accs = [_Accumulator(r.name, r.quantized, r.head) for r in runs]
     ref_nll, ref_n = 0.0, 0
@@ -227,7 +229,10 @@ def propose_head_keep_list(
         chosen.setdefault(s.quantized_layers[0], set()).add(s.head)
     whole = sorted(layer for layer, hs in chosen.items() if len(hs) == heads)
     entries = [
-        f"{layer}:{h}" for layer in sorted(chosen) if layer not in whole for h in sorted(chosen[layer])
+        f"{layer}:{h}"
+        for layer in sorted(chosen)
+        if layer not in whole
+        for h in sorted(chosen[layer])
     ]
     return whole, entries
 
@@ -398,7 +403,11 @@ def format_report(r: Report) -> str:
         ]
         if r.with_head_keep_list is not None:
             lines.append(row(r.with_head_keep_list))
-            gain = r.all_quantized.kl / r.with_head_keep_list.kl if r.with_head_keep_list.kl > 0 else math.inf
+            gain = (
+                r.all_quantized.kl / r.with_head_keep_list.kl
+                if r.with_head_keep_list.kl > 0
+                else math.inf
+            )
             lines.append(
                 f"proposed kv_cache_keep_16bit = {r.head_keep_layers}, kv_cache_keep_16bit_heads = "
                 f"{r.head_keep_heads} (the layer keep-list's memory): KL {gain:.1f}x lower than "
@@ -407,7 +416,7 @@ def format_report(r: Report) -> str:
     return "\n".join(lines)
 
 
-def add_parser(sub: Any) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "kv-eval",
         help="measure the effect of a quantized KV cache per layer and propose a keep-list",

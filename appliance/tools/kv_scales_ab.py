@@ -21,12 +21,21 @@ SCALES = ("per_head", "per_token")
 def main(model: str, threads: int = 1, rounds: int = 3) -> None:
     torch.set_num_threads(threads)
     engines = {
-        sc: Engine(load_config(None, {
-            "model.path": model, "cache.kv_cache_dtype": "int8", "cache.kv_cache_scales": sc,
-            "cache.kv_cache_memory": 0.25, "cache.swap_space": 0.0, "hardware.device": "cpu",
-            # Every round prefills again (a cached prefix would skip it in later rounds only).
-            "cache.enable_prefix_caching": False,
-        }))  # fmt: skip
+        sc: Engine(
+            load_config(
+                None,
+                {
+                    "model.path": model,
+                    "cache.kv_cache_dtype": "int8",
+                    "cache.kv_cache_scales": sc,
+                    "cache.kv_cache_memory": 0.25,
+                    "cache.swap_space": 0.0,
+                    "hardware.device": "cpu",
+                    # Every round prefills again (a cached prefix would skip it in later rounds only).
+                    "cache.enable_prefix_caching": False,
+                },
+            )
+        )
         for sc in SCALES
     }
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)

@@ -40,11 +40,18 @@ PARAMS = SamplingParams(max_tokens=64, temperature=0.0)
 
 
 def fp32_config(model: str) -> ApplianceConfig:
-    return load_config(None, {
-        "model.path": model, "model.dtype": "float32", "model.max_model_len": 1024,
-        "model.cpu_prepack_weights": False, "cache.kv_cache_memory": 0.25,
-        "cache.swap_space": 0.0, "hardware.device": "cpu",
-    })  # fmt: skip
+    return load_config(
+        None,
+        {
+            "model.path": model,
+            "model.dtype": "float32",
+            "model.max_model_len": 1024,
+            "model.cpu_prepack_weights": False,
+            "cache.kv_cache_memory": 0.25,
+            "cache.swap_space": 0.0,
+            "hardware.device": "cpu",
+        },
+    )
 
 
 def stored_form(x: torch.Tensor, fmt: str, mode: str, head_scale: torch.Tensor) -> torch.Tensor:
@@ -75,9 +82,17 @@ def simulate(config: ApplianceConfig, fmt: str, mode: str, absmax: Any) -> list[
             ones = torch.ones(attn.num_kv_heads)
             attn.spec = KVCacheSpec("int8", ones, ones)
 
-            def write_kv(k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
-                         slots: torch.Tensor, *rest: object, write: Any = write,
-                         ks: torch.Tensor = ks, vs: torch.Tensor = vs) -> None:  # fmt: skip
+            def write_kv(
+                k: torch.Tensor,
+                v: torch.Tensor,
+                kc: torch.Tensor,
+                vc: torch.Tensor,
+                slots: torch.Tensor,
+                *rest: object,
+                write: Any = write,
+                ks: torch.Tensor = ks,
+                vs: torch.Tensor = vs,
+            ) -> None:
                 fk, fv = stored_form(k, fmt, mode, ks), stored_form(v, fmt, mode, vs)
                 if mode == "sink":
                     first = torch.tensor(sorted({t[0] for t in runner.block_tables.values()}))
@@ -104,8 +119,11 @@ def main(schemes: list[str]) -> None:
     for scheme in schemes:
         fmt, mode = scheme.split(":")
         s = score_answers(scheme, reference, simulate(config, fmt, mode, absmax))
-        print(f"{scheme}: {round(s.identical * s.answers)}/{s.answers} identical, "
-              f"{100 * s.matched_prefix:.1f}% matched prefix", flush=True)  # fmt: skip
+        print(
+            f"{scheme}: {round(s.identical * s.answers)}/{s.answers} identical, "
+            f"{100 * s.matched_prefix:.1f}% matched prefix",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -66,6 +66,8 @@ def write_keep_list(
     cfg = load_config(out)
     c = cfg.cache
     if (c.kv_cache_dtype, c.kv_cache_keep_16bit, c.kv_cache_keep_16bit_heads) != (
-        kv_cache_dtype, keep, heads
+        kv_cache_dtype,
+        keep,
+        heads,
     ):
         raise ConfigError(f"--write-template: {out} does not read back as written")

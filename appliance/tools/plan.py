@@ -150,8 +150,12 @@ def _gguf_config(path: Path) -> tuple[dict[str, Any], str, str] | None:
     raw = meta.config_json()
     elements, packed = meta.packed_size()
     if elements:
-        raw["quantization_config"] = {"quant_method": "gguf", "types": meta.quantized_types(),
-                                      "packed_elements": elements, "packed_bytes": packed}  # fmt: skip
+        raw["quantization_config"] = {
+            "quant_method": "gguf",
+            "types": meta.quantized_types(),
+            "packed_elements": elements,
+            "packed_bytes": packed,
+        }
     return raw, str(file), file.stem
 
 
@@ -218,8 +222,10 @@ def cpu_quant_copy_bytes(spec: ModelArgs, config: ApplianceConfig, tp: int) -> t
     if not cpu.quant_dense_copy:
         return 0, "packed; kernels read them as stored"
     copy = (spec.linear_params_per_rank(tp) + spec.lm_head_params_per_rank(tp)) * BYTES[cpu.compute]
-    return copy, (f"packed for decode steps of up to {QUANT_COPY_FUSED_MAX} sequences, a "
-                  f"oneDNN-prepacked {cpu.compute} copy for prefills and wider steps")  # fmt: skip
+    return copy, (
+        f"packed for decode steps of up to {QUANT_COPY_FUSED_MAX} sequences, a "
+        f"oneDNN-prepacked {cpu.compute} copy for prefills and wider steps"
+    )
 
 
 def cpu_weight_bytes(spec: ModelArgs, config: ApplianceConfig, tp: int) -> tuple[int, int, str]:
@@ -238,7 +244,11 @@ def cpu_weight_bytes(spec: ModelArgs, config: ApplianceConfig, tp: int) -> tuple
         if not cpu.native_decode:
             stored -= linears * elem  # released: nothing else reads them
     layout = "oneDNN prepacked" if cpu.prepack else "ATen"
-    return stored, copy, f"weights {cpu.weight}, compute {cpu.compute}, matmuls {layout} {cpu.compute}"
+    return (
+        stored,
+        copy,
+        f"weights {cpu.weight}, compute {cpu.compute}, matmuls {layout} {cpu.compute}",
+    )
 
 
 def plan_tp(
@@ -318,7 +328,9 @@ def plan_tp(
     else:
         p.fits_memory = True
         if on_gpu and tp > max(1, hw.num_gpus):
-            p.verdict = f"would fit, but needs {tp} GPUs and the template's hardware has {hw.num_gpus}"
+            p.verdict = (
+                f"would fit, but needs {tp} GPUs and the template's hardware has {hw.num_gpus}"
+            )
         else:
             p.fits = True
             p.verdict = "fits"
@@ -414,36 +426,87 @@ def render(plan: Plan) -> str:
             f"{_gib(c.budget_bytes)} budget per GPU"
         )
     else:
-        lines.append(f"hardware: host CPU; KV pool cache.kv_cache_memory {plan.kv_cache_memory_gib:g} GiB per rank")
+        lines.append(
+            f"hardware: host CPU; KV pool cache.kv_cache_memory {plan.kv_cache_memory_gib:g} GiB per rank"
+        )
     unit = "per GPU" if plan.device == "cuda" else "per rank"
     lines.append(f"tensor_parallel_size {c.tensor_parallel_size}, {unit}:")
     if c.weight_params:
         rows = [
-            ("weights", _gib(c.weights_bytes), f"{c.weight_params / 1e9:.3f}B parameters x {plan.dtype_bytes} bytes" + (" + the matmul copy" if c.matmul_copy_bytes else "")),
+            (
+                "weights",
+                _gib(c.weights_bytes),
+                f"{c.weight_params / 1e9:.3f}B parameters x {plan.dtype_bytes} bytes"
+                + (" + the matmul copy" if c.matmul_copy_bytes else ""),
+            ),
         ]
         if plan.weight_format:
-            rows[0] = ("weights", _gib(c.weights_bytes), format_note(plan.weight_format, plan.weight_types))
+            rows[0] = (
+                "weights",
+                _gib(c.weights_bytes),
+                format_note(plan.weight_format, plan.weight_types),
+            )
         if c.matmul_copy_bytes:
             rows += [
                 ("  of which matmul copy", _gib(c.matmul_copy_bytes), c.cpu_path + " (this CPU)"),
             ]
         if plan.device == "cuda":
             rows += [
-                ("activation reserve", _gib(c.activation_reserve_bytes), f"estimated for {plan.max_num_batched_tokens} tokens a step (see below)"),
-                ("runtime reserve", _gib(c.runtime_reserve_bytes), "CUDA context, cuBLAS and NCCL workspaces (assumed)"),
+                (
+                    "activation reserve",
+                    _gib(c.activation_reserve_bytes),
+                    f"estimated for {plan.max_num_batched_tokens} tokens a step (see below)",
+                ),
+                (
+                    "runtime reserve",
+                    _gib(c.runtime_reserve_bytes),
+                    "CUDA context, cuBLAS and NCCL workspaces (assumed)",
+                ),
             ]
         rows += [
-            ("KV cache", _gib(c.kv_cache_bytes), "what is left" if plan.device == "cuda" else "cache.kv_cache_memory"),
-            ("KV bytes per token", f"{c.kv_bytes_per_token / KiB:.1f} KiB", f"K+V x layers x KV heads on this rank x head_dim x {plan.kv_elem_bytes} byte(s)" + (" (16-bit layers/heads: cache.kv_cache_keep_16bit[_heads])" if plan.kv_keep_16bit else "") + (" + 2-byte per-token scales (cache.kv_cache_scales)" if plan.kv_scales == "per_token" else "")),
-            ("KV blocks", str(c.kv_blocks), f"{plan.block_size} tokens, {c.block_bytes / MiB:.2f} MiB each: {c.kv_tokens} tokens"),
-            (f"seqs at {plan.max_model_len} tokens", str(c.seqs_at_max_model_len), "model.max_model_len"),
-            (f"seqs at {plan.typical_seq_len} tokens", str(c.seqs_at_typical_seq_len), "hardware.typical_seq_len"),
+            (
+                "KV cache",
+                _gib(c.kv_cache_bytes),
+                "what is left" if plan.device == "cuda" else "cache.kv_cache_memory",
+            ),
+            (
+                "KV bytes per token",
+                f"{c.kv_bytes_per_token / KiB:.1f} KiB",
+                f"K+V x layers x KV heads on this rank x head_dim x {plan.kv_elem_bytes} byte(s)"
+                + (
+                    " (16-bit layers/heads: cache.kv_cache_keep_16bit[_heads])"
+                    if plan.kv_keep_16bit
+                    else ""
+                )
+                + (
+                    " + 2-byte per-token scales (cache.kv_cache_scales)"
+                    if plan.kv_scales == "per_token"
+                    else ""
+                ),
+            ),
+            (
+                "KV blocks",
+                str(c.kv_blocks),
+                f"{plan.block_size} tokens, {c.block_bytes / MiB:.2f} MiB each: {c.kv_tokens} tokens",
+            ),
+            (
+                f"seqs at {plan.max_model_len} tokens",
+                str(c.seqs_at_max_model_len),
+                "model.max_model_len",
+            ),
+            (
+                f"seqs at {plan.typical_seq_len} tokens",
+                str(c.seqs_at_typical_seq_len),
+                "hardware.typical_seq_len",
+            ),
         ]
         for name, value, why in rows:
             lines.append(f"  {name:<22} {value:>12}   {why}")
         capped = c.seqs_at_typical_seq_len > plan.max_num_seqs
         if capped:
-            lines.append(f"  (the scheduler runs at most max_num_seqs = {plan.max_num_seqs} at once)")
+            lines.append(
+                f"  (the scheduler runs at most max_num_seqs = {plan.max_num_seqs} at once)"
+            )
     lines.append(f"verdict: {c.verdict}")
     if plan.advice:
         lines.append(f"advice: {plan.advice}")
@@ -455,11 +518,13 @@ def render(plan: Plan) -> str:
         blocks = str(o.kv_blocks) if o.weight_params else "-"
         seqs = str(o.seqs_at_max_model_len) if o.weight_params else "-"
         weights = _gib(o.weights_bytes) if o.weight_params else "-"
-        lines.append(f"  {o.tensor_parallel_size:>2}  {weights:>11}  {blocks:>9}  {seqs:>8}  {o.verdict}")
+        lines.append(
+            f"  {o.tensor_parallel_size:>2}  {weights:>11}  {blocks:>9}  {seqs:>8}  {o.verdict}"
+        )
     return "\n".join(lines)
 
 
-def add_parser(sub: Any) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "plan",
         help="memory plan of a template: what fits per GPU, without loading weights",
@@ -480,4 +545,3 @@ def main(ns: argparse.Namespace) -> int:
     else:
         print(render(plan))
     return 0 if plan.chosen.fits else 1
-

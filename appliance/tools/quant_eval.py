@@ -26,13 +26,27 @@ from appliance.tools.kv_answers import QUESTIONS
 FORMATS: dict[str, tuple[str, dict[str, Any]]] = {
     "fp32 (reference)": ("hf", {"model.dtype": "float32"}),
     "bf16": ("hf", {"model.dtype": "bfloat16"}),
-    "int8 per-channel": ("hf", {"model.dtype": "float32", "model.quantization": "int8",
-                                "model.cpu_quant_activations": "float32"}),
-    "int8, int8 activations": ("hf", {"model.dtype": "float32", "model.quantization": "int8",
-                                      "model.cpu_quant_activations": "int8"}),
+    "int8 per-channel": (
+        "hf",
+        {
+            "model.dtype": "float32",
+            "model.quantization": "int8",
+            "model.cpu_quant_activations": "float32",
+        },
+    ),
+    "int8, int8 activations": (
+        "hf",
+        {
+            "model.dtype": "float32",
+            "model.quantization": "int8",
+            "model.cpu_quant_activations": "int8",
+        },
+    ),
     "gguf Q4_1": ("gguf", {"model.dtype": "float32", "model.cpu_quant_activations": "float32"}),
-    "gguf Q4_1, int8 activations": ("gguf", {"model.dtype": "float32",
-                                           "model.cpu_quant_activations": "int8"}),
+    "gguf Q4_1, int8 activations": (
+        "gguf",
+        {"model.dtype": "float32", "model.cpu_quant_activations": "int8"},
+    ),
     # As the cpu-demo template serves the file: the CPU's own compute dtype and, where the
     # backend keeps one (AMX), the prepacked copy that wide passes read.
     "gguf Q4_1, as served": ("gguf", {"model.dtype": "auto", "model.cpu_prepack_weights": True}),
@@ -72,8 +86,16 @@ def teacher_forced_logprobs(
         blocks = math.ceil(len(window) / bs)
         # The serving pool's layout (side caches of kept KV heads included).
         heads = loaded.model.attention_layers()[0].num_kv_heads
-        pool = KVCachePool(n_layers, blocks, 0, bs, heads, loaded.args.head_dim,
-                           loaded.runner.kv.storage, loaded.device)  # fmt: skip
+        pool = KVCachePool(
+            n_layers,
+            blocks,
+            0,
+            bs,
+            heads,
+            loaded.args.head_dim,
+            loaded.runner.kv.storage,
+            loaded.device,
+        )
         runner = ModelRunner(loaded.model, pool, bs, loaded.device)
         block_ids = list(range(blocks))
         rows = []
@@ -128,14 +150,24 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 
 def config_for(path: str, overrides: dict[str, Any]) -> ApplianceConfig:
-    base = {"model.path": path, "model.max_model_len": 1024, "model.cpu_prepack_weights": False,
-            "cache.kv_cache_memory": 0.1, "cache.swap_space": 0.0, "hardware.device": "cpu"}  # fmt: skip
+    base = {
+        "model.path": path,
+        "model.max_model_len": 1024,
+        "model.cpu_prepack_weights": False,
+        "cache.kv_cache_memory": 0.1,
+        "cache.swap_space": 0.0,
+        "hardware.device": "cpu",
+    }
     return load_config(None, {**base, **overrides})
 
 
 def evaluate(
-    paths: dict[str, str], formats: Sequence[str], tokens: int = 512, window: int = 256,
-    chunk: int = CHUNK, answer_tokens: int = 0,
+    paths: dict[str, str],
+    formats: Sequence[str],
+    tokens: int = 512,
+    window: int = 256,
+    chunk: int = CHUNK,
+    answer_tokens: int = 0,
 ) -> list[FormatScore]:
     """Each format of FORMATS (the first is the reference) on the held-out corpus windows and,
     with `answer_tokens`, on greedy chat answers of up to that many tokens (one Engine each,
@@ -179,8 +211,10 @@ def format_table(scores: Sequence[FormatScore]) -> str:
         rule += "---:|---:|"
     lines = [head, rule]
     for s in scores:
-        line = (f"| {s.name} | {s.weight_bytes / 2**20:.1f} MiB | {s.perplexity:.3f} | "
-                f"{100 * (s.perplexity / ref - 1):+.2f}% | {100 * s.top1_agreement:.1f}% |")  # fmt: skip
+        line = (
+            f"| {s.name} | {s.weight_bytes / 2**20:.1f} MiB | {s.perplexity:.3f} | "
+            f"{100 * (s.perplexity / ref - 1):+.2f}% | {100 * s.top1_agreement:.1f}% |"
+        )
         if s.answers_identical is not None and s.answers_prefix is not None:
             n = len(QUESTIONS)
             line += f" {round(s.answers_identical * n)}/{n} | {100 * s.answers_prefix:.1f}% |"
@@ -188,16 +222,23 @@ def format_table(scores: Sequence[FormatScore]) -> str:
     return "\n".join(lines)
 
 
-def add_parser(sub: Any) -> None:
-    p = sub.add_parser("quant-eval", help="perplexity and top-1 agreement of weight formats "
-                       "(SmolLM2-135M-Instruct: its Q4_1 GGUF vs the fp32 dequantized reference)")  # fmt: skip
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "quant-eval",
+        help="perplexity and top-1 agreement of weight formats "
+        "(SmolLM2-135M-Instruct: its Q4_1 GGUF vs the fp32 dequantized reference)",
+    )
     p.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
     p.add_argument("--tokens", type=int, default=512, help="held-out corpus tokens")
     p.add_argument("--window", type=int, default=256)
     p.add_argument("--chunk", type=int, default=CHUNK, help="tokens per teacher-forced step")
-    p.add_argument("--answer-tokens", type=int, default=64,
-                   help="greedy chat answers to 16 questions of up to this many tokens, compared "
-                   "with the reference's (0: skip)")  # fmt: skip
+    p.add_argument(
+        "--answer-tokens",
+        type=int,
+        default=64,
+        help="greedy chat answers to 16 questions of up to this many tokens, compared "
+        "with the reference's (0: skip)",
+    )
     p.set_defaults(func=main)
 
 

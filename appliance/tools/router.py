@@ -42,10 +42,27 @@ Send = Callable[[Message], Awaitable[None]]
 
 GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
 # Hop-by-hop headers (RFC 9110 7.6.1) and those the proxy sets itself.
-_DROP_REQUEST = {b"host", b"content-length", b"connection", b"keep-alive", b"transfer-encoding",
-                 b"te", b"trailer", b"upgrade", b"proxy-authorization", b"proxy-connection"}
-_DROP_RESPONSE = {b"connection", b"keep-alive", b"transfer-encoding", b"te", b"trailer",
-                  b"upgrade", b"proxy-authenticate"}
+_DROP_REQUEST = {
+    b"host",
+    b"content-length",
+    b"connection",
+    b"keep-alive",
+    b"transfer-encoding",
+    b"te",
+    b"trailer",
+    b"upgrade",
+    b"proxy-authorization",
+    b"proxy-connection",
+}
+_DROP_RESPONSE = {
+    b"connection",
+    b"keep-alive",
+    b"transfer-encoding",
+    b"te",
+    b"trailer",
+    b"upgrade",
+    b"proxy-authenticate",
+}
 
 
 class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -71,7 +88,7 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     def __post_init__(self) -> None:
         if not self.pools:
-            raise ConfigError("router.pools: no pools (name = \"http://host:port\")")
+            raise ConfigError('router.pools: no pools (name = "http://host:port")')
         for name, url in self.pools.items():
             if not url.startswith(("http://", "https://")):
                 raise ConfigError(f"router.pools.{name}: {url!r} is not an http(s) URL")
@@ -139,7 +156,11 @@ def prompt_tokens(body: Any, counter: TokenCounter) -> int:
             if isinstance(content, str):
                 parts.append(content)
             elif isinstance(content, list):
-                parts += [p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
+                parts += [
+                    p["text"]
+                    for p in content
+                    if isinstance(p, dict) and isinstance(p.get("text"), str)
+                ]
         return counter.count("\n".join(parts))
     prompt = body.get("prompt")
     if isinstance(prompt, str):
@@ -170,14 +191,20 @@ def choose_pool(cfg: RouterConfig, body: Any, counter: TokenCounter) -> tuple[st
 
 
 def _error(status: int, message: str, kind: str) -> bytes:
-    return msgspec.json.encode({"error": {"message": message, "type": kind, "param": None, "code": status}})
+    return msgspec.json.encode(
+        {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    )
 
 
 class Router:
     """A plain ASGI app: /health, /ready and /metrics of its own, everything else proxied."""
 
-    def __init__(self, cfg: RouterConfig, counter: TokenCounter | None = None,
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+    def __init__(
+        self,
+        cfg: RouterConfig,
+        counter: TokenCounter | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
         from prometheus_client import CollectorRegistry, Counter
 
         self.cfg = cfg
@@ -185,8 +212,12 @@ class Router:
         self._transport = transport
         self.client: httpx.AsyncClient | None = None
         self.registry = CollectorRegistry()
-        self.routed = Counter("appliance_router_requests", "Requests routed, by pool, reason and status.",
-                              ["pool", "reason", "status"], registry=self.registry)
+        self.routed = Counter(
+            "appliance_router_requests",
+            "Requests routed, by pool, reason and status.",
+            ["pool", "reason", "status"],
+            registry=self.registry,
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -224,13 +255,21 @@ class Router:
         if path == "/metrics":
             from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-            return await _reply(send, 200, generate_latest(self.registry), CONTENT_TYPE_LATEST.encode())
+            return await _reply(
+                send, 200, generate_latest(self.registry), CONTENT_TYPE_LATEST.encode()
+            )
         if path.startswith("/admin"):
-            return await _reply(send, 404, _error(404, "admin endpoints are per instance: ask the pool's port", "not_found"))
+            return await _reply(
+                send,
+                404,
+                _error(404, "admin endpoints are per instance: ask the pool's port", "not_found"),
+            )
         body = await _read_body(receive, self.cfg.max_request_body_bytes)
         if body is None:
             limit = self.cfg.max_request_body_bytes
-            return await _reply(send, 413, _error(413, f"request body over {limit} bytes", "invalid_request_error"))
+            return await _reply(
+                send, 413, _error(413, f"request body over {limit} bytes", "invalid_request_error")
+            )
         pool, why = self.cfg.default_pool, "default"
         if method == "POST" and path in GENERATE_PATHS:
             try:
@@ -242,9 +281,14 @@ class Router:
         self.routed.labels(pool, why, str(status)).inc()
         log.info("%s %s -> %s (%s): %d", method, path, pool, why, status)
 
-    async def _forward(self, scope: Scope, receive: Receive, send: Send, body: bytes, pool: str) -> int:
+    async def _forward(
+        self, scope: Scope, receive: Receive, send: Send, body: bytes, pool: str
+    ) -> int:
         assert self.client is not None, "the router was not opened (lifespan)"
-        url = self.cfg.pools[pool].rstrip("/") + scope.get("raw_path", scope["path"].encode()).decode()
+        url = (
+            self.cfg.pools[pool].rstrip("/")
+            + scope.get("raw_path", scope["path"].encode()).decode()
+        )
         if scope.get("query_string"):
             url += "?" + scope["query_string"].decode()
         headers = [(k, v) for k, v in scope["headers"] if k.lower() not in _DROP_REQUEST]
@@ -256,12 +300,18 @@ class Router:
             response = await self.client.send(request, stream=True)
         except httpx.HTTPError as exc:
             log.warning("pool %s (%s) unreachable: %s", pool, url, exc)
-            await _reply(send, 502, _error(502, f"pool {pool!r} unreachable: {type(exc).__name__}", "upstream_error"))
+            await _reply(
+                send,
+                502,
+                _error(502, f"pool {pool!r} unreachable: {type(exc).__name__}", "upstream_error"),
+            )
             return 502
         try:
             out = [(k, v) for k, v in response.headers.raw if k.lower() not in _DROP_RESPONSE]
             out.append((b"x-appliance-pool", pool.encode()))
-            await send({"type": "http.response.start", "status": response.status_code, "headers": out})
+            await send(
+                {"type": "http.response.start", "status": response.status_code, "headers": out}
+            )
             await _relay(response, receive, send)
         finally:
             await response.aclose()
@@ -269,10 +319,11 @@ class Router:
 
     async def _ready(self, send: Send) -> None:
         assert self.client is not None
+        client = self.client
 
         async def probe(url: str) -> bool:
             try:
-                r = await self.client.get(url.rstrip("/") + "/ready", timeout=2.0)  # type: ignore[union-attr]
+                r = await client.get(url.rstrip("/") + "/ready", timeout=2.0)
                 return r.status_code == 200
             except httpx.HTTPError:
                 return False
@@ -351,31 +402,71 @@ def _pairs(items: list[str], flag: str) -> dict[str, str]:
 def cmd_route(ns: argparse.Namespace) -> int:
     import uvicorn
 
-    cfg = load_router_config(ns.config, {
-        "host": ns.host, "port": ns.port, "default_pool": ns.default_pool, "long_pool": ns.long_pool,
-        "long_prompt_tokens": ns.long_prompt_tokens, "chars_per_token": ns.chars_per_token,
-        "tokenizer": ns.tokenizer, "pools": _pairs(ns.pool, "--pool"), "classes": _pairs(ns.cls, "--class"),
-    })
+    cfg = load_router_config(
+        ns.config,
+        {
+            "host": ns.host,
+            "port": ns.port,
+            "default_pool": ns.default_pool,
+            "long_pool": ns.long_pool,
+            "long_prompt_tokens": ns.long_prompt_tokens,
+            "chars_per_token": ns.chars_per_token,
+            "tokenizer": ns.tokenizer,
+            "pools": _pairs(ns.pool, "--pool"),
+            "classes": _pairs(ns.cls, "--class"),
+        },
+    )
     app = Router(cfg)
-    log.info("routing on http://%s:%d: pools %s; default %s; long (>= %d tokens) %s; classes %s",
-             cfg.host, cfg.port, cfg.pools, cfg.default_pool, cfg.long_prompt_tokens,
-             cfg.long_pool or "-", cfg.classes or "-")
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning", lifespan="on",
-                server_header=False, date_header=False, timeout_graceful_shutdown=60)
+    log.info(
+        "routing on http://%s:%d: pools %s; default %s; long (>= %d tokens) %s; classes %s",
+        cfg.host,
+        cfg.port,
+        cfg.pools,
+        cfg.default_pool,
+        cfg.long_prompt_tokens,
+        cfg.long_pool or "-",
+        cfg.classes or "-",
+    )
+    uvicorn.run(
+        app,
+        host=cfg.host,
+        port=cfg.port,
+        log_level="warning",
+        lifespan="on",
+        server_header=False,
+        date_header=False,
+        timeout_graceful_shutdown=60,
+    )
     return 0
 
 
-def add_parser(sub: Any) -> None:
-    p = sub.add_parser("route", help="route OpenAI requests to pool instances by prompt length and class")
-    p.add_argument("--config", help="TOML file with a [router] table (e.g. /etc/appliance/router.toml)")
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "route", help="route OpenAI requests to pool instances by prompt length and class"
+    )
+    p.add_argument(
+        "--config", help="TOML file with a [router] table (e.g. /etc/appliance/router.toml)"
+    )
     p.add_argument("--host")
     p.add_argument("--port", type=int)
-    p.add_argument("--pool", action="append", default=[], metavar="NAME=URL", help="an upstream pool (repeatable)")
+    p.add_argument(
+        "--pool",
+        action="append",
+        default=[],
+        metavar="NAME=URL",
+        help="an upstream pool (repeatable)",
+    )
     p.add_argument("--default-pool")
     p.add_argument("--long-pool", help="pool for long prompts")
     p.add_argument("--long-prompt-tokens", type=int, help="prompt length that counts as long")
     p.add_argument("--chars-per-token", type=float, help="token estimate without a tokenizer")
     p.add_argument("--tokenizer", help="model directory whose tokenizer.json counts tokens exactly")
-    p.add_argument("--class", dest="cls", action="append", default=[], metavar="CLASS=POOL",
-                   help="send a priority class to a pool (repeatable)")
+    p.add_argument(
+        "--class",
+        dest="cls",
+        action="append",
+        default=[],
+        metavar="CLASS=POOL",
+        help="send a priority class to a pool (repeatable)",
+    )
     p.set_defaults(func=cmd_route)

@@ -27,10 +27,14 @@ import time
 from pathlib import Path
 
 import httpx
+from textual.pilot import Pilot
 
 from appliance.console.app import ConsoleApp
+from appliance.console.templates import TemplatesScreen
 
-TEXT_RE = re.compile(r'<text class="([^"]*)" x="([\d.]+)" y="([\d.]+)" textLength="([\d.]+)"[^>]*>([^<]*)</text>')
+TEXT_RE = re.compile(
+    r'<text class="([^"]*)" x="([\d.]+)" y="([\d.]+)" textLength="([\d.]+)"[^>]*>([^<]*)</text>'
+)
 
 TEMPLATE = """\
 description = "console screenshots: tiny demo model, 16 KV blocks"
@@ -77,15 +81,22 @@ def svg_text(svg: str) -> list[str]:
     return lines
 
 
-async def wait_polls(app: ConsoleApp, pilot: object, n: int, timeout_s: float = 30.0) -> None:
+async def wait_polls(app: ConsoleApp, pilot: Pilot[None], n: int, timeout_s: float = 30.0) -> None:
     target = app.polls + n
     t0 = time.monotonic()
     while app.polls < target and time.monotonic() - t0 < timeout_s:
-        await pilot.pause(0.1)  # type: ignore[attr-defined]
+        await pilot.pause(0.1)
 
 
-async def capture(url: str, token: str, mode: str, size: tuple[int, int], path: Path,
-                  settle_polls: int = 12, select: str | None = None) -> list[str]:
+async def capture(
+    url: str,
+    token: str,
+    mode: str,
+    size: tuple[int, int],
+    path: Path,
+    settle_polls: int = 12,
+    select: str | None = None,
+) -> list[str]:
     """Run the console headless at `size`, show `mode` (with template `select` chosen), save
     an SVG; return its text lines."""
     app = ConsoleApp(url, token)
@@ -95,7 +106,9 @@ async def capture(url: str, token: str, mode: str, size: tuple[int, int], path: 
             await app.switch_mode(mode)
         await wait_polls(app, pilot, settle_polls)
         if select is not None:
-            app.screen.select(select)  # type: ignore[attr-defined]
+            screen = app.screen
+            assert isinstance(screen, TemplatesScreen), "select is for the templates screen"
+            screen.select(select)
         await pilot.pause(0.3)
         app.save_screenshot(path.name, str(path.parent))
     return svg_text(path.read_text())
@@ -131,9 +144,16 @@ def _load(url: str, stop: threading.Event) -> None:
         with httpx.Client(timeout=300) as client:
             while not stop.is_set():
                 prompt = [rng.randrange(10, 4000) for _ in range(rng.choice([60, 100, 127]))]
-                client.post(f"{url}/v1/completions", json={
-                    "model": "tiny", "prompt": prompt, "max_tokens": rng.choice([16, 48, 96]),
-                    "ignore_eos": True, "priority": classes[i % len(classes)]})
+                client.post(
+                    f"{url}/v1/completions",
+                    json={
+                        "model": "tiny",
+                        "prompt": prompt,
+                        "max_tokens": rng.choice([16, 48, 96]),
+                        "ignore_eos": True,
+                        "priority": classes[i % len(classes)],
+                    },
+                )
 
     threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(8)]
     for t in threads:
@@ -141,7 +161,9 @@ def _load(url: str, stop: threading.Event) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--out", default="docs")
     ap.add_argument("--model", help="a model directory (default: build the tiny demo model)")
     ns = ap.parse_args(argv)
@@ -162,28 +184,48 @@ def main(argv: list[str] | None = None) -> int:
         text = TEMPLATE.format(model=model, token=Path(tmp) / "admin")
         (tdir / "console-demo.toml").write_text(text)
         (tdir / "console-demo-swap.toml").write_text(
-            text.replace('description = "console screenshots:', 'description = "swap instead of recompute:')
+            text.replace(
+                'description = "console screenshots:', 'description = "swap instead of recompute:'
+            )
             .replace('policy = "priority"', 'policy = "priority"\npreemption_mode = "swap"')
-            .replace("swap_space = 0.01", "swap_space = 0.05").replace("max_num_seqs = 8", "max_num_seqs = 4"))
+            .replace("swap_space = 0.01", "swap_space = 0.05")
+            .replace("max_num_seqs = 8", "max_num_seqs = 4")
+        )
         os.environ["APPLIANCE_TEMPLATE_DIR"] = str(tdir)
         port = _free_port()
         url = f"http://127.0.0.1:{port}"
         log = open(Path(tmp) / "server.log", "wb")  # noqa: SIM115 - closed below
-        proc = subprocess.Popen([sys.executable, "-m", "appliance.cli", "up", "--template", "console-demo",
-                                 "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ})
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "appliance.cli",
+                "up",
+                "--template",
+                "console-demo",
+                "--port",
+                str(port),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ},
+        )
         stop = threading.Event()
         try:
             _wait_ready(url, proc)
             _load(url, stop)
             _wait_preemptions(url, token)
-            shots = [("dashboard", (160, 48), "console-dashboard.svg", None),
-                     ("dashboard", (80, 24), "console-dashboard-80x24.svg", None),
-                     ("templates", (100, 30), "console-templates.svg", "console-demo-swap")]
+            shots = [
+                ("dashboard", (160, 48), "console-dashboard.svg", None),
+                ("dashboard", (80, 24), "console-dashboard-80x24.svg", None),
+                ("templates", (100, 30), "console-templates.svg", "console-demo-swap"),
+            ]
             for mode, size, name, select in shots:
                 asyncio.run(capture(url, token, mode, size, out / name, select=select))
                 png = to_png(out / name)
-                print(f"wrote {out / name}" + (f" and {png}" if png else " (no rsvg-convert: no PNG)"))
+                print(
+                    f"wrote {out / name}" + (f" and {png}" if png else " (no rsvg-convert: no PNG)")
+                )
         finally:
             stop.set()
             proc.terminate()
@@ -213,8 +255,12 @@ def _wait_preemptions(url: str, token: str, timeout_s: float = 90.0) -> None:
     """Screenshots "under load" means after the pool has run full and preempted something."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout_s:
-        stats = httpx.get(f"{url}/admin/stats", params={"history_s": 0},
-                          headers={"Authorization": f"Bearer {token}"}, timeout=5).json()
+        stats = httpx.get(
+            f"{url}/admin/stats",
+            params={"history_s": 0},
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=5,
+        ).json()
         if stats["engine"] and stats["engine"]["counters"]["preemptions"] >= 3:
             return
         time.sleep(0.5)

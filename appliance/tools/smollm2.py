@@ -75,8 +75,11 @@ def build_smollm2(root: Path | None = None) -> Path:
         stage.mkdir()
         # Tied embeddings: the LM head shares embed_tokens, so only the embedding is written
         # (safetensors refuses shared storage, and the loader ties them again).
-        state = {k: v.contiguous() for k, v in model.state_dict().items()
-                 if not (model.config.tie_word_embeddings and k == "lm_head.weight")}  # fmt: skip
+        state = {
+            k: v.contiguous()
+            for k, v in model.state_dict().items()
+            if not (model.config.tie_word_embeddings and k == "lm_head.weight")
+        }
         save_file(state, stage / "model.safetensors", metadata={"format": "pt"})
         config = model.config
         if hasattr(config, "quantization_config"):

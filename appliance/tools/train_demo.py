@@ -59,7 +59,9 @@ def train_demo_model(
     warmup = max(1, steps // 10)
     losses: list[float] = []
     start = time.monotonic()
-    say(f"training {path} for {steps} steps of {batch} x {seq_len} tokens ({len(data)} in the text)")
+    say(
+        f"training {path} for {steps} steps of {batch} x {seq_len} tokens ({len(data)} in the text)"
+    )
     for step in range(steps):
         scale = min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / steps))
         for group in opt.param_groups:
