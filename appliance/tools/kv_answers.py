@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from appliance.config import ApplianceConfig
+from appliance.engine.executor import LoadedModel
 from appliance.engine.llm_engine import Engine
 from appliance.sampling_params import SamplingParams
 
@@ -61,10 +62,14 @@ def chat_prompts(tokenizer: Any, questions: Sequence[str] = QUESTIONS) -> list[l
 
 
 def greedy_answers(
-    config: ApplianceConfig, questions: Sequence[str] = QUESTIONS, max_tokens: int = 128
+    config: ApplianceConfig,
+    questions: Sequence[str] = QUESTIONS,
+    max_tokens: int = 128,
+    loaded: LoadedModel | None = None,
 ) -> list[list[int]]:
-    """Greedy answers (token ids, up to EOS or max_tokens) through one Engine."""
-    with Engine(config) as engine:
+    """Greedy answers (token ids, up to EOS or max_tokens) through one Engine, over `loaded`
+    (a LoadedModel of `config`, left open) when the caller has one, else a model it loads."""
+    with Engine(config, loaded) as engine:
         prompts = chat_prompts(engine.tokenizer, questions)
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
         return [r.token_ids for r in engine.generate(prompts, params)]

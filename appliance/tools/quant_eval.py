@@ -183,17 +183,19 @@ def evaluate(
         kind, overrides = FORMATS[name]
         config = config_for(paths[kind], overrides)
         loaded = load_model(config)
+        answers: list[list[int]] = []
         try:
             if windows is None:
                 windows = heldout_windows(loaded.tokenizer, tokens, window)
             logp = teacher_forced_logprobs(loaded, windows, chunk)
             size = weight_bytes(loaded.model)
+            if answer_tokens:  # the same loaded weights: one load per format
+                answers = greedy_answers(config, max_tokens=answer_tokens, loaded=loaded)
         finally:
             loaded.close()
         reference = reference or logp
         score = FormatScore(name, perplexity(logp, windows), top1_agreement(logp, reference), size)
         if answer_tokens:
-            answers = greedy_answers(config, max_tokens=answer_tokens)
             reference_answers = reference_answers or answers
             kept = score_answers(name, reference_answers, answers)
             score.answers_identical, score.answers_prefix = kept.identical, kept.matched_prefix
