@@ -2,7 +2,7 @@
 cached, and called through ctypes on tensors' memory.
 
 A build targets the CPU it runs on (`-march=native`) less the features `APPLIANCE_CPU_MASK`
-hides (`-mno-...`, see appliance.cpu.features), so one machine can build and test the AVX2 code
+hides (`-mno-...`, see appliance.kernels.cpu_features), so one machine can build and test the AVX2 code
 of another. The cache key holds the source, the flags, the compiler and the visible feature
 flags. No compiler, or a failed build, leaves the engine on its torch path (`load()` returns
 None and `load_error()` says why).
@@ -21,8 +21,7 @@ from pathlib import Path
 
 import torch
 
-from appliance.cpu.choice import NATIVE_MAX_QUERY_HEADS, c_compiler
-from appliance.cpu.features import CpuFeatures, detect
+from .cpu_features import NATIVE_MAX_QUERY_HEADS, CpuFeatures, c_compiler, detect
 
 log = logging.getLogger(__name__)
 

@@ -38,7 +38,7 @@ def tiny_long_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
-# --- CPU paths (appliance.cpu.features): the AVX2 path runs on every machine under the mask ---
+# --- CPU paths (appliance.kernels.cpu_features): the AVX2 path runs on every machine under the mask ---
 # What an AVX2-only CPU (Zen 3 and most servers in service) looks like to the appliance.
 AVX2_ONLY_MASK = "avx512,amx,avx_vnni,avx_ne_convert"
 
@@ -47,7 +47,7 @@ AVX2_ONLY_MASK = "avx512,amx,avx_vnni,avx_ne_convert"
 def cpu_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Runs a test on this CPU's own paths and on the AVX2 paths (under the feature mask).
     Where the CPU is AVX2-only the two are the same, so the native run is skipped."""
-    from appliance.cpu.features import MASK_ENV, parse_mask, read_features
+    from appliance.kernels.cpu_features import MASK_ENV, parse_mask, read_features
 
     if request.param == "avx2":
         monkeypatch.setenv(MASK_ENV, AVX2_ONLY_MASK)

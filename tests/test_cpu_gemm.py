@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from appliance.kernels.cpu_features import detect
 
 from appliance.config import load_config
 from appliance.cpu import backend as cpu_backend
 from appliance.cpu.backend import BF16_GEMV_MAX_ROWS, CpuBackend, plan_cpu
-from appliance.cpu.features import detect
 from appliance.engine.llm_engine import Engine
 from appliance.sampling_params import SamplingParams
 

@@ -12,12 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from appliance.kernels import cpu_native, cpu_paged_attention
+from appliance.kernels import cpu_native
+from appliance.kernels.cpu_features import detect
 from appliance.kernels.paged_attention import paged_attention
 
 from appliance.config import load_config
+from appliance.cpu.attention import cpu_paged_attention
 from appliance.cpu.backend import FP32_FUSED_MAX
-from appliance.cpu.features import detect
 from appliance.engine.llm_engine import Engine
 from appliance.layers.norm import RMSNorm
 from appliance.layers.rotary import RotaryEmbedding, apply_rotary
@@ -202,11 +203,11 @@ def test_native_decode_matches_torch_forward_float32(
         torch.tensor(lp_native), torch.tensor(lp_plain), atol=1e-4, rtol=1e-4
     )
     # The K/V the native forward wrote equal the torch forward's.
-    for (k1, v1), (k2, v2) in zip(
+    for c1, c2 in zip(
         native.loaded.runner.kv.device_caches, plain.loaded.runner.kv.device_caches, strict=True
     ):
-        torch.testing.assert_close(k1, k2, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(v1, v2, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(c1.k, c2.k, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(c1.v, c2.v, atol=1e-4, rtol=1e-4)
 
 
 def test_prepacked_linears_keep_the_plain_weight_the_native_decode_reads(
@@ -234,7 +235,7 @@ def test_float32_compute_over_bf16_weights_matches_the_native_decode(
     (native, plain), (lp_native, lp_plain) = lockstep(tiny_model_dir, "auto", 16, 3)
     for eng in (native, plain):
         assert eng.loaded.cpu is not None and eng.loaded.cpu.plan.compute_dtype == torch.float32
-        assert eng.loaded.runner.kv.device_caches[0][0].dtype == torch.bfloat16
+        assert eng.loaded.runner.kv.device_caches[0].k.dtype == torch.bfloat16
     assert native.loaded.runner.native_decode_steps > 0
     # Both sides round the same float32 values to bf16 K/V; summation order differs (~1e-6),
     # which now and then lands a K/V element on the other side of a bf16 rounding step (0.4%):
@@ -293,11 +294,11 @@ def test_native_decode_splits_the_context_of_few_sequences(
     torch.testing.assert_close(
         torch.tensor(lp_native), torch.tensor(lp_plain), atol=1e-4, rtol=1e-4
     )
-    for (k1, v1), (k2, v2) in zip(
+    for c1, c2 in zip(
         native.loaded.runner.kv.device_caches, plain.loaded.runner.kv.device_caches, strict=True
     ):
-        torch.testing.assert_close(k1, k2, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(v1, v2, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(c1.k, c2.k, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(c1.v, c2.v, atol=1e-4, rtol=1e-4)
 
 
 def test_native_decode_with_sizes_off_the_vector_width(odd_model_dir: Path, cpu_path: str) -> None:
@@ -454,8 +455,8 @@ def test_quantized_kv_under_float32_compute(
     _, lp_plain = run("auto")
     assert quant.loaded.compute_dtype == torch.float32
     caches = quant.loaded.runner.kv.device_caches
-    assert caches[0][0].dtype == torch.bfloat16 and caches[1][0].dtype in (torch.uint8, torch.int8)
-    assert bool(caches[1][0].view(torch.uint8).any())
+    assert caches[0].k.dtype == torch.bfloat16 and caches[1].k.dtype in (torch.uint8, torch.int8)
+    assert bool(caches[1].k.view(torch.uint8).any())
     assert all(len(a) == 10 and all(x == x and x > -1e4 for x in a) for a in lp_quant)
     first_quant = torch.tensor([a[0] for a in lp_quant])
     first_plain = torch.tensor([a[0] for a in lp_plain])

@@ -1,5 +1,5 @@
 """The packed-weight CPU kernels (kernels/cpu_quant.c) against the torch reference
-(appliance.layers.quant), at odd sizes: rows not a multiple of the two-row or four-row blocks,
+(appliance.kernels.quant_weight), at odd sizes: rows not a multiple of the two-row or four-row blocks,
 batches with tails of the 4-row x blocks, groups that end mid-vector, per-channel rows of odd
 length; natively and under the AVX2 mask (the `cpu_path` fixture rebuilds for each)."""
 
@@ -8,8 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from appliance.kernels import cpu_quant
-
-from appliance.layers.quant import QuantWeight, pack_q4, quantize_int8, unpack_q4
+from appliance.kernels.quant_weight import QuantWeight, pack_q4, quantize_int8, unpack_q4
 
 
 def _q4(

@@ -182,9 +182,8 @@ def test_int8_quantizes_a_16bit_checkpoint_at_load(tiny_model_dir: Path) -> None
     """model.quantization = "int8": every linear held as per-channel int8 (its dense weight
     never allocated), and the greedy tokens match transformers on the same int8 weights
     dequantized (the quantization is the appliance's; the arithmetic is checked)."""
+    from appliance.kernels.quant_weight import quantize_int8
     from transformers import AutoModelForCausalLM
-
-    from appliance.layers.quant import quantize_int8
 
     ref = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
     with torch.no_grad():
@@ -217,12 +216,12 @@ def test_int8_activations_hold_row_tiles_and_compute_as_the_row_major_kernels(
     token: a float32 rounding apart upstream can move an activation across an int8 rounding
     boundary, so the comparison is one decode step, and perplexity over a window."""
     from appliance.kernels import cpu_quant
+    from appliance.kernels.quant_weight import untile_rows
 
     from appliance.cpu.backend import TILED_FUSED_MAX
     from appliance.cpu.quant_decode import QuantFusedCpuDecode
     from appliance.engine.executor import load_model
     from appliance.layers.embedding import ParallelLMHead
-    from appliance.layers.quant import untile_rows
     from appliance.tools.quant_eval import config_for, perplexity, teacher_forced_logprobs
 
     hf = random_llama(tokenizer_dir, seed=4, tied=True)
@@ -265,7 +264,7 @@ def test_int8_activations_hold_row_tiles_and_compute_as_the_row_major_kernels(
             m.quant = untile_rows(m.quant)  # type: ignore[union-attr]
         plain = QuantFusedCpuDecode(
             model,
-            loaded.runner.kv.device_caches,
+            [(c.k, c.v) for c in loaded.runner.kv.device_caches],
             fused.block_size,
             fused.dtype,
             cpu_quant.load(),

@@ -1,5 +1,5 @@
 """The CPU backend: what the engine runs on this CPU, decided once at load from what the CPU can
-do (appliance.cpu.features) and the config, then wired into the model and the runner.
+do (appliance.kernels.cpu_features) and the config, then wired into the model and the runner.
 
 The decision (`plan_cpu`, pure):
 - dtypes: the weights' and the KV cache's storage dtype, and the dtype activations and the
@@ -22,16 +22,19 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from appliance.config import ApplianceConfig
+from appliance.cpu.attention import cpu_attention
 from appliance.cpu.choice import QUANT_COPY_FUSED_MAX, CpuChoice, choose
-from appliance.cpu.features import CpuFeatures, detect
 from appliance.cpu.fused_decode import FusedCpuDecode
 from appliance.cpu.primitive_cache import bound_primitive_caches, warm_primitive_caches
-from appliance.kernels import cpu_native, get_attention_backend
+from appliance.kernels import cpu_native
+from appliance.kernels.cpu_features import CpuFeatures, detect
+from appliance.layers.attention import PlainKV
+from appliance.layers.kv_cache import LayerCache
 from appliance.layers.linear import MatmulWeight, QuantMatmul, reference_quant_matmul
 from appliance.layers.norm import RMSNorm
 from appliance.layers.ops import LayerOps
@@ -268,13 +271,13 @@ class CpuBackend:
             if plan.native_ops
             else LayerOps(plan.compute_dtype)
         )
-        write_kv, attend = get_attention_backend(torch.device("cpu"), native_cpu=plan.native_ops)
+        kernels = cpu_attention(native=plan.native_ops)
         for attn in model.attention_layers():
-            attn.set_backend(write_kv, attend)
+            attn.wire(PlainKV(kernels))
 
     def _tile_packed(self, model: torch.nn.Module) -> None:
         """int8 activations: every packed matrix whose shape allows it in the row-tile order
-        (appliance.layers.quant), which the int8 kernels read 8 rows per instruction. The
+        (appliance.kernels.quant_weight), which the int8 kernels read 8 rows per instruction. The
         bytes are reordered, not copied: the row-major tensors are released."""
         from appliance.kernels import cpu_quant
         from appliance.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -325,20 +328,20 @@ class CpuBackend:
     def wire(
         self,
         model: LlamaForCausalLM,
-        kv_caches: list[tuple[torch.Tensor, ...]],
+        kv_caches: list[LayerCache],
         block_size: int,
     ) -> None:
         """With the KV cache allocated: the fused decode over it (when the plan has it)."""
-        if any(len(cache) != 2 for cache in kv_caches):
-            # Heads kept apart and per-token scales live in quantized layers (more tensors than
-            # (k, v) in the layer's entry), and the plan has no fused decode for
+        if not all(cache.plain for cache in kv_caches):
+            # Heads kept apart and per-token scales live in quantized layers, and the plan has
+            # no fused decode for
             # a quantized cache (choice.py): this only guards the kernels' one-cache layout.
             log.info(
                 "native fused decode off: some layers keep KV heads in a side cache or "
                 "per-token scales"
             )
             return
-        pairs = cast("list[tuple[torch.Tensor, torch.Tensor]]", kv_caches)  # (k, v): checked
+        pairs = [(cache.k, cache.v) for cache in kv_caches]
         if self.plan.native_decode and _is_quantized(model):
             from appliance.cpu.quant_decode import QuantFusedCpuDecode
             from appliance.kernels import cpu_quant

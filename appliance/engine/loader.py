@@ -18,10 +18,11 @@ from appliance.core.scheduler_output import SchedulerOutput
 from appliance.cpu.backend import CpuBackend
 from appliance.engine import memory
 from appliance.engine.guided import GuidedDecoder
+from appliance.engine.kv_pool import KVCachePool, KVStorage
 from appliance.engine.kv_quant import configure_kv_cache
-from appliance.engine.model_runner import KVCachePool, KVStorage, ModelRunner, RunnerOutput
-from appliance.kernels import get_attention_backend
+from appliance.engine.model_runner import ModelRunner, RunnerOutput
 from appliance.kv_layout import kv_bytes_per_token as kv_layout_bytes_per_token
+from appliance.layers.attention import PlainKV
 from appliance.layers.linear import MatmulWeight
 from appliance.layers.parallel import tp_rank, tp_size
 from appliance.layers.rotary import RotaryEmbedding
@@ -276,9 +277,10 @@ def load_weights(
         cpu.prepare_model(model, config.scheduler.max_num_seqs)
     else:
         # Triton kernels on CUDA (the same signatures as the torch reference).
-        write_kv, attend = get_attention_backend(device)
+        from appliance.kernels.triton_attention import TRITON_ATTENTION
+
         for attn in model.attention_layers():
-            attn.set_backend(write_kv, attend)
+            attn.wire(PlainKV(TRITON_ATTENTION))
         if ckpt.quantized:
             # Packed weights: the Triton dequantizing GEMV/GEMM (imports triton: CUDA only).
             from appliance.kernels.triton_quant import quant_matmul_triton

@@ -6,9 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from appliance.kernels.quant_weight import QuantWeight, dequantize_rows
 from appliance.layers.linear import MatmulWeight
 from appliance.layers.parallel import all_gather_last_dim, all_reduce, tp_rank, tp_size
-from appliance.layers.quant import QuantWeight, dequantize_rows
 
 
 class VocabParallelEmbedding(nn.Module):

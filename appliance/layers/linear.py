@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from appliance.kernels.quant_weight import QuantWeight
 from appliance.layers.parallel import all_reduce, tp_rank, tp_size
-from appliance.layers.quant import QuantWeight
 
 # (x, packed weight, bias) -> x @ W^T + bias: the backend's dequantizing matmul.
 QuantMatmul = Callable[[torch.Tensor, QuantWeight, "torch.Tensor | None"], torch.Tensor]
@@ -40,7 +40,7 @@ class MatmulWeight(nn.Module):
     `plain_max_rows` rows read `weight` itself where it is still held in the input's dtype
     (ATen's GEMV beats a prepacked GEMM at one or two rows).
 
-    A quantized checkpoint sets `quant` (packed integers and scales, appliance.layers.quant)
+    A quantized checkpoint sets `quant` (packed integers and scales, appliance.kernels.quant_weight)
     and leaves `weight` empty: no dequantized copy is held; `quant_matmul` (the backend's
     kernel, the torch reference by default) reads the packed bytes. Where the backend also gives
     it a dense `matmul_weight` (AMX), this module's passes read that, and the packed bytes serve

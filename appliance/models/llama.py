@@ -11,13 +11,14 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from appliance.kernels.quant_weight import QuantWeight
 from appliance.layers.attention import Attention, AttentionMetadata
 from appliance.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from appliance.layers.kv_cache import LayerCache
 from appliance.layers.linear import MergedColumnLinear, RowParallelLinear
 from appliance.layers.norm import RMSNorm
 from appliance.layers.ops import LayerOps
 from appliance.layers.parallel import divide, tp_rank, tp_size
-from appliance.layers.quant import QuantWeight
 from appliance.layers.rotary import RotaryEmbedding
 from appliance.models.args import ModelArgs
 
@@ -53,7 +54,7 @@ class LlamaAttention(nn.Module):
         rope: Any,
         hidden: torch.Tensor,
         meta: AttentionMetadata,
-        kv_cache: tuple[torch.Tensor, ...],
+        kv_cache: LayerCache,
     ) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
         tokens = hidden.shape[0]
@@ -90,7 +91,7 @@ class LlamaDecoderLayer(nn.Module):
         rope: Any,
         hidden: torch.Tensor,
         meta: AttentionMetadata,
-        kv_cache: tuple[torch.Tensor, ...],
+        kv_cache: LayerCache,
     ) -> torch.Tensor:
         # `hidden` is this forward's own tensor: it takes the residual adds in place.
         normed = ops.add_rms_norm(hidden, None, self.input_layernorm)
@@ -174,7 +175,7 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         meta: AttentionMetadata,
-        kv_caches: list[tuple[torch.Tensor, ...]],
+        kv_caches: list[LayerCache],
     ) -> torch.Tensor:
         ops = self.ops
         hidden = self.model.embed_tokens(input_ids)

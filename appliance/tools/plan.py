@@ -200,8 +200,8 @@ def _kv_elem(config: ApplianceConfig, dtype_bytes: int) -> int:
 
 def _cpu_choice(spec: ModelArgs, config: ApplianceConfig) -> Any:
     """What the CPU backend would choose on this machine (appliance.cpu.choice)."""
-    from appliance.cpu.choice import c_compiler, choose
-    from appliance.cpu.features import detect
+    from appliance.cpu.choice import choose
+    from appliance.kernels.cpu_features import c_compiler, detect
 
     def compiler() -> tuple[bool, str | None]:
         # What the engine would find: a C compiler to build the native kernels with.
