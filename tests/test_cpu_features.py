@@ -19,8 +19,8 @@ from appliance.kernels.cpu_features import (
 )
 
 from appliance.config import load_config
-from appliance.cpu.backend import plan_cpu
 from appliance.cpu.choice import QUANT_COPY_FUSED_MAX
+from appliance.cpu.plan import plan_cpu
 from appliance.engine.llm_engine import Engine
 from appliance.sampling_params import SamplingParams
 
@@ -164,9 +164,9 @@ def test_the_mask_changes_the_path_the_engine_takes(
     plain = Engine(load_config(None, overrides))
     monkeypatch.setenv(MASK_ENV, "avx2")
     masked = Engine(load_config(None, overrides))
-    info = masked.loaded.cpu.describe()  # type: ignore[union-attr]
+    info = masked.loaded.backend.describe()
     assert info["cpu"]["isa"] == "sse" and "avx2" in info["cpu"]["masked"]
-    assert plain.loaded.cpu.describe()["cpu"]["isa"] != "sse"  # type: ignore[union-attr]
+    assert plain.loaded.backend.describe()["cpu"]["isa"] != "sse"
     assert masked.loaded.runner.fused_max_batch > 0
     a = [r.token_ids for r in plain.generate(prompts, params)]
     b = [r.token_ids for r in masked.generate(prompts, params)]

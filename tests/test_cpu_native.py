@@ -18,7 +18,7 @@ from appliance.kernels.paged_attention import paged_attention
 
 from appliance.config import load_config
 from appliance.cpu.attention import cpu_paged_attention
-from appliance.cpu.backend import FP32_FUSED_MAX
+from appliance.cpu.plan import FP32_FUSED_MAX
 from appliance.engine.llm_engine import Engine
 from appliance.layers.norm import RMSNorm
 from appliance.layers.rotary import RotaryEmbedding, apply_rotary
@@ -217,7 +217,7 @@ def test_prepacked_linears_keep_the_plain_weight_the_native_decode_reads(
     # beside the bf16 weights (AVX2); either way the native decode reads the bf16 weights.
     eng = engine(tiny_model_dir, "auto", native=True)
     down = eng.loaded.model.model.layers[0].mlp.down_proj
-    assert down.matmul_weight is not None and down.onednn_packed
+    assert down.matmul is not None and down.matmul.copy is not None and down.matmul.prepacked
     assert down.weight.numel() > 0 and down.weight.dtype == torch.bfloat16
     assert eng.loaded.runner.fused_max_batch > 0
     out = eng.generate([[5, 6, 7], [9, 10]], SamplingParams(max_tokens=6, temperature=0.0))
@@ -234,7 +234,7 @@ def test_float32_compute_over_bf16_weights_matches_the_native_decode(
     monkeypatch.setenv("APPLIANCE_CPU_MASK", "avx512,amx")
     (native, plain), (lp_native, lp_plain) = lockstep(tiny_model_dir, "auto", 16, 3)
     for eng in (native, plain):
-        assert eng.loaded.cpu is not None and eng.loaded.cpu.plan.compute_dtype == torch.float32
+        assert eng.loaded.compute_dtype == torch.float32
         assert eng.loaded.runner.kv.device_caches[0].k.dtype == torch.bfloat16
     assert native.loaded.runner.native_decode_steps > 0
     # Both sides round the same float32 values to bf16 K/V; summation order differs (~1e-6),
@@ -339,8 +339,8 @@ def test_without_a_compiler_the_engine_falls_back_to_torch(
         assert "no-such-compiler" in (cpu_native.load_error() or "")
         eng = engine(tiny_model_dir, "float32", native=True)
         assert eng.loaded.runner.fused_max_batch == 0
-        assert eng.loaded.cpu is not None
-        assert any("no-such-compiler" in n for n in eng.loaded.cpu.plan.notes)
+        notes = eng.loaded.backend.plan.notes  # type: ignore[attr-defined]
+        assert any("no-such-compiler" in n for n in notes)
         out = eng.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0.0))
         assert len(out[0].token_ids) == 4
     finally:

@@ -105,7 +105,8 @@ def test_packed_linear_with_a_dense_copy_reads_the_copy() -> None:
     """A packed MatmulWeight the CPU backend gave a dense copy (on AMX) runs its torch-path
     passes on the copy, at any width (the packed bytes then serve the fused decode only):
     the result equals the torch reference, and a poisoned copy shows in every pass."""
-    from appliance.layers.linear import MatmulWeight, reference_quant_matmul
+    from appliance.layers.linear import MatmulWeight
+    from appliance.layers.matmul import CopyMatmul, reference_quant_matmul
 
     w = _q4(96, 128, 32, seed=5)
     layer = MatmulWeight()
@@ -114,11 +115,11 @@ def test_packed_linear_with_a_dense_copy_reads_the_copy() -> None:
     x = torch.randn(3, 128, generator=gen)
     packed = layer._matmul(x, None)  # no copy: the packed kernel (the reference here)
     torch.testing.assert_close(packed, reference_quant_matmul(x, w, None))
-    layer.matmul_weight = w.dequantize(torch.float32)
+    layer.wire(CopyMatmul(w.dequantize(torch.float32), False))
     for rows in (1, 3, 40):
         x = torch.randn(rows, 128, generator=gen)
         torch.testing.assert_close(
             layer._matmul(x, None), reference_quant_matmul(x, w, None), rtol=1e-5, atol=1e-4
         )
-    layer.matmul_weight = torch.full_like(layer.matmul_weight, float("nan"))
+    layer.wire(CopyMatmul(torch.full((96, 128), float("nan")), False))
     assert torch.isnan(layer._matmul(torch.randn(1, 128, generator=gen), None)).all()

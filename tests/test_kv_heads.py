@@ -22,7 +22,7 @@ from appliance.kernels.attention_api import AttentionBackend  # noqa: E402
 from appliance.kernels.paged_attention import dequantize, quantize  # noqa: E402
 
 from appliance.config import ConfigError, load_config  # noqa: E402
-from appliance.engine.kv_pool import KVCachePool, KVStorage  # noqa: E402
+from appliance.engine.kv_pool import KVCachePool  # noqa: E402
 from appliance.engine.kv_quant import (  # noqa: E402
     FORMAT_MAX,
     MARGIN,
@@ -30,6 +30,7 @@ from appliance.engine.kv_quant import (  # noqa: E402
 )
 from appliance.kv_layout import LayerKV, layer_layout  # noqa: E402
 from appliance.layers.attention import Attention, AttentionMetadata, PagedBatch, PlainKV  # noqa: E402
+from appliance.layers.kv_cache import KVStorage  # noqa: E402
 from appliance.layers.quantized_kv import rotation_matrix  # noqa: E402
 
 HEADS, KV_HEADS, DIM, BS = 6, 3, 64, 16

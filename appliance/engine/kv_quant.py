@@ -46,7 +46,7 @@ import torch
 
 from appliance.config import CacheConfig
 from appliance.core.scheduler_output import ScheduledRequest, SchedulerOutput
-from appliance.engine.kv_pool import KVCachePool, KVStorage
+from appliance.engine.kv_pool import KVCachePool
 from appliance.engine.model_runner import ModelRunner
 from appliance.kernels.attention_api import AttentionBackend, WriteKV
 from appliance.kernels.kv_formats import PER_TOKEN_KIND
@@ -54,6 +54,7 @@ from appliance.kernels.paged_attention import cache_storage_dtype
 from appliance.kv_layout import LayerKV
 from appliance.kv_layout import layer_layout as kv_layer_layout
 from appliance.layers.attention import Attention, KVCacheSpec, PlainKV
+from appliance.layers.kv_cache import KVStorage
 from appliance.layers.parallel import tp_rank, tp_size
 from appliance.layers.quantized_kv import kv_path, rotation_matrix
 from appliance.models.llama import LlamaForCausalLM

@@ -17,8 +17,9 @@ import torch
 
 from appliance.config import ApplianceConfig, ConfigError
 from appliance.core.scheduler_output import ScheduledRequest, SchedulerOutput
-from appliance.engine.kv_pool import KVCachePool, KVStorage
+from appliance.engine.kv_pool import KVCachePool
 from appliance.engine.model_runner import ModelRunner
+from appliance.layers.kv_cache import KVStorage
 from appliance.layers.parallel import agree_min, tp_size
 from appliance.models.args import ModelArgs
 from appliance.models.llama import LlamaForCausalLM

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -19,9 +19,6 @@ from appliance.engine.sampler import Sampler, SampleRequest, TokenLogprobs
 from appliance.layers.attention import AttentionMetadata, PagedBatch
 from appliance.models.llama import LlamaForCausalLM
 
-if TYPE_CHECKING:
-    from appliance.cpu.backend import CpuBackend
-
 
 @dataclass
 class RunnerOutput:
@@ -31,6 +28,48 @@ class RunnerOutput:
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
 
 
+class FusedDecode(Protocol):
+    """A whole decode step in one native call: (input_ids, positions, slots, block_tables,
+    seq_lens) -> logits of every row."""
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+    ) -> torch.Tensor: ...
+
+
+class ForwardHooks(Protocol):
+    """What the runner asks its device backend each step (engine/backend.py's Backend is one)."""
+
+    @property
+    def fused_decode(self) -> FusedDecode | None:
+        """Decode steps of up to fused_max_batch() sequences go to it (None: never)."""
+        ...
+
+    def fused_max_batch(self) -> int: ...
+
+    def matmuls(self, rows: int) -> AbstractContextManager[None]:
+        """Around a forward of `rows` rows (a backend may switch matmul paths by width)."""
+        ...
+
+
+class PlainForward:
+    """No fused decode, no matmul switch: the runners of calibration, profiling and the
+    evaluation tools, which run the model's forward as it is."""
+
+    fused_decode: FusedDecode | None = None
+
+    def fused_max_batch(self) -> int:
+        return 0
+
+    def matmuls(self, rows: int) -> AbstractContextManager[None]:
+        return nullcontext()
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -38,8 +77,10 @@ class ModelRunner:
         kv: KVCachePool,
         block_size: int,
         device: torch.device,
+        hooks: ForwardHooks | None = None,
+        guided: GuidedDecoder | None = None,
+        samples: bool = True,
         sampler_seed: int = 0,
-        cpu: CpuBackend | None = None,
     ) -> None:
         self.model = model
         self.kv = kv
@@ -48,19 +89,16 @@ class ModelRunner:
         self.sampler = Sampler(sampler_seed)
         # False on tensor-parallel workers: they run the forward (its collectives need every
         # rank) but only the driver samples.
-        self.samples = True
-        # The CPU backend (None on CUDA): its fused decode for small decode steps, and the
-        # matmul switch around every other forward.
-        self.cpu = cpu
-        self.fused_max_batch = cpu.fused_max_batch() if cpu is not None else 0
+        self.samples = samples
+        # The backend's fused decode for small decode steps, and its matmul switch around
+        # every other forward.
+        self.hooks: ForwardHooks = hooks if hooks is not None else PlainForward()
+        self.fused_max_batch = self.hooks.fused_max_batch()
         self.native_decode_steps = 0
         # Block table per live request, kept up to date from what each step changed.
         self.block_tables: dict[str, list[int]] = {}
-        # Grammar matchers of constrained requests (the driver's runner only; loader.py).
-        self.guided: GuidedDecoder | None = None
-
-    def _matmuls(self, rows: int) -> AbstractContextManager[None]:
-        return self.cpu.matmuls(rows) if self.cpu is not None else nullcontext()
+        # Grammar matchers of constrained requests (the driver's runner only, which samples).
+        self.guided = guided
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         self._update_block_tables(out)
@@ -90,8 +128,8 @@ class ModelRunner:
             and decode.num_tokens <= self.fused_max_batch
             and not scoring
         ):
-            assert self.cpu is not None and self.cpu.fused_decode is not None
-            logits = self.cpu.fused_decode(
+            assert self.hooks.fused_decode is not None
+            logits = self.hooks.fused_decode(
                 input_ids, positions, meta.slot_mapping, decode.block_tables, decode.seq_lens
             )
             # When every row is sampled, in order, the logits are used as they are (no copy).
@@ -99,12 +137,12 @@ class ModelRunner:
                 logits = logits.index_select(0, torch.tensor(row_list, device=self.device))
             self.native_decode_steps += 1
         else:
-            with self._matmuls(input_ids.shape[0]):
+            with self.hooks.matmuls(input_ids.shape[0]):
                 hidden = self.model(input_ids, positions, meta, self.kv.device_caches)
             if not sampling and not scoring:
                 return RunnerOutput({}, {})
             rows = torch.tensor(row_list, device=self.device)
-            with self._matmuls(len(row_list)):
+            with self.hooks.matmuls(len(row_list)):
                 logits = self.model.compute_logits(hidden.index_select(0, rows))
         # TP workers ran the forward and the logits' all-gather with the driver; it samples.
         if not self.samples or (not sampling and not scoring):

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,3 +38,26 @@ class LayerCache:
             if pair is not None:
                 out += (pair.k, pair.v)
         return out
+
+
+@dataclass
+class KVStorage:
+    """What the pool allocates per layer: the cache's dtype, and how many of the layer's KV
+    heads sit apart in a 16-bit side cache of `side_dtype` (cache.kv_cache_keep_16bit_heads;
+    the layer's own cache then holds only the other heads), and whether the layer's INT8
+    cache has per-token scales (cache.kv_cache_scales = "per_token": float16 scale caches of
+    the quantized heads, [blocks, block_size, heads], beside K and V)."""
+
+    dtypes: list[torch.dtype]
+    side_heads: list[int]
+    side_dtype: torch.dtype
+    token_scales: list[bool] = field(default_factory=list)
+
+    @classmethod
+    def of(
+        cls, dtype: torch.dtype | Sequence[torch.dtype] | KVStorage, num_layers: int
+    ) -> KVStorage:
+        if isinstance(dtype, KVStorage):
+            return dtype
+        dtypes = [dtype] * num_layers if isinstance(dtype, torch.dtype) else list(dtype)
+        return cls(dtypes, [0] * len(dtypes), dtypes[0] if dtypes else torch.bfloat16)
