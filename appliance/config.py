@@ -197,6 +197,11 @@ def _default_classes() -> dict[str, PriorityClass]:
     }
 
 
+# The tensor-parallel sizes a box is planned for (`appliance plan`) and suggested at (a model that
+# does not fit one GPU's share).
+TP_SIZES = (1, 2, 4, 8)
+
+
 class ParallelConfig(_Section):
     tensor_parallel_size: Literal[1, 2, 4, 8] = 1
 

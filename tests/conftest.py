@@ -6,7 +6,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
-# --- demo models (appliance.tools.demo_model), built once per test session ---
+# --- demo models (appliance.models.demo_model), built once per test session ---
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
@@ -15,7 +15,7 @@ import pytest  # noqa: E402
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Tiny Llama (4 layers, hidden 256, GQA 4, vocab 4096), float32."""
-    from appliance.tools.demo_model import build_demo_model
+    from appliance.models.demo_model import build_demo_model
 
     return build_demo_model("tiny", tmp_path_factory.mktemp("tiny-llama"))
 
@@ -23,7 +23,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def qwen2_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Tiny Qwen2 (q/k/v biases, tied embeddings), float32."""
-    from appliance.tools.demo_model import build_demo_model
+    from appliance.models.demo_model import build_demo_model
 
     return build_demo_model("tiny", tmp_path_factory.mktemp("tiny-qwen2"), arch="qwen2")
 
@@ -31,7 +31,7 @@ def qwen2_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_long_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Tiny Llama with max_position_embeddings=32768, for long prompts."""
-    from appliance.tools.demo_model import build_demo_model
+    from appliance.models.demo_model import build_demo_model
 
     return build_demo_model(
         "tiny", tmp_path_factory.mktemp("tiny-long"), max_position_embeddings=32768

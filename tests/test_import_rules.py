@@ -63,9 +63,13 @@ def _imported_names(tree: ast.AST, module: str) -> set[str]:
                 package = module.split(".") if is_package else module.split(".")[:-1]
                 package = package[: len(package) - node.level + 1]
                 base = ".".join(package + ([base] if base else []))
-            names.add(base)
-            # `from pkg import sub` imports the submodule pkg.sub when there is one.
-            names.update(f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in MODULES)
+            # `from pkg import sub` imports the submodule pkg.sub when there is one; the
+            # package itself counts for the names that are not submodules (its __init__ runs
+            # either way: `reachable` adds every package on a module's path).
+            subs = {f"{base}.{a.name}" for a in node.names} & MODULES.keys()
+            names.update(subs)
+            if len(subs) < len(node.names):
+                names.add(base)
         stack.extend(ast.iter_child_nodes(node))
     return names
 
@@ -165,6 +169,7 @@ def test_console_reaches_nothing_of_the_engine() -> None:
     model_description = (
         "appliance.models",
         "appliance.models.args",
+        "appliance.models.demo_spec",
         "appliance.models.gguf_meta",
         "appliance.kernels",
         "appliance.kernels.cpu_features",
@@ -255,3 +260,61 @@ def test_the_circle_finder_finds_a_circle_and_leaves_a_chain_alone() -> None:
 
 def test_no_import_circles() -> None:
     assert circles(package_graph()) == []
+
+
+# -- folders -------------------------------------------------------------------------------------
+
+
+def room(module: str) -> str:
+    """Where a module lives, by folder (import names mapped through SOURCES: appliance.kernels.x
+    is kernels/x.py); the package's top-level modules (config, plan, stats, ...) are each their
+    own room, as they are imported by folders that they do not import back."""
+    folder = str(MODULES[module].parent.relative_to(ROOT))
+    return module if folder == "appliance" else folder
+
+
+def folder_graph() -> dict[str, list[str]]:
+    graph: dict[str, set[str]] = {room(m): set() for m in MODULES}
+    for m in MODULES:
+        for dep in imports_of(m):
+            if dep in MODULES and room(dep) != room(m):
+                graph[room(m)].add(room(dep))
+    return {r: sorted(deps) for r, deps in graph.items()}
+
+
+def test_import_names_map_to_the_design_cards_folders() -> None:
+    assert room("appliance.kernels.paged_attention") == "kernels"
+    assert room("appliance.console.app") == "console"
+    assert room("appliance.engine.loader") == "appliance/engine"
+    assert room("appliance.config") == "appliance.config"
+    assert "kernels" in folder_graph()["appliance/layers"]
+
+
+def test_no_folder_circles() -> None:
+    """Two folders never import each other, directly or around a circle (the module-level
+    test above cannot see a circle of folders whose modules form none)."""
+    assert circles(folder_graph()) == []
+
+
+def test_kernels_are_leaves() -> None:
+    """kernels/ imports torch, triton, the standard library and its own files: what a kernel
+    needs from the policy (limits, layouts, formats) lives in kernels/."""
+    bad = {
+        m: sorted(d for d in imports_of(m) if _in(d, "appliance") and room(d) != "kernels")
+        for m in MODULES
+        if room(m) == "kernels"
+    }
+    assert {m: d for m, d in bad.items() if d} == {}
+
+
+def test_the_engine_imports_no_operator_tool() -> None:
+    """The engine, its device backends, layers, models and kernels import nothing of the
+    operator tools, the benches, the server or the console (a tool may import the engine)."""
+    engine_side = ("appliance.engine", "appliance.cpu", "appliance.layers", "appliance.models")
+    tools = ("appliance.tools", "appliance.bench", "appliance.server", "appliance.console")
+    bad = {
+        m: sorted(d for d in reachable(m) if _in(d, *tools))
+        for m in MODULES
+        if _in(m, *engine_side, "appliance.kernels", "appliance.core")
+    }
+    assert {m: d for m, d in bad.items() if d} == {}

@@ -22,7 +22,7 @@ from appliance.cpu import backend as cpu_backend_mod
 from appliance.engine.executor import load_model
 from appliance.engine.kv_pool import KVCachePool
 from appliance.engine.loader import LoadedModel
-from appliance.tools.demo_spec import corpus_text
+from appliance.models.demo_spec import corpus_text
 from appliance.tools.kv_eval import Report, format_report, run_kv_eval
 from appliance.tools.kv_template import write_keep_list
 
@@ -108,7 +108,7 @@ def test_kept_heads_live_in_side_caches_and_capacity_follows(template: Path) -> 
     """Heads "0:1" and "2:0" (tiny: 4 layers of 2 KV heads): layers 0 and 2 hold one FP8 head
     and a bf16 side cache of one head, the pool sizes with those bytes (as `appliance plan`
     counts them), and the engine serves through the split layers, swap included."""
-    from appliance.tools.plan import make_plan
+    from appliance.plan import make_plan
 
     heads = ["0:1", "2:0"]
     overrides = {"cache.kv_cache_dtype": "fp8_e4m3", "cache.kv_cache_keep_16bit_heads": heads}
@@ -254,7 +254,7 @@ def teacher_forced_agreement(
 
 @pytest.fixture(scope="module")
 def kv_eval_report(template: Path) -> Report:
-    data = Path(__file__).parent.parent / "appliance" / "tools" / "data" / "corpus.txt"
+    data = Path(__file__).parent.parent / "appliance" / "models" / "data" / "corpus.txt"
     return run_kv_eval(
         str(template),
         [str(data)],
@@ -368,7 +368,7 @@ def test_kv_eval_measures_int8_with_the_scales_the_template_serves(template: Pat
     """int8 serves per-token scales by default: kv-eval ranks its layers under that rounding,
     and under per-head scales where the template asks for them (a different cache, so a
     different KL). Per-token INT8 moves the predictions less than calibrated per-head INT8."""
-    data = [str(Path(__file__).parent.parent / "appliance" / "tools" / "data" / "corpus.txt")]
+    data = [str(Path(__file__).parent.parent / "appliance" / "models" / "data" / "corpus.txt")]
     common = {"kv_cache_dtype": "int8", "budget": 0, "max_tokens": 128, "window": 64, "chunk": 32}
     token = run_kv_eval(str(template), data, **common)  # type: ignore[arg-type]
     head = run_kv_eval(str(template), data, {"cache.kv_cache_scales": "per_head"}, **common)  # type: ignore[arg-type]

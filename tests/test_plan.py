@@ -13,12 +13,12 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
+from appliance import plan as plan_cmd
 from appliance.config import ConfigError, load_config, shipped_template_dir
 from appliance.layers.parallel import tensor_parallel
 from appliance.models.args import ModelArgs
 from appliance.models.llama import LlamaForCausalLM
-from appliance.tools import plan as plan_cmd
-from appliance.tools.plan import make_plan, reference_architectures
+from appliance.plan import make_plan, reference_architectures
 
 GiB = 1024**3
 
@@ -217,7 +217,7 @@ def test_plan_kv_bytes_equal_the_loaders(
     from appliance.engine.kv_pool import KVCachePool
     from appliance.engine.kv_quant import kv_storage, layer_layout
     from appliance.engine.loader import kv_bytes_per_block
-    from appliance.tools.demo_spec import DEMO_SHAPES
+    from appliance.models.demo_spec import DEMO_SHAPES
 
     s = DEMO_SHAPES["tiny"]
     cfg = {

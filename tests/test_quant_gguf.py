@@ -58,7 +58,7 @@ def test_blocks_repack_to_what_gguf_dequantizes(name: str) -> None:
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from appliance.tools.demo_model import build_demo_model
+    from appliance.models.demo_model import build_demo_model
 
     return build_demo_model("tiny", tmp_path_factory.mktemp("tiny-tok"))
 
@@ -158,7 +158,7 @@ def test_plan_reads_a_gguf_file_and_counts_what_the_engine_holds(
     """`appliance plan` on a .gguf path: the shape from the file's metadata, the weights at the
     bytes the loaded engine really holds (packed tensors repacked, the rest in the model
     dtype), to the byte."""
-    from appliance.tools.plan import make_plan
+    from appliance.plan import make_plan
 
     hf = random_llama(tokenizer_dir, seed=4)
     path, _ = write_gguf(hf, tokenizer_dir, tmp_path / "q4", "Q4_0")

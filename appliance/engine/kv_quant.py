@@ -2,7 +2,7 @@
 
 Scales: one float32 per layer, per KV head, for K and for V (``stored = x / scale``), fixed at
 start-up by a calibration forward with 16-bit KV over text the package ships
-(`appliance/tools/data/corpus.txt`): ``scale = absmax * MARGIN / format_max``.
+(`appliance/models/data/corpus.txt`): ``scale = absmax * MARGIN / format_max``.
 
 Or, for INT8 with cache.kv_cache_scales = "per_token" (int8's default: "auto"), one float16
 scale per token and KV head, the token's own absmax / 127, computed when the token is written
@@ -105,7 +105,7 @@ class TextEncoder(Protocol):
 
 def calibration_windows(tokenizer: TextEncoder, max_len: int) -> list[list[int]]:
     """Token windows from the shipped corpus (spread over it, so several kinds of text)."""
-    from appliance.tools.demo_spec import corpus_text
+    from appliance.models.demo_spec import corpus_text
 
     text = corpus_text()
     size = max(2, min(CALIBRATION_WINDOW_TOKENS, max_len))

@@ -112,7 +112,7 @@ def resolve_model_dir(config: ApplianceConfig, progress: Callable[[str], None]) 
             ) from None
         return path
     if config.model.demo_shape:
-        from appliance.tools.demo_model import build_demo_model
+        from appliance.models.demo_model import build_demo_model
 
         progress(f"building the {config.model.demo_shape!r} demo model into {path} (first start)")
         build_demo_model(config.model.demo_shape, path, progress=progress)
