@@ -72,7 +72,8 @@ def run_env(ctx: StageContext) -> None:
     cuda = torch.cuda.is_available()
     ctx.figure(torch_cuda=torch.version.cuda, cuda_available=cuda)
     if not cuda:
-        ctx.check("CUDA device", not ctx.cuda, reason="torch.cuda.is_available() is False")
+        if ctx.cuda:
+            ctx.fail("--device cuda, but torch.cuda.is_available() is False")
         return
     devices = []
     for i in range(torch.cuda.device_count()):
@@ -86,8 +87,8 @@ def run_env(ctx: StageContext) -> None:
             }
         )
     ctx.figure(devices=devices, driver=_driver())
-    x = torch.arange(1 << 20, device="cuda", dtype=torch.float32)
-    ctx.check("a kernel runs", float(x.sum()) == float((1 << 20) * ((1 << 20) - 1) / 2))
+    n = 1 << 20
+    ctx.check("a kernel runs", int(torch.arange(n, device="cuda").sum()) == n * (n - 1) // 2)
 
 
 def _driver() -> str:
