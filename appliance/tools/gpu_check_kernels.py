@@ -272,7 +272,7 @@ def check_attention(ctx: StageContext, case: Case, gen: torch.Generator) -> list
 
 def quant_weights(cuda: bool) -> list[tuple[str, Any]]:
     """(name, QuantWeight) at Llama-2-7B's linear shapes (or a tiny one in the dry mode)."""
-    from appliance.layers.quant import QuantWeight, pack_q4, quantize_int8
+    from appliance.kernels.quant_weight import QuantWeight, pack_q4, quantize_int8
 
     device = "cuda" if cuda else "cpu"
     gen = torch.Generator().manual_seed(7)
