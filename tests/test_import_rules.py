@@ -11,6 +11,7 @@ or around a circle.
 from __future__ import annotations
 
 import ast
+import re
 from functools import cache
 from pathlib import Path
 
@@ -318,3 +319,52 @@ def test_the_engine_imports_no_operator_tool() -> None:
         if _in(m, *engine_side, "appliance.kernels", "appliance.core")
     }
     assert {m: d for m, d in bad.items() if d} == {}
+
+
+# -- the layout table of docs/architecture.md, row by row ------------------------------------------
+
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+
+
+def _room_name(text: str) -> str:
+    """A table cell's `kernels/` or `appliance/engine/` -> its room; module names as they are."""
+    return text.rstrip("/")
+
+
+def layout_table() -> dict[str, set[str] | None]:
+    """room -> the rooms its row says it may import (None: anything)."""
+    section = ARCHITECTURE.read_text("utf-8").split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
+    table: dict[str, set[str] | None] = {}
+    for line in section.splitlines():
+        if not line.startswith("| `"):
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        rooms = [_room_name(x) for x in re.findall(r"`([^`]+)`", cells[0])]
+        allowed = cells[-1]
+        names = None if allowed == "anything" else set(re.findall(r"`([^`]+)`", allowed))
+        for r in rooms:
+            table[r] = None if names is None else {_room_name(x) for x in names}
+    return table
+
+
+def test_the_layout_table_reads_as_rooms() -> None:
+    table = layout_table()
+    assert table["kernels"] == set() and table["appliance/tools"] is None
+    assert table["appliance/layers"] == {"kernels"}
+    assert "appliance.config" in table and "appliance.stats" in table
+
+
+def test_every_room_is_in_the_layout_table_and_every_row_is_a_room() -> None:
+    rooms = set(folder_graph())
+    table = set(layout_table())
+    assert (rooms - table, table - rooms) == (set(), set())
+
+
+def test_each_room_imports_only_what_its_row_allows() -> None:
+    table = layout_table()
+    bad = {
+        r: sorted(set(deps) - allowed)
+        for r, deps in folder_graph().items()
+        if (allowed := table.get(r, set())) is not None and set(deps) - allowed
+    }
+    assert bad == {}
