@@ -123,3 +123,22 @@ def test_packed_linear_with_a_dense_copy_reads_the_copy() -> None:
         )
     layer.wire(CopyMatmul(torch.full((96, 128), float("nan")), False))
     assert torch.isnan(layer._matmul(torch.randn(1, 128, generator=gen), None)).all()
+
+
+def test_weight_bytes_counts_a_packed_linears_dense_copy() -> None:
+    """quant-eval's memory figure: the packed bytes, plus the dense copy the backend wired
+    beside them (AMX), read from the linear's matmul strategy."""
+    from appliance.layers.linear import MatmulWeight
+    from appliance.layers.matmul import CopyMatmul, PackedMatmul, reference_quant_matmul
+    from appliance.tools.quant_eval import weight_bytes
+
+    w = _q4(96, 128, 32, seed=5)
+    layer = MatmulWeight()
+    layer.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+    layer.quant = w
+    layer.wire(PackedMatmul(reference_quant_matmul, w))
+    packed_only = weight_bytes(layer)
+    assert packed_only == w.nbytes()
+    layer.wire(CopyMatmul(w.dequantize(torch.bfloat16), False))
+    assert weight_bytes(layer) == packed_only + 96 * 128 * 2
+

@@ -144,7 +144,8 @@ def weight_bytes(model: torch.nn.Module) -> int:
         )
         if quant is not None and own:
             total += quant.nbytes()
-        copy = getattr(m, "matmul_weight", None)
+        matmul = m.matmul if isinstance(m, MatmulWeight) else None
+        copy = matmul.copy if matmul is not None else None
         if quant is not None and copy is not None:
             total += copy.numel() * copy.element_size()
     return total
