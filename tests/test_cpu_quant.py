@@ -141,4 +141,3 @@ def test_weight_bytes_counts_a_packed_linears_dense_copy() -> None:
     assert packed_only == w.nbytes()
     layer.wire(CopyMatmul(w.dequantize(torch.bfloat16), False))
     assert weight_bytes(layer) == packed_only + 96 * 128 * 2
-
