@@ -125,9 +125,9 @@ int FN(decode_forward)(const int64_t *shape, const int64_t *layer_ptrs,
 }
 
 /* Decode attention, one query per sequence: q rows of heads*head_dim floats, q_stride
- * apart (float32); out [batch, heads, head_dim]. With enough sequences to keep the threads busy, one work item takes a sequence's
- * KV heads together (each token's K/V row is then one contiguous read); otherwise one KV
- * head each. */
+ * apart (float32); out [batch, heads, head_dim]. With enough sequences to keep the threads
+ * busy, one work item takes a sequence's KV heads together (each token's K/V row is then one
+ * contiguous read); otherwise one KV head each. */
 static void FN(attention)(const float *q, int64_t q_stride, const T *k_cache,
                           const T *v_cache, const int32_t *tables,
                           const int32_t *seq_lens, const Shape *s, float scale,
