@@ -3,7 +3,7 @@
  *
  *     #define SUFFIX bf16
  *     #define T uint16_t
- *     #include "cpu_decode_attention.inc.c"   (defines attend_heads_bf16, ...; #undefs both)
+ *     #include "cpu_decode_steps.inc.c"   (defines attend_heads_bf16, ...; #undefs both)
  *
  * SUFFIX names the dtype (bf16: bfloat16 as uint16_t, f32: float); T is its storage type. A
  * template names its functions FN(name) (name_bf16 ...), converts with LOAD / STORE (one value)
