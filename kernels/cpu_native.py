@@ -96,8 +96,9 @@ def _build_key(
 
 
 def kernel_sources() -> tuple[Path, ...]:
-    """Every C file and header of this folder, all part of each build's cache key: the files
-    #include one another (cpu_quant.c includes cpu_decode.c and its headers)."""
+    """Every C file, template (*.inc.c) and header of this folder, all part of each build's
+    cache key: the files #include one another (both libraries include cpu_decode_steps.inc.c
+    and the headers)."""
     return tuple(sorted(SOURCE.parent.glob("cpu_*.[ch]")))
 
 
@@ -236,7 +237,7 @@ def paged_decode_attention(
     return out
 
 
-# -- element-wise steps of the torch forward (DEFINE_LAYER_OPS in cpu_decode.c) -----------------
+# -- element-wise steps of the torch forward (cpu_decode_ops.inc.c) ---------------------------
 
 
 def _op(name: str, dtype: torch.dtype) -> Callable[..., object]:

@@ -362,29 +362,39 @@ def test_build_is_cached_per_source_and_cpu(
 def test_every_file_a_kernel_includes_is_part_of_the_build_key(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The libraries are cached by a hash of their sources: a header they #include that the key
-    missed would leave an edit to it unbuilt. Follows the #include "..." lines of both C
-    files, then edits a copy of the folder's deepest header and sees the key change."""
+    """The libraries are cached by a hash of their sources: a header or template they #include
+    that the key missed would leave an edit to it unbuilt. Follows the #include "..." lines of
+    each library's C file (through the templates they include), then edits a copy of each file
+    it reached, one at a time, and sees that library's key change."""
     folder = cpu_native.SOURCE.parent
     keyed = set(cpu_native.kernel_sources())
-    pending, seen = [folder / "cpu_decode.c", folder / "cpu_quant.c"], set()
-    while pending:
-        path = pending.pop()
-        if path in seen:
-            continue
-        seen.add(path)
-        pending += [folder / name for name in re.findall(r'#include "([^"]+)"', path.read_text())]
-    assert seen <= keyed and len(seen) >= 7, sorted(p.name for p in seen - keyed)
     copy = tmp_path / "kernels"
     copy.mkdir()
     for path in keyed:
         (copy / path.name).write_text(path.read_text())
     monkeypatch.setattr(cpu_native, "SOURCE", copy / "cpu_decode.c")
     features, cc, flags = detect(), "cc", ["-O3"]
-    before = cpu_native._build_key(cc, flags, features, cpu_native.kernel_sources())
-    header = copy / "cpu_decode_simd.h"
-    header.write_text(header.read_text() + "\n/* edited */\n")
-    assert cpu_native._build_key(cc, flags, features, cpu_native.kernel_sources()) != before
+    for library in ("cpu_decode.c", "cpu_quant.c"):
+        pending, seen = [folder / library], set()
+        while pending:
+            path = pending.pop()
+            if path in seen:
+                continue
+            seen.add(path)
+            pending += [folder / n for n in re.findall(r'#include "([^"]+)"', path.read_text())]
+        assert seen <= keyed, sorted(p.name for p in seen - keyed)
+        assert len(seen) >= 8 and any(p.name.endswith(".inc.c") for p in seen), seen
+
+        def key(library: str = library) -> str:
+            return cpu_native._build_key(
+                cc, flags, features, (copy / library, *cpu_native.kernel_sources())
+            )
+
+        for path in sorted(seen):
+            before = key()
+            edited = copy / path.name
+            edited.write_text(edited.read_text() + "\n/* edited */\n")
+            assert key() != before, path.name
 
 
 def test_a_masked_feature_builds_another_library_without_it(
