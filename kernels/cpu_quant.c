@@ -1,5 +1,5 @@
 /* Matmuls and the decode forward over packed 4- and 8-bit weights (the layouts of
- * appliance/layers/quant.py), reading the packed bytes directly: each run of columns is
+ * kernels/quant_weight.py), reading the packed bytes directly: each run of columns is
  * dequantized into registers and multiplied into float32 accumulators. No dense copy exists.
  *
  *   q4: uint8 [n, k/2]; per 32 columns 16 bytes, byte i = column i (low nibble) and column

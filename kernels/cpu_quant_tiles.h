@@ -1,5 +1,5 @@
 /* The int8-activation dot products over row tiles (QuantWeight.tile_rows = 8,
- * appliance/layers/quant.py) of qmatvec and qgate_up in cpu_quant.c: TILES 1 where built (with
+ * kernels/quant_weight.py) of qmatvec and qgate_up in cpu_quant.c: TILES 1 where built (with
  * ACT8, cpu_quant_act8.h), qmatvec_tiles and qgate_up_tiles.
  *
  * Why tiles: in the row-major layout every 32 weights of a row need their own reduction
