@@ -132,6 +132,8 @@ class ModelRunner:
             logits = self.hooks.fused_decode(
                 input_ids, positions, meta.slot_mapping, decode.block_tables, decode.seq_lens
             )
+            if not row_list:  # nothing sampled nor scored (the load-time warm-up's steps)
+                return RunnerOutput({}, {})
             # When every row is sampled, in order, the logits are used as they are (no copy).
             if row_list != list(range(logits.shape[0])):
                 logits = logits.index_select(0, torch.tensor(row_list, device=self.device))
