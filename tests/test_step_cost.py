@@ -175,3 +175,45 @@ def test_a_short_request_behind_a_long_prompt_gets_its_first_token_before_that_p
 def test_bad_slo_and_length_class_settings_name_their_key(overrides: dict, key: str) -> None:
     with pytest.raises(ConfigError, match=key):
         load_config(None, overrides)
+
+
+def test_ttft_slo_admission_refuses_exactly_the_requests_whose_estimate_misses() -> None:
+    from appliance.core.request import FinishReason
+    from appliance.core.ttft_estimate import estimate_ttft_s
+
+    overrides = {**CLASSES, "priority_classes.interactive.ttft_slo_s": 1.0}
+    sizes = [100, 400, 800, 300, 1600, 200, 3000, 50, 900]
+    s = seeded(overrides)
+    accepted = refused = 0
+    for i, n in enumerate(sizes):
+        r = req(f"r{i}", n, cls="interactive", base=1000 * i)
+        estimate = estimate_ttft_s(s, r)
+        assert estimate is not None
+        ok = s.add_request(r)
+        assert ok == (estimate <= 1.0), (i, estimate)
+        if ok:
+            accepted += 1
+        else:
+            refused += 1
+            assert r.finish_reason is FinishReason.TTFT_SLO
+            assert f"{estimate:.1f}s" in r.finish_detail and "ttft_slo_s 1" in r.finish_detail
+    assert accepted >= 2 and refused >= 2
+    assert s.counters.rejected_by.get("ttft_slo/interactive") == refused
+    # The same arrivals where no class sets a TTFT target: none refused.
+    plain = seeded(CLASSES)
+    assert all(
+        plain.add_request(req(f"r{i}", n, cls="interactive", base=1000 * i))
+        for i, n in enumerate(sizes)
+    )
+
+
+def test_the_ttft_estimate_counts_only_the_work_queued_ahead() -> None:
+    """Under the priority policy a realtime arrival is not held behind queued batch work."""
+    from appliance.core.ttft_estimate import estimate_ttft_s
+
+    s = seeded({**CLASSES, "priority_classes.realtime.priority": 0, "scheduler.policy": "priority"})
+    s.add_request(req("summary", 3000, cls="batch", priority=10, base=1000))
+    behind = estimate_ttft_s(s, req("chat-b", 64, cls="batch", priority=10, base=9000))
+    ahead = estimate_ttft_s(s, req("chat-r", 64, cls="realtime", priority=0, base=9000))
+    assert behind is not None and ahead is not None
+    assert ahead < behind / 5

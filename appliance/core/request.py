@@ -32,6 +32,8 @@ class FinishReason(enum.StrEnum):
     # Admission control: the API maps these to HTTP 429.
     QUEUE_FULL = "queue_full"
     QUEUE_TIMEOUT = "queue_timeout"
+    # The class's ttft_slo_s would be missed by the engine's estimate (core/ttft_estimate.py).
+    TTFT_SLO = "ttft_slo"
     # The request can never fit (e.g. needs more KV blocks than the whole pool).
     ERROR = "error"
 

@@ -19,6 +19,7 @@ from appliance.core.request import FinishReason, Request, RequestStatus
 from appliance.core.scheduler_output import SchedulerOutput
 from appliance.core.step_builder import StepBuilder
 from appliance.core.step_cost import StepCostModel, StepShape
+from appliance.core.ttft_estimate import estimate_ttft_s
 from appliance.stats import SchedulerCounters
 
 
@@ -68,7 +69,8 @@ class Scheduler:
     # -- arrivals and departures -----------------------------------------------------------------
     def add_request(self, req: Request) -> bool:
         """Queue a request; False (and the request finished with QUEUE_FULL) when the waiting
-        queue of its class is full."""
+        queue of its class is full, or (TTFT_SLO) when the engine expects its first token
+        later than its class's ttft_slo_s."""
         if req.request_id in self.requests:
             raise ValueError(f"request_id {req.request_id!r} is already in use")
         limit = self.config.class_limits(req.priority_class).max_waiting_requests
@@ -80,6 +82,17 @@ class Scheduler:
                 req.finish_reason = FinishReason.QUEUE_FULL
                 req.finish_detail = f"waiting queue full ({same_class} >= {limit})"
                 return False
+        slo = self.config.ttft_slo_s(req.priority_class)
+        estimate = estimate_ttft_s(self, req) if slo is not None else None
+        if slo is not None and estimate is not None and estimate > slo:
+            self.counters.count_rejected(req.priority_class, FinishReason.TTFT_SLO)
+            req.status = RequestStatus.FINISHED
+            req.finish_reason = FinishReason.TTFT_SLO
+            req.finish_detail = (
+                f"first token expected in {estimate:.1f}s by this box's step costs and the "
+                f"work queued ahead, over ttft_slo_s {slo:g}"
+            )
+            return False
         self.requests[req.request_id] = req
         self._insert(self.waiting, req)
         return True

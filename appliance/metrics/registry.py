@@ -100,10 +100,11 @@ REQUEST_TOKEN_BUCKETS = [m * 10**e for e in range(7) for m in (1, 2, 5)]
 # engine and the API can report (vLLM's stop/length/abort/error; queue_full and queue_timeout
 # are admission refusals, counted under vLLM's name as well); vLLM's "repetition" never happens
 # here. A test holds this list to appliance.core.request.FinishReason.
-FINISH_REASONS = ("stop", "length", "abort", "error", "queue_full", "queue_timeout")
+FINISH_REASONS = ("stop", "length", "abort", "error", "queue_full", "queue_timeout", "ttft_slo")
 PREEMPTION_MODES = ("recompute", "swap")  # swap falls back to recompute: both under either mode
-# The core refuses on queue_full and queue_timeout, the API on queue_full and estimated_wait.
-REJECTION_REASONS = ("queue_full", "queue_timeout", "estimated_wait")
+# The core refuses on queue_full, queue_timeout and ttft_slo, the API on queue_full and
+# estimated_wait.
+REJECTION_REASONS = ("queue_full", "queue_timeout", "ttft_slo", "estimated_wait")
 DRAIN_OUTCOMES = ("drained", "cut")
 KV_BLOCK_STATES = ("used", "cached", "free", "swapped")
 

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from appliance.server.state import ServerState
 
 # Engine finish reasons that mean "refused, try later" rather than an answer.
-RETRYABLE = ("queue_full", "queue_timeout")
+RETRYABLE = ("queue_full", "queue_timeout", "ttft_slo")
 
 
 # A choice of the response: one sub-request's output state.
