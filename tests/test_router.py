@@ -57,9 +57,10 @@ def cfg(**kw: object) -> RouterConfig:
 def test_policy_class_first_then_length_then_default() -> None:
     c, n = cfg(), TokenCounter(1.0)
     assert choose_pool(c, {"prompt": "short"}, n) == ("realtime", "default")
-    assert choose_pool(c, {"prompt": "x" * 10}, n) == ("long", "long")
-    assert choose_pool(c, {"prompt": "x" * 10, "priority": "batch"}, n) == ("batch", "class")
-    assert choose_pool(c, {"prompt": "x" * 10, "priority": "realtime"}, n) == ("long", "long")
+    assert choose_pool(c, {"prompt": "x" * 10}, n) == ("realtime", "default")  # not longer
+    assert choose_pool(c, {"prompt": "x" * 11}, n) == ("long", "long")
+    assert choose_pool(c, {"prompt": "x" * 11, "priority": "batch"}, n) == ("batch", "class")
+    assert choose_pool(c, {"prompt": "x" * 11, "priority": "realtime"}, n) == ("long", "long")
     assert choose_pool(c, {"prompt": "short", "priority": 3}, n) == ("realtime", "default")
     assert choose_pool(c, None, n) == ("realtime", "default")  # not JSON: the pool answers 400
     assert choose_pool(cfg(long_pool=""), {"prompt": "x" * 99}, n) == ("realtime", "default")
@@ -391,3 +392,20 @@ def test_every_dashboard_metric_is_exported_by_a_live_server(
         )
         exported |= {fam.name + s for s in suffixes}
     assert queried <= exported, sorted(queried - exported)
+
+
+def test_the_router_reads_the_length_threshold_of_a_template() -> None:
+    """One setting for the box's length class and the router's length routing."""
+    from appliance.config import load_config
+
+    pools = {"realtime": "http://127.0.0.1:1", "long": "http://127.0.0.1:2"}
+    c = load_router_config(None, {"pools": pools, "long_pool": "long", "template": "cpu-demo"})
+    assert c.long_prompt_tokens == load_config("cpu-demo").scheduler.long_prompt_tokens == 512
+    # An explicit threshold still wins.
+    c = load_router_config(
+        None,
+        {"pools": pools, "long_pool": "long", "template": "cpu-demo", "long_prompt_tokens": 99},
+    )
+    assert c.long_prompt_tokens == 99
+    with pytest.raises(ConfigError, match="sets no scheduler.long_prompt_tokens"):
+        load_router_config(None, {"pools": pools, "long_pool": "long", "template": "cpu-bench"})

@@ -1,7 +1,7 @@
 """`appliance route`: one OpenAI endpoint in front of the pool instances.
 
 Each request goes to one pool: a priority class mapped to a pool (`batch` -> the batch
-instance) first, else a prompt of at least `long_prompt_tokens` to the long-context instance,
+instance) first, else a prompt longer than `long_prompt_tokens` to the long-context instance,
 else the default (real-time) pool. The body is forwarded byte for byte and the answer streamed
 back as it comes, status and headers included, so a pool's 429 reaches the client with its
 Retry-After and SSE streams flow chunk by chunk. A client that disconnects closes the upstream
@@ -72,9 +72,13 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     pools: dict[str, str] = {}
     # Where everything else goes; empty = the first pool listed.
     default_pool: str = ""
-    # Pool for prompts of at least long_prompt_tokens; empty = no length routing.
+    # Pool for prompts longer than long_prompt_tokens; empty = no length routing.
     long_pool: str = ""
     long_prompt_tokens: Annotated[int, Meta(ge=1)] = 2048
+    # An appliance template (name or path) whose scheduler.long_prompt_tokens sets the
+    # threshold: the router's length routing and a single box's length class
+    # (scheduler.long_prompt_class) then read one setting, with one rule (longer than).
+    template: str = ""
     # Characters per token when no tokenizer is given (the estimate).
     chars_per_token: Annotated[float, Meta(gt=0.0)] = 4.0
     # Model directory (tokenizer.json) to count prompt tokens exactly.
@@ -115,6 +119,16 @@ def load_router_config(path: str | None, overrides: dict[str, Any]) -> RouterCon
             raw[key] = {**raw.get(key, {}), **value}
         elif value is not None:
             raw[key] = value
+    if raw.get("template"):
+        from appliance.config import load_config
+
+        threshold = load_config(raw["template"]).scheduler.long_prompt_tokens
+        if not threshold:
+            raise ConfigError(
+                f"router.template {raw['template']!r} sets no scheduler.long_prompt_tokens"
+            )
+        if overrides.get("long_prompt_tokens") is None and "long_prompt_tokens" not in raw:
+            raw["long_prompt_tokens"] = threshold
     try:
         return msgspec.convert(raw, RouterConfig)
     except msgspec.ValidationError as exc:
@@ -181,7 +195,7 @@ def choose_pool(cfg: RouterConfig, body: Any, counter: TokenCounter) -> tuple[st
         cls = body.get("priority")
         if isinstance(cls, str) and cls in cfg.classes:
             return cfg.classes[cls], "class"
-        if cfg.long_pool and prompt_tokens(body, counter) >= cfg.long_prompt_tokens:
+        if cfg.long_pool and prompt_tokens(body, counter) > cfg.long_prompt_tokens:
             return cfg.long_pool, "long"
     return cfg.default_pool, "default"
 
@@ -412,13 +426,14 @@ def cmd_route(ns: argparse.Namespace) -> int:
             "long_prompt_tokens": ns.long_prompt_tokens,
             "chars_per_token": ns.chars_per_token,
             "tokenizer": ns.tokenizer,
+            "template": ns.template,
             "pools": _pairs(ns.pool, "--pool"),
             "classes": _pairs(ns.cls, "--class"),
         },
     )
     app = Router(cfg)
     log.info(
-        "routing on http://%s:%d: pools %s; default %s; long (>= %d tokens) %s; classes %s",
+        "routing on http://%s:%d: pools %s; default %s; long (> %d tokens) %s; classes %s",
         cfg.host,
         cfg.port,
         cfg.pools,
@@ -458,7 +473,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     p.add_argument("--default-pool")
     p.add_argument("--long-pool", help="pool for long prompts")
-    p.add_argument("--long-prompt-tokens", type=int, help="prompt length that counts as long")
+    p.add_argument("--long-prompt-tokens", type=int, help="prompts longer than this are long")
+    p.add_argument(
+        "--template",
+        help="an appliance template whose scheduler.long_prompt_tokens sets the threshold",
+    )
     p.add_argument("--chars-per-token", type=float, help="token estimate without a tokenizer")
     p.add_argument("--tokenizer", help="model directory whose tokenizer.json counts tokens exactly")
     p.add_argument(
