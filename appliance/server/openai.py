@@ -1,9 +1,6 @@
-"""The OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models, and
-vLLM's /tokenize and /detokenize.
-
-Bodies are decoded here with msgspec (not through Litestar's `data:` injection) so that a
-schema error becomes one OpenAI-style 400 naming the field, and so that the body is only read
-after the API key and readiness checks (guards) have passed.
+"""The OpenAI-compatible endpoints: /v1/completions, /v1/chat/completions, /v1/models, and
+vLLM's /tokenize and /detokenize. Each handler takes the request and its decoded body; the
+paths, methods and body types are server/routes.py's table.
 """
 
 from __future__ import annotations
@@ -14,7 +11,7 @@ from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
 import msgspec
-from litestar import Request, Response, Router, get, post
+from litestar import Request, Response
 from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
 from litestar.response import Stream
@@ -22,7 +19,6 @@ from litestar.response import Stream
 from appliance.server import limits
 from appliance.server import prepare as prep
 from appliance.server import schemas as s
-from appliance.server.auth import api_key_guard
 from appliance.server.errors import APIError, ClientGone, bad_request, from_validation
 from appliance.server.format import (
     StreamFormatter,
@@ -97,12 +93,10 @@ async def race_disconnect(request: Request[Any, Any, Any], aw: Awaitable[T]) -> 
 
 
 # -- generation ----------------------------------------------------------------------------------
-async def _generate(request: Request[Any, Any, Any], chat: bool) -> Response[Any]:
+async def _generate(request: Request[Any, Any, Any], body: prep.Body) -> Response[Any]:
     arrival = time.monotonic()
     state = _state(request)
-    body: prep.Body = await decode_body(
-        request, s.ChatCompletionRequest if chat else s.CompletionRequest
-    )
+    chat = isinstance(body, s.ChatCompletionRequest)
     prep.check_model(state, body.model)
     _check_limits(state, body)
     prep.refuse_unsupported(body)
@@ -303,18 +297,17 @@ class _LogContext:
         )
 
 
-@post("/v1/completions", status_code=200)
-async def completions(request: Request[Any, Any, Any]) -> Response[Any]:
-    return await _generate(request, chat=False)
+async def completions(request: Request[Any, Any, Any], body: s.CompletionRequest) -> Response[Any]:
+    return await _generate(request, body)
 
 
-@post("/v1/chat/completions", status_code=200)
-async def chat_completions(request: Request[Any, Any, Any]) -> Response[Any]:
-    return await _generate(request, chat=True)
+async def chat_completions(
+    request: Request[Any, Any, Any], body: s.ChatCompletionRequest
+) -> Response[Any]:
+    return await _generate(request, body)
 
 
-@get("/v1/models")
-async def models(request: Request[Any, Any, Any]) -> Response[bytes]:
+async def models(request: Request[Any, Any, Any], body: None) -> Response[bytes]:
     state = _state(request)
     info = state.info
     card = s.ModelCard(
@@ -326,10 +319,8 @@ async def models(request: Request[Any, Any, Any]) -> Response[bytes]:
     return _json(s.ModelList([card]))
 
 
-@post("/tokenize", status_code=200)
-async def tokenize(request: Request[Any, Any, Any]) -> Response[bytes]:
+async def tokenize(request: Request[Any, Any, Any], body: s.TokenizeRequest) -> Response[bytes]:
     state = _state(request)
-    body = await decode_body(request, s.TokenizeRequest)
     prep.check_model(state, body.model)
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give exactly one of prompt or messages", param="prompt")
@@ -349,10 +340,8 @@ async def tokenize(request: Request[Any, Any, Any]) -> Response[bytes]:
     return _json(s.TokenizeResponse(len(ids), limit, ids))
 
 
-@post("/detokenize", status_code=200)
-async def detokenize(request: Request[Any, Any, Any]) -> Response[bytes]:
+async def detokenize(request: Request[Any, Any, Any], body: s.DetokenizeRequest) -> Response[bytes]:
     state = _state(request)
-    body = await decode_body(request, s.DetokenizeRequest)
     prep.check_model(state, body.model)
     vocab = state.info.vocab_size if state.info else 0
     bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
@@ -361,11 +350,3 @@ async def detokenize(request: Request[Any, Any, Any]) -> Response[bytes]:
             f"tokens: id {bad} is outside the vocabulary [0, {vocab})", param="tokens"
         )
     return _json(s.DetokenizeResponse(state.tokenizer.decode(body.tokens)))
-
-
-def router() -> Router:
-    return Router(
-        path="/",
-        route_handlers=[completions, chat_completions, models, tokenize, detokenize],
-        guards=[api_key_guard, ready_guard],
-    )
