@@ -1,16 +1,19 @@
-"""From an OpenAI request body to engine inputs: priority, the cheap queue-full check, prompt
-token ids (chat template included), and validated sampling parameters.
+"""From an OpenAI request body to one prepared request: the engine inputs (prompt token ids,
+validated sampling parameters, priority) and what the response must carry.
 
-Order matters for an overloaded box: priority and the queue-full check come before any
-tokenization, so a request that would be refused costs almost nothing.
+`prepare` is the one way chat and completion bodies take. Order matters for an overloaded
+box: priority and the queue-full and estimated-wait checks come before any tokenization, so a
+request that would be refused costs almost nothing.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from appliance.config import ConfigError
 from appliance.sampling_params import SamplingParams
+from appliance.server import limits
 from appliance.server.chat_caps import adapt_conversation, template_caps
 from appliance.server.errors import APIError, bad_request
 from appliance.server.schemas import (
@@ -18,13 +21,119 @@ from appliance.server.schemas import (
     ChatMessage,
     CompletionRequest,
 )
-from appliance.server.tool_calls import template_tool_calls
+from appliance.server.scoring import ResponsePlan
+from appliance.server.structured import structured_outputs, validated
+from appliance.server.tool_calls import (
+    ToolPlan,
+    plan_tools,
+    template_tool_calls,
+    with_output_constraint,
+)
 
 if TYPE_CHECKING:
     from appliance.server.state import ServerState
-    from appliance.server.tool_calls import ToolPlan
 
 Body = CompletionRequest | ChatCompletionRequest
+
+
+@dataclass
+class PreparedRequest:
+    """A chat or completion request, ready for the engine (server/generate.py) and for the
+    response's formatting (server/format.py)."""
+
+    chat: bool
+    # One per prompt; the engine runs `n` samples of each.
+    prompts: list[list[int]]
+    params: SamplingParams
+    n: int
+    stream: bool
+    # As the client gave it (the engine resolves it too), and its class for admission.
+    priority: str | int | None
+    priority_class: str
+    # Top logprobs per generated token (None: no logprobs).
+    logprobs: int | None
+    include_usage: bool
+    plan: ResponsePlan
+
+    @property
+    def id_prefix(self) -> str:
+        return "chatcmpl" if self.chat else "cmpl"
+
+
+def prepare(state: ServerState, body: Body) -> PreparedRequest:
+    """The one preparation of a generation request; an APIError (400, 404, 429) refuses it."""
+    check_model(state, body.model)
+    check_limits(state, body)
+    refuse_unsupported(body)
+    priority_class = resolve_priority(state, body.priority)
+    check_queue(state, priority_class)  # before tokenizing: shedding load stays cheap
+    check_estimated_wait(state, priority_class)
+    structured = structured_outputs(body)
+    plan = ResponsePlan(prompt_logprobs=body.prompt_logprobs)
+    if isinstance(body, ChatCompletionRequest):
+        plan.tools = tool_plan(state, body)
+        if plan.tools is not None and plan.tools.structured is not None:
+            if structured is not None:
+                plan.tools = with_output_constraint(plan.tools, structured)
+            # (a generic plan, which with_output_constraint returns, constrains its output)
+            assert plan.tools.structured is not None
+            structured = validated(plan.tools.structured, "tools")
+        prompts = [chat_prompt(state, body.messages, body.add_generation_prompt, plan.tools)]
+        name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        asked = (
+            body.max_completion_tokens
+            if body.max_completion_tokens is not None
+            else body.max_tokens
+        )
+        k = (body.top_logprobs or 0) if body.logprobs else None
+        if body.top_logprobs is not None and not body.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+        prompt_param = "messages"
+    else:
+        prompts = completion_prompts(state, body.prompt)
+        if not isinstance(body.prompt, str):  # ids from the client: within the vocabulary
+            limits.check_prompt_ids(prompts, _vocab_size(state))
+        name, asked, k, prompt_param = "max_tokens", body.max_tokens, body.logprobs, "prompt"
+        plan.echo = body.echo
+        if body.echo and asked == 0:
+            # Scoring only: the prompt's last logits sample one token (same forward), dropped.
+            plan.drop_output, asked = True, 1
+    max_tokens = resolve_max_tokens(state, prompts, asked, name, prompt_param)
+    # Echoed logprobs and vLLM's prompt_logprobs come from one prefill computation.
+    wanted = [x for x in (body.prompt_logprobs, k if plan.echo else None) if x is not None]
+    params = sampling_params(body, max_tokens, k, max(wanted) if wanted else None)
+    params.structured = structured
+    return PreparedRequest(
+        chat=isinstance(body, ChatCompletionRequest),
+        prompts=prompts,
+        params=params,
+        n=body.n,
+        stream=body.stream,
+        priority=body.priority,
+        priority_class=priority_class,
+        logprobs=k,
+        include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        plan=plan,
+    )
+
+
+def tool_plan(state: ServerState, body: ChatCompletionRequest) -> ToolPlan | None:
+    template = getattr(state.tokenizer, "chat_template", None)
+    return plan_tools(body, state.config.model.tool_call_parser, template)
+
+
+def _vocab_size(state: ServerState) -> int:
+    return state.info.vocab_size if state.info else 0
+
+
+def check_limits(state: ServerState, body: Body) -> None:
+    """The limits a schema cannot state (appliance/server/limits.py), before any work."""
+    vocab = _vocab_size(state)
+    limits.check_top_k(body.top_k, vocab)
+    if body.stop_token_ids:
+        limits.check_token_ids(body.stop_token_ids, vocab, "stop_token_ids")
+    if isinstance(body, ChatCompletionRequest):
+        limits.check_roles([m.role for m in body.messages])
 
 
 def check_model(state: ServerState, model: str | None) -> None:
