@@ -18,7 +18,7 @@ import msgspec
 from appliance.engine.client import EngineError
 from appliance.engine.output_processor import RequestState
 from appliance.engine.outputs import RequestOutput
-from appliance.sampling_params import SamplingParams, invalid_field
+from appliance.sampling_params import SamplingParams
 from appliance.server.errors import APIError
 
 if TYPE_CHECKING:
@@ -112,6 +112,8 @@ class Generation:
         if refused is not None:
             self.abort(refused.rejected, count=False)
             self.close()
+            if refused.rejected == "invalid":  # bad input, in the engine's words
+                raise self.req.refusal(refused.detail, refused.code)
             raise self._refusal(refused.rejected, refused.detail)
 
     def _refusal(self, reason: str, detail: str) -> APIError:
@@ -123,8 +125,6 @@ class Generation:
                 code=reason,
                 headers={"Retry-After": retry},
             )
-        if reason == "invalid":
-            return APIError(400, detail, param=invalid_field(detail))
         return APIError(
             503,
             f"engine unavailable: {detail}",
