@@ -6,6 +6,7 @@ queue timeout."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -165,6 +166,21 @@ def test_a_prompt_with_no_room_left_is_a_400_naming_the_requests_field(
     assert err["message"].startswith("messages: ") and "leaves no room" in err["message"]
     err = assert_error(complete(server, {"prompt": "x", "max_tokens": 0}), 400, param="max_tokens")
     assert err["message"] == "max_tokens must be at least 1, got 0"
+
+
+def test_a_refused_request_gets_its_request_log_line(server: ServerProcess) -> None:
+    headers = {**AUTH, "x-request-id": "refused-1"}
+    assert_error(complete(server, {"prompt": "x", "temperature": -1}, headers=headers), 400)
+
+    def line() -> dict[str, Any] | None:
+        for text in server.log().splitlines():
+            if text.startswith("{") and '"refused-1"' in text:
+                return json.loads(text)
+        return None
+
+    got = wait_for(line, timeout_s=10)
+    assert (got["event"], got["endpoint"], got["status"]) == ("request", "/v1/completions", 400)
+    assert "temperature" in got["message"]
 
 
 def test_400_bad_json_and_bad_chat(server: ServerProcess) -> None:

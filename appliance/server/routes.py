@@ -3,8 +3,9 @@
 `ROUTES` says, per endpoint, its method and path, the handler, the request body it takes and
 the response it gives. The Litestar handlers (`router()`) and the published OpenAPI document
 (server/openapi_doc.py) are both built from it, and so is the fuzz test's list of endpoints:
-an endpoint cannot be served without being described. Every other route (/admin/*, the ops
-endpoints, /openapi.json itself) is registered with `include_in_schema=False`, and
+an endpoint cannot be served without being described, and its refusals get their request log
+line (errors.py, by the handler's opt). Every other route (/admin/*, the ops endpoints,
+/openapi.json itself) is registered with `include_in_schema=False`, and
 tests/test_server_units.py fails on any served route that is neither.
 
 Bodies are decoded here with msgspec, by the table's request type (not through Litestar's
@@ -24,6 +25,7 @@ from litestar.handlers import HTTPRouteHandler
 from appliance.server import openai
 from appliance.server import schemas as s
 from appliance.server.auth import api_key_guard
+from appliance.server.errors import REQUEST_LOG_OPT
 
 Handler = Callable[[Request[Any, Any, Any], Any], Awaitable[Response[Any]]]
 
@@ -86,7 +88,13 @@ def _endpoint(r: Route) -> HTTPRouteHandler:
         return await r.handler(request, body)
 
     endpoint.__name__ = endpoint.__qualname__ = r.handler.__name__
-    return route(r.path, http_method=[r.method], status_code=200, summary=r.summary)(endpoint)
+    return route(
+        r.path,
+        http_method=[r.method],
+        status_code=200,
+        summary=r.summary,
+        opt={REQUEST_LOG_OPT: True},
+    )(endpoint)
 
 
 def router() -> Router:
