@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from appliance.cpu.features import limit_onednn_to_mask
+from appliance.kernels.cpu_features import limit_onednn_to_mask
 
 # Before torch loads: a CPU feature mask applies to oneDNN's kernels too.
 limit_onednn_to_mask()

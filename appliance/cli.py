@@ -106,9 +106,10 @@ def _command_of(argv: list[str]) -> str | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from appliance import plan
     from appliance.bench import cpu_kernels, offline, serve
     from appliance.console import cli as console_cli
-    from appliance.tools import kv_eval, plan, quant_eval, router
+    from appliance.tools import kv_eval, quant_eval, router
     from appliance.tools.demo_model import add_demo_model_parser
 
     parser = argparse.ArgumentParser(prog="appliance", description="LLM inference appliance")

@@ -19,6 +19,7 @@ PositiveInt = Annotated[int, Meta(ge=1)]
 NonNegInt = Annotated[int, Meta(ge=0)]
 NonNegFloat = Annotated[float, Meta(ge=0.0)]
 Fraction = Annotated[float, Meta(gt=0.0, le=1.0)]
+PositiveFloat = Annotated[float, Meta(gt=0.0)]
 
 # Where operators keep their own templates beside the shipped ones.
 TEMPLATE_DIR_ENV = "APPLIANCE_TEMPLATE_DIR"
@@ -166,6 +167,12 @@ class SchedulerConfig(_Section):
     # urgent. Not the most urgent by default: a fast-fail class turns a burst of plain requests
     # into 429s, and unlabelled traffic should not preempt what was marked urgent.
     default_priority_class: str = ""
+    # Length-aware classes: a request that names no priority and whose prompt is longer than
+    # long_prompt_tokens tokens goes to long_prompt_class (a document summary queues and is
+    # preempted as the batch work it is; short chats are admitted ahead of it). Named
+    # priorities are never overridden. 0 / "": off. The router's length routing reads it too.
+    long_prompt_tokens: NonNegInt = 0
+    long_prompt_class: str = ""
 
     def __post_init__(self) -> None:
         # One name inside the appliance for one behaviour.
@@ -178,6 +185,12 @@ class PriorityClass(_Section):
     # 0 inherits the scheduler-wide value.
     queue_timeout_s: NonNegFloat = 0.0
     max_waiting_requests: NonNegInt = 0
+    # Service-level targets (unset: none). tpot_slo_ms sizes each step's prefill chunks so the
+    # step is expected to finish within the tightest target among the classes it decodes (the
+    # engine's cost model of this box, core/step_cost.py); ttft_slo_s refuses (429) at arrival
+    # a request whose first token the engine expects later than that.
+    tpot_slo_ms: PositiveFloat | None = None
+    ttft_slo_s: PositiveFloat | None = None
 
 
 def served_model_name(
@@ -195,6 +208,11 @@ def _default_classes() -> dict[str, PriorityClass]:
         "interactive": PriorityClass(priority=5),
         "batch": PriorityClass(priority=10),
     }
+
+
+# The tensor-parallel sizes a box is planned for (`appliance plan`) and suggested at (a model that
+# does not fit one GPU's share).
+TP_SIZES = (1, 2, 4, 8)
 
 
 class ParallelConfig(_Section):
@@ -286,13 +304,31 @@ class ApplianceConfig(_Section):
             return "interactive"
         return min(self.priority_classes.items(), key=lambda kv: kv[1].priority, default=("",))[0]
 
-    def resolve_priority(self, value: str | int | None) -> tuple[int, str]:
+    def resolve_priority(
+        self, value: str | int | None, prompt_tokens: int | None = None
+    ) -> tuple[int, str]:
         """(integer priority, class name) of a request's `priority` (a class name, an integer
-        or None); ConfigError for an unknown class."""
+        or None); ConfigError for an unknown class. A request that names none and whose prompt
+        is longer than scheduler.long_prompt_tokens takes scheduler.long_prompt_class (where
+        the prompt's length is known: after tokenizing)."""
+        if value is None and prompt_tokens is not None and self.is_long_prompt(prompt_tokens):
+            value = self.scheduler.long_prompt_class
         prio = self.priority_of(value)
         if value is None:
             return prio, self.default_class()
         return prio, value if isinstance(value, str) else self.class_of(prio)
+
+    def is_long_prompt(self, prompt_tokens: int) -> bool:
+        s = self.scheduler
+        return bool(s.long_prompt_class) and prompt_tokens > s.long_prompt_tokens
+
+    def tpot_slo_s(self, priority_class: str) -> float | None:
+        cls = self.priority_classes.get(priority_class)
+        return cls.tpot_slo_ms / 1e3 if cls is not None and cls.tpot_slo_ms else None
+
+    def ttft_slo_s(self, priority_class: str) -> float | None:
+        cls = self.priority_classes.get(priority_class)
+        return cls.ttft_slo_s if cls is not None else None
 
     def class_limits(self, priority_class: str) -> ClassLimits:
         """A class's own limits where it sets them (non-zero), else the scheduler-wide ones."""
@@ -415,6 +451,18 @@ def _check_consistency(cfg: ApplianceConfig, source: str) -> None:
         raise ConfigError(
             f"{source}: scheduler.default_priority_class {s.default_priority_class!r} is not a "
             f"class in [priority_classes] (known: {known})"
+        )
+    if s.long_prompt_class and s.long_prompt_class not in cfg.priority_classes:
+        known = ", ".join(sorted(cfg.priority_classes)) or "none"
+        raise ConfigError(
+            f"{source}: scheduler.long_prompt_class {s.long_prompt_class!r} is not a class in "
+            f"[priority_classes] (known: {known})"
+        )
+    if bool(s.long_prompt_class) != bool(s.long_prompt_tokens):
+        raise ConfigError(
+            f"{source}: scheduler.long_prompt_tokens ({s.long_prompt_tokens}) and "
+            f"scheduler.long_prompt_class ({s.long_prompt_class!r}) are set together: "
+            "long_prompt_tokens >= 1 and a class name, or neither"
         )
     cache = cfg.cache
     if cache.kv_cache_scales == "per_token" and cache.kv_cache_dtype != "int8":

@@ -15,15 +15,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from appliance.kernels.kv_formats import PER_TOKEN_KIND
+
 if TYPE_CHECKING:
     from appliance.config import CacheConfig
 
 QUANTIZED_BYTES = 1  # FP8 and INT8: one byte an element
-# cache.kv_cache_scales = "per_token": an INT8 layer whose scales are per token and KV head,
-# stored in float16 tensors of the pool beside the cache (same block table, so they are counted
-# in each block's bytes and swapped with it). Its own kind, so that every backend dispatches on
-# it explicitly (a backend that does not know it fails instead of misreading the bytes).
-PER_TOKEN_KIND = "int8_token"
 TOKEN_SCALE_BYTES = 2
 
 

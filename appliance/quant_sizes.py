@@ -11,7 +11,7 @@ if TYPE_CHECKING:
 
 
 def bits_per_weight(kind: str, group: int = 128) -> float:
-    """Bits a packed weight takes in the engine's layouts (appliance.layers.quant), scales and
+    """Bits a packed weight takes in the engine's layouts (appliance.kernels.quant_weight), scales and
     mins included: AWQ/GPTQ 4 bits + a fp16 scale and a float32 min per group; INT8 one byte
     (its per-row fp16 scale is negligible)."""
     if kind in ("awq", "gptq"):
@@ -32,7 +32,7 @@ def weight_format(config: ApplianceConfig, raw: dict[str, Any]) -> str:
 def quantized_weight_bytes(
     spec: ModelArgs, tp: int, elem: int, fmt: str, qc: dict[str, Any] | None = None
 ) -> int:
-    """Bytes of one rank's weights as the engine holds them packed (appliance.layers.quant):
+    """Bytes of one rank's weights as the engine holds them packed (appliance.kernels.quant_weight):
     AWQ/GPTQ pack the layers' linears (embedding and LM head stay 16-bit); INT8 also packs
     the LM head (and the embedding it is tied to); GGUF packs what the file quantized, at the
     size `qc` (plan._gguf_config) counted."""

@@ -74,6 +74,21 @@ class StepRecord(msgspec.Struct, kw_only=True, array_like=False):
     bound_by: str
 
 
+class StepCostStats(msgspec.Struct, kw_only=True):
+    """The engine's cost model of a step on this box (core/step_cost.py), in readable units."""
+
+    fitted: bool
+    # Fitted from decode-only steps and steps with prefill: only then does it bound chunks.
+    ready: bool
+    observations: int
+    step_ms: float
+    decode_row_ms: float
+    decode_context_us_per_token: float
+    prefill_token_ms: float
+    prefill_pair_ns: float
+    mean_abs_error_ms: float
+
+
 class EngineStats(msgspec.Struct, kw_only=True):
     model_name: str
     step: int
@@ -102,6 +117,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
     last_step: StepRecord | None
     # Per block id: U used, C cached (free, hit-able), F free; only when asked for (detail).
     block_states: str | None = None
+    step_cost: StepCostStats | None = None
 
 
 class LiveRequest(msgspec.Struct, kw_only=True):

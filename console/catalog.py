@@ -17,7 +17,7 @@ from appliance.config import (
 )
 
 try:  # the memory planner is optional for the console: without it the column says so
-    from appliance.tools import plan as _plan
+    from appliance import plan as _plan
 except ImportError:  # pragma: no cover - depends on the checkout
     _plan = None  # type: ignore[assignment]
 

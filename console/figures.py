@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from appliance.server.admin_schema import PreemptionEvent, StepRecord
 
 WINDOW_S = 60.0
-BOUNDS = ("token_budget", "max_num_seqs", "kv_blocks")
+BOUNDS = ("token_budget", "time_budget", "max_num_seqs", "kv_blocks")
 TTFT = "vllm:time_to_first_token_seconds"
 # vLLM's TPOT: the time between two tokens of one request (inter-token latency).
 TPOT = "vllm:inter_token_latency_seconds"

@@ -161,8 +161,20 @@ def throughput_text(snap: Snapshot, width: int, rows: int) -> Text:
     return text
 
 
-BOUND_STYLE = {"token_budget": WARN, "max_num_seqs": "#61afef", "kv_blocks": BAD, "none": DIM}
-BOUND_LABEL = {"token_budget": "tokens", "max_num_seqs": "seqs", "kv_blocks": "KV", "none": "idle"}
+BOUND_STYLE = {
+    "token_budget": WARN,
+    "time_budget": "#c678dd",
+    "max_num_seqs": "#61afef",
+    "kv_blocks": BAD,
+    "none": DIM,
+}
+BOUND_LABEL = {
+    "token_budget": "tokens",
+    "time_budget": "time",
+    "max_num_seqs": "seqs",
+    "kv_blocks": "KV",
+    "none": "idle",
+}
 
 
 def slow_text(snap: Snapshot, width: int, rows: int) -> Text:
@@ -184,11 +196,17 @@ def slow_text(snap: Snapshot, width: int, rows: int) -> Text:
             parts = [(round(shares[b] * 1000), "█", BOUND_STYLE[b]) for b in BOUND_STYLE]
             text.append("bound ", DIM).append(bar(parts, max(4, width - 6))).append("\n")
         text.append("bound: ", DIM)
-        for b in ("kv_blocks", "token_budget", "max_num_seqs"):
+        for b in ("kv_blocks", "token_budget", "time_budget", "max_num_seqs"):
             text.append(f"{BOUND_LABEL[b]} ", DIM).append(
                 f"{shares[b] * 100:.0f}% ", BOUND_STYLE[b]
             )
         text.append(f"idle {shares['none'] * 100:.0f}%", DIM)
+    cost = stats.engine.step_cost
+    if cost is not None and cost.fitted and rows >= 4 + len(stats.queues):
+        # The cost model the time budget asks: a step, a decode row, a prefill token.
+        text.append("\ncost ", DIM).append(
+            f"{cost.step_ms:.1f}ms +{cost.decode_row_ms:.2f}/row +{cost.prefill_token_ms:.3f}/tok"
+        )
     text.append(f"\n{'class':<{name_w}} {'wait':>4} {'est':>5} {'oldest':>6}/{'limit':<5}", DIM)
     room = width - (name_w + 1 + 4 + 1 + 5 + 1 + 6 + 1 + 5)
     for q in stats.queues[: max(0, rows - 2 - with_bar)]:

@@ -188,8 +188,7 @@ def check_correctness(device: str = "cuda") -> list[dict[str, Any]]:
 def check_per_token(device: str = "cuda") -> list[dict[str, Any]]:
     """Per-token INT8 (int8_token): both writers' bytes and float16 scale caches, then decode
     and prefill over the Triton-written cache against the torch reference over the same."""
-    from appliance.kv_layout import PER_TOKEN_KIND
-
+    from .kv_formats import PER_TOKEN_KIND
     from .paged_attention import paged_attention, write_kv
     from .triton_attention import paged_attention_decode, paged_attention_prefill
     from .triton_kv import write_kv_triton

@@ -1,6 +1,26 @@
-/* Part of cpu_decode.c (included after cpu_decode_simd.h): the decode attention over the
- * paged KV cache and its rotary step, per weight dtype T (DEFINE_ATTENTION, instantiated
- * there for bf16 and float32). */
+/* The decode attention's limits and the helpers of its split (cpu_decode_steps.inc.c, the
+ * attention itself, is a template per weight dtype; these are not): the split's arithmetic,
+ * rotate-half rotary, the merge of a split sequence's partial results. */
+#ifndef CPU_DECODE_ATTENTION_H
+#define CPU_DECODE_ATTENTION_H
+
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "cpu_decode.h"
+
+/* Tokens of one attention chunk: scores live on the stack. */
+#define CHUNK 64
+/* Limits the Python side checks (cpu_native.py MAX_GROUP / MAX_HEAD_DIM). */
+#define MAX_GROUP 16
+/* Query heads one attention work item holds scores for (a multiple of MAX_GROUP). */
+#define MAX_QUERY_HEADS 64
+#define MAX_HEAD_DIM 256
+/* Tokens ahead whose K/V rows are prefetched. */
+#define PREFETCH 16
+
 /* Steps of fewer sequences than threads split each sequence's context into this many token
  * ranges (flash-decoding's split), every range over all KV heads: one sequence of a model with
  * 3 KV heads was 3 work items for 2 threads (the layer waited for the one that took two), and a
@@ -59,267 +79,4 @@ static void merge_parts(const float *parts_base, int64_t parts, int64_t stride, 
     }
 }
 
-#define DEFINE_ATTENTION(SUFFIX, T, LOAD, STORE, LOADV)                                         \
-    /* Query heads [nkv * group, head_dim] of KV heads g0 .. g0+nkv-1 over one sequence's        \
-     * context in the paged cache: each K/V row is read once for all of them; online softmax a   \
-     * chunk at a time, float32 throughout; rows some tokens ahead are prefetched (the blocks    \
-     * are scattered, so the hardware prefetcher cannot follow). A chunk's slots are looked up   \
-     * once (a division per token cost as much as its dot products); for up to 4 query heads a   \
-     * KV head (SmolLM2 3, Llama-2 1) the products run in registers (ATTEND_GROUP), where the    \
-     * generic loop kept updating `out` in memory for every token. Same sums in the same order   \
-     * either way. */                                                                            \
-    static void attend_heads_##SUFFIX(const float *q, const T *k_cache, const T *v_cache,        \
-                                      const int32_t *table, int64_t t_begin, int64_t t_end,      \
-                                      int64_t g0, int64_t nkv, int64_t group, const Shape *s,    \
-                                      float scale, float *out, float *m_out, float *l_out) {     \
-        const int64_t d = s->head_dim, row = s->kv_heads * d, bs = s->block_size;                \
-        const int64_t nq = nkv * group, span = nkv * d * (int64_t)sizeof(T);                     \
-        const int vec = d % VW == 0;                                                             \
-        float m[MAX_QUERY_HEADS], l[MAX_QUERY_HEADS];                                            \
-        float scores[MAX_QUERY_HEADS][CHUNK];                                                    \
-        int64_t slot_of[CHUNK + PREFETCH];                                                       \
-        for (int64_t h = 0; h < nq; h++) {                                                       \
-            m[h] = -FLT_MAX;                                                                     \
-            l[h] = 0.0f;                                                                         \
-        }                                                                                        \
-        for (int64_t j = 0; j < nq * d; j++) out[j] = 0.0f;                                      \
-        for (int64_t t0 = t_begin; t0 < t_end; t0 += CHUNK) {                                    \
-            int64_t n = t_end - t0 < CHUNK ? t_end - t0 : CHUNK;                                 \
-            int64_t ahead = t_end - t0 < CHUNK + PREFETCH ? t_end - t0 : CHUNK + PREFETCH;       \
-            for (int64_t t = 0, blk = t0 / bs, off = t0 % bs; t < ahead; t++) {                  \
-                slot_of[t] = (int64_t)table[blk] * bs + off;                                     \
-                if (++off == bs) {                                                               \
-                    off = 0;                                                                     \
-                    blk++;                                                                       \
-                }                                                                                \
-            }                                                                                    \
-            /* Lanes past n of the last vector: exp_v reads them (results unused); zeros, not    \
-             * stack garbage. */                                                                 \
-            for (int64_t h = 0; h < nq; h++)                                                     \
-                for (int64_t t = n; t < CHUNK && t % VW; t++) scores[h][t] = 0.0f;               \
-            for (int64_t t = 0; t < n; t++) {                                                    \
-                if (t + PREFETCH < ahead) {                                                      \
-                    const char *kp = (const char *)(k_cache + slot_of[t + PREFETCH] * row + g0 * d); \
-                    const char *vp = (const char *)(v_cache + slot_of[t + PREFETCH] * row + g0 * d); \
-                    for (int64_t off = 0; off < span; off += 64) {                               \
-                        __builtin_prefetch(kp + off);                                            \
-                        __builtin_prefetch(vp + off);                                            \
-                    }                                                                            \
-                }                                                                                \
-            }                                                                                    \
-            for (int64_t gi = 0; gi < nkv; gi++) {                                               \
-                const T *kh = k_cache + (g0 + gi) * d;                                           \
-                const float *qg = q + gi * group * d;                                            \
-                float(*sc)[CHUNK] = scores + gi * group;                                         \
-                if (vec && group <= 4) {                                                         \
-                    switch (group) {                                                             \
-                    case 1: QK_GROUP(LOADV, 1); break;                                           \
-                    case 2: QK_GROUP(LOADV, 2); break;                                           \
-                    case 3: QK_GROUP(LOADV, 3); break;                                           \
-                    default: QK_GROUP(LOADV, 4); break;                                          \
-                    }                                                                            \
-                    continue;                                                                    \
-                }                                                                                \
-                for (int64_t t = 0; t < n; t++) {                                                \
-                    const T *kr = kh + slot_of[t] * row;                                         \
-                    for (int64_t h = 0; h < group; h++) {                                        \
-                        const float *qh = qg + h * d;                                            \
-                        float dot = 0.0f;                                                        \
-                        if (vec) {                                                               \
-                            vf acc = (vf){0};                                                    \
-                            for (int64_t j = 0; j < d; j += VW) acc += f32_loadv(qh + j) * LOADV(kr + j); \
-                            dot = hsum(acc);                                                     \
-                        } else {                                                                 \
-                            for (int64_t j = 0; j < d; j++) dot += qh[j] * LOAD(kr[j]);          \
-                        }                                                                        \
-                        sc[h][t] = dot * scale;                                                  \
-                    }                                                                            \
-                }                                                                                \
-            }                                                                                    \
-            for (int64_t h = 0; h < nq; h++) {                                                   \
-                float cm = m[h];                                                                 \
-                for (int64_t t = 0; t < n; t++) cm = scores[h][t] > cm ? scores[h][t] : cm;      \
-                float correction = expf(m[h] - cm);                                              \
-                l[h] *= correction;                                                              \
-                for (int64_t j = 0; j < d; j++) out[h * d + j] *= correction;                    \
-                /* Whole vectors: lanes past n are computed and never used. */                   \
-                for (int64_t t = 0; t < n; t += VW) {                                            \
-                    vf e = exp_v(f32_loadv(&scores[h][t]) - cm);                                 \
-                    memcpy(&scores[h][t], &e, sizeof e);                                         \
-                }                                                                                \
-                for (int64_t t = 0; t < n; t++) l[h] += scores[h][t];                            \
-                m[h] = cm;                                                                       \
-            }                                                                                    \
-            for (int64_t gi = 0; gi < nkv; gi++) {                                               \
-                const T *vh = v_cache + (g0 + gi) * d;                                           \
-                float *og = out + gi * group * d;                                                \
-                float(*sc)[CHUNK] = scores + gi * group;                                         \
-                if (vec && group <= 4) {                                                         \
-                    switch (group) {                                                             \
-                    case 1: PV_GROUP(LOADV, 1); break;                                           \
-                    case 2: PV_GROUP(LOADV, 2); break;                                           \
-                    case 3: PV_GROUP(LOADV, 3); break;                                           \
-                    default: PV_GROUP(LOADV, 4); break;                                          \
-                    }                                                                            \
-                    continue;                                                                    \
-                }                                                                                \
-                for (int64_t t = 0; t < n; t++) {                                                \
-                    const T *vr = vh + slot_of[t] * row;                                         \
-                    for (int64_t h = 0; h < group; h++) {                                        \
-                        float p = sc[h][t];                                                      \
-                        float *o = og + h * d;                                                   \
-                        if (vec) {                                                               \
-                            for (int64_t j = 0; j < d; j += VW) {                                \
-                                vf acc = f32_loadv(o + j) + p * LOADV(vr + j);                   \
-                                memcpy(o + j, &acc, sizeof acc);                                 \
-                            }                                                                    \
-                        } else {                                                                 \
-                            for (int64_t j = 0; j < d; j++) o[j] += p * LOAD(vr[j]);             \
-                        }                                                                        \
-                    }                                                                            \
-                }                                                                                \
-            }                                                                                    \
-        }                                                                                        \
-        if (m_out) { /* a part of the context: the merge normalizes (merge_parts_) */            \
-            memcpy(m_out, m, nq * sizeof(float));                                                \
-            memcpy(l_out, l, nq * sizeof(float));                                                \
-            return;                                                                              \
-        }                                                                                        \
-        for (int64_t h = 0; h < nq; h++) {                                                       \
-            float inv = 1.0f / l[h];                                                             \
-            for (int64_t j = 0; j < d; j++) out[h * d + j] *= inv;                               \
-        }                                                                                        \
-    }                                                                                            \
-                                                                                                 \
-    /* Decode attention, one query per sequence: q rows of heads*head_dim floats, q_stride     \
-     * apart (float32); out [batch, heads, head_dim]. With enough sequences to keep the threads busy, one work item takes a sequence's  \
-     * KV heads together (each token's K/V row is then one contiguous read); otherwise one KV  \
-     * head each. */                                                                           \
-    static void attention_##SUFFIX(const float *q, int64_t q_stride, const T *k_cache,        \
-                                   const T *v_cache, const int32_t *tables,                    \
-                                   const int32_t *seq_lens, const Shape *s, float scale,       \
-                                   float *out) {                                               \
-        const int64_t group = s->heads / s->kv_heads, d = s->head_dim;                         \
-        int64_t per_item = 1;                                                                  \
-        if (s->batch >= 4 * s->threads) {                                                      \
-            per_item = MAX_QUERY_HEADS / group;                                                \
-            if (per_item > s->kv_heads) per_item = s->kv_heads;                                \
-        }                                                                                      \
-        const int64_t items_per_seq = (s->kv_heads + per_item - 1) / per_item;                 \
-        _Pragma("omp for schedule(dynamic, 1)")                                                \
-        for (int64_t w = 0; w < s->batch * items_per_seq; w++) {                               \
-            int64_t b = w / items_per_seq, g0 = (w % items_per_seq) * per_item;                \
-            int64_t nkv = s->kv_heads - g0 < per_item ? s->kv_heads - g0 : per_item;           \
-            int64_t head = g0 * group;                                                         \
-            attend_heads_##SUFFIX(q + b * q_stride + head * d, k_cache, v_cache,               \
-                                  tables + b * s->table_stride, 0, seq_lens[b], g0, nkv,       \
-                                  group, s, scale, out + (b * s->heads + head) * d, NULL, NULL); \
-        }                                                                                      \
-    }                                                                                          \
-                                                                                               \
-    /* Rotate (rotate-half) head h of sequence b's qkv row in place; a K head (h >= heads) is    \
-     * stored with its V into the cache at the token's slot. */                                  \
-    static inline void rotate_head_##SUFFIX(float *qkv, int64_t b, int64_t h,                    \
-                                            const float *cos_table, const float *sin_table,      \
-                                            const int64_t *positions, const int64_t *slots,      \
-                                            T *k_cache, T *v_cache, const Shape *s) {            \
-        const int64_t d = s->head_dim;                                                           \
-        const int64_t width = (s->heads + 2 * s->kv_heads) * d;                                  \
-        float *x = qkv + b * width + h * d;                                                      \
-        rotate_half(x, x, cos_table + positions[b] * d, sin_table + positions[b] * d, d);        \
-        if (h >= s->heads && slots[b] >= 0) {                                                    \
-            int64_t kv = h - s->heads;                                                           \
-            T *kd = k_cache + (slots[b] * s->kv_heads + kv) * d;                                 \
-            T *vd = v_cache + (slots[b] * s->kv_heads + kv) * d;                                 \
-            const float *v = qkv + b * width + (s->heads + s->kv_heads + kv) * d;                \
-            for (int64_t j = 0; j < d; j++) {                                                    \
-                kd[j] = STORE(x[j]);                                                             \
-                vd[j] = STORE(v[j]);                                                             \
-            }                                                                                    \
-        }                                                                                        \
-    }                                                                                            \
-                                                                                                 \
-    /* rope_attention_ for steps of fewer sequences than threads (attention_parts): a work item  \
-     * is (sequence, head chunk, token range). Each item rotates its queries into its own slot of \
-     * `split`; the item holding the sequence's last range rotates and stores the new token's K/V \
-     * before reading it (no other range reaches that token). The sequence's last item to finish \
-     * merges its ranges into out, so no barrier is added. */                                    \
-    static void rope_attention_split_##SUFFIX(float *qkv, const float *cos_table,                \
-                                              const float *sin_table, const int64_t *positions,  \
-                                              const int64_t *slots, T *k_cache, T *v_cache,      \
-                                              const int32_t *tables, const int32_t *seq_lens,    \
-                                              const Shape *s, float scale, float *out,           \
-                                              float *split) {                                    \
-        const int64_t group = s->heads / s->kv_heads, d = s->head_dim, heads = s->heads;         \
-        const int64_t parts = attention_parts(s);                                                \
-        int64_t per_item = MAX_QUERY_HEADS / group;                                              \
-        if (per_item > s->kv_heads) per_item = s->kv_heads;                                      \
-        const int64_t chunks = (s->kv_heads + per_item - 1) / per_item, items = chunks * parts;  \
-        const int64_t stride = attention_part_floats(s);                                         \
-        int32_t *done = (int32_t *)(split + s->batch * parts * stride);                          \
-        _Pragma("omp for schedule(dynamic, 1)")                                                  \
-        for (int64_t w = 0; w < s->batch * items; w++) {                                         \
-            int64_t b = w / items, c = (w % items) / parts, p = w % parts;                       \
-            int64_t g0 = c * per_item;                                                           \
-            int64_t nkv = s->kv_heads - g0 < per_item ? s->kv_heads - g0 : per_item;             \
-            int64_t head = g0 * group, len = seq_lens[b];                                        \
-            float *base = split + (b * parts + p) * stride;                                      \
-            float *qr = base, *o = base + heads * d, *m = base + 2 * heads * d, *l = m + heads;  \
-            for (int64_t h = head; h < head + nkv * group; h++) /* qkv left as it is */          \
-                rotate_half(qkv + b * (heads + 2 * s->kv_heads) * d + h * d, qr + h * d,         \
-                            cos_table + positions[b] * d, sin_table + positions[b] * d, d);      \
-            if (p == parts - 1)                                                                  \
-                for (int64_t kv = g0; kv < g0 + nkv; kv++)                                       \
-                    rotate_head_##SUFFIX(qkv, b, s->heads + kv, cos_table, sin_table, positions, \
-                                         slots, k_cache, v_cache, s);                            \
-            attend_heads_##SUFFIX(qr + head * d, k_cache, v_cache, tables + b * s->table_stride, \
-                                  len * p / parts, len * (p + 1) / parts, g0, nkv, group, s,     \
-                                  scale, o + head * d, m + head, l + head);                      \
-            /* acq_rel: the last item sees every other item's partial results. */                \
-            if (__atomic_add_fetch(&done[b], 1, __ATOMIC_ACQ_REL) == items) {                    \
-                done[b] = 0;                                                                     \
-                merge_parts(split + b * parts * stride, parts, stride, heads, d,                 \
-                            out + b * heads * d);                                                \
-            }                                                                                    \
-        }                                                                                        \
-    }                                                                                            \
-                                                                                                 \
-    /* Rotary, K/V store and attention_ in one pass over attention_'s work items: an item        \
-     * rotates its own query heads and KV heads, stores its K/V, then attends. Nothing it reads  \
-     * is written by another item, so the barrier between the two phases goes (one of a          \
-     * layer's few in the decode forwards, each costing a wake-up through the kernel under       \
-     * OMP_WAIT_POLICY=PASSIVE). The same arithmetic as the two calls. */                        \
-    static void rope_attention_##SUFFIX(float *qkv, const float *cos_table, const float *sin_table, \
-                                        const int64_t *positions, const int64_t *slots,          \
-                                        T *k_cache, T *v_cache, const int32_t *tables,           \
-                                        const int32_t *seq_lens, const Shape *s, float scale,    \
-                                        float *out, float *split) {                              \
-        if (attention_parts(s) > 1) {                                                            \
-            rope_attention_split_##SUFFIX(qkv, cos_table, sin_table, positions, slots, k_cache,  \
-                                          v_cache, tables, seq_lens, s, scale, out, split);      \
-            return;                                                                              \
-        }                                                                                        \
-        const int64_t group = s->heads / s->kv_heads, d = s->head_dim;                           \
-        const int64_t q_stride = (s->heads + 2 * s->kv_heads) * d;                               \
-        int64_t per_item = 1;                                                                    \
-        if (s->batch >= 4 * s->threads) {                                                        \
-            per_item = MAX_QUERY_HEADS / group;                                                  \
-            if (per_item > s->kv_heads) per_item = s->kv_heads;                                  \
-        }                                                                                        \
-        const int64_t items_per_seq = (s->kv_heads + per_item - 1) / per_item;                   \
-        _Pragma("omp for schedule(dynamic, 1)")                                                  \
-        for (int64_t w = 0; w < s->batch * items_per_seq; w++) {                                 \
-            int64_t b = w / items_per_seq, g0 = (w % items_per_seq) * per_item;                  \
-            int64_t nkv = s->kv_heads - g0 < per_item ? s->kv_heads - g0 : per_item;             \
-            int64_t head = g0 * group;                                                           \
-            for (int64_t h = head; h < head + nkv * group; h++)                                  \
-                rotate_head_##SUFFIX(qkv, b, h, cos_table, sin_table, positions, slots, k_cache, \
-                                     v_cache, s);                                                \
-            for (int64_t kv = g0; kv < g0 + nkv; kv++)                                           \
-                rotate_head_##SUFFIX(qkv, b, s->heads + kv, cos_table, sin_table, positions, slots, \
-                                     k_cache, v_cache, s);                                       \
-            attend_heads_##SUFFIX(qkv + b * q_stride + head * d, k_cache, v_cache,               \
-                                  tables + b * s->table_stride, 0, seq_lens[b], g0, nkv, group,  \
-                                  s, scale, out + (b * s->heads + head) * d, NULL, NULL);        \
-        }                                                                                        \
-    }
+#endif

@@ -1,16 +1,19 @@
-/* Part of cpu_decode.c (included there, after Shape): the attention limits, the vector type
- * of the build (VW float lanes: 16 on AVX-512, 8 on AVX2, 4 elsewhere), its loads, stores,
- * horizontal sum and exp, and the dot-product and attention-chunk loops the kernels expand. */
+/* The vector type of the build (VW float lanes: 16 on AVX-512, 8 on AVX2, 4 elsewhere) and the
+ * scalar and vector helpers of every kernel: bfloat16 loads, stores and rounding, horizontal
+ * sum, exp, silu, all static inline for the kernels' loops to inline; and the short loops the
+ * 16-bit kernels expand with a constant row or head count (DOT_ROWS, DOT2_ROWS, QK_GROUP,
+ * PV_GROUP). */
+#ifndef CPU_DECODE_SIMD_H
+#define CPU_DECODE_SIMD_H
 
-/* Tokens of one attention chunk: scores live on the stack. */
-#define CHUNK 64
-/* Limits the Python side checks (cpu_native.py MAX_GROUP / MAX_HEAD_DIM). */
-#define MAX_GROUP 16
-/* Query heads one attention work item holds scores for (a multiple of MAX_GROUP). */
-#define MAX_QUERY_HEADS 64
-#define MAX_HEAD_DIM 256
-/* Tokens ahead whose K/V rows are prefetched. */
-#define PREFETCH 16
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+/* For kernel helpers whose loop counts (rows of x) are constants at their call sites
+ * (cpu_quant_*.h): inlined, the loops unroll and their accumulator arrays stay in registers. */
+#define ALWAYS_INLINE inline __attribute__((always_inline))
+#define NOINLINE __attribute__((noinline))
 
 static inline float bf16_load(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -155,15 +158,15 @@ static inline vf exp_v(vf x) {
 
 /* The same for two weight rows at once (r0, r1): each x load feeds both, so a 4-row batch
  * needs 2 weight + 4 x loads per 8 FMAs instead of 1 + 4 per 4 (wide decode batches are
- * load-bound otherwise). Each dot sums in the same order as DOT_ROWS: identical results. */
+ * load-bound otherwise). Each dot sums in the same order as DOT_ROWS: identical results. The
+ * next pair of rows (2k on) is prefetched: the weights stream at the read bandwidth (a Zen 3
+ * batch-1 step 28.9 -> 15.7 ms; the hardware prefetcher alone stops short). */
 #define DOT2_ROWS(LOADV, LOAD, NB)                                                             \
     do {                                                                                       \
         vf acc0[NB], acc1[NB];                                                                 \
         for (int b = 0; b < NB; b++) acc0[b] = acc1[b] = (vf){0};                              \
         int64_t j = 0;                                                                         \
         for (; j + VW <= k; j += VW) {                                                         \
-            /* The next pair of rows (2k on): the weights stream at the read bandwidth (a Zen 3   \
-             * batch-1 step 28.9 -> 15.7 ms; the hardware prefetcher alone stops short). */     \
             __builtin_prefetch(r0 + j + 2 * k);                                                \
             __builtin_prefetch(r1 + j + 2 * k);                                                \
             vf w0 = LOADV(r0 + j), w1 = LOADV(r1 + j);                                         \
@@ -210,3 +213,5 @@ static inline vf exp_v(vf x) {
             }                                                                                  \
             for (int h = 0; h < G; h++) memcpy(og + h * d + j, &acc[h], sizeof acc[h]);        \
         }
+
+#endif

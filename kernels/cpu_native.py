@@ -2,7 +2,7 @@
 cached, and called through ctypes on tensors' memory.
 
 A build targets the CPU it runs on (`-march=native`) less the features `APPLIANCE_CPU_MASK`
-hides (`-mno-...`, see appliance.cpu.features), so one machine can build and test the AVX2 code
+hides (`-mno-...`, see appliance.kernels.cpu_features), so one machine can build and test the AVX2 code
 of another. The cache key holds the source, the flags, the compiler and the visible feature
 flags. No compiler, or a failed build, leaves the engine on its torch path (`load()` returns
 None and `load_error()` says why).
@@ -21,8 +21,7 @@ from pathlib import Path
 
 import torch
 
-from appliance.cpu.choice import NATIVE_MAX_QUERY_HEADS, c_compiler
-from appliance.cpu.features import CpuFeatures, detect
+from .cpu_features import NATIVE_MAX_QUERY_HEADS, CpuFeatures, c_compiler, detect
 
 log = logging.getLogger(__name__)
 
@@ -97,8 +96,9 @@ def _build_key(
 
 
 def kernel_sources() -> tuple[Path, ...]:
-    """Every C file and header of this folder, all part of each build's cache key: the files
-    #include one another (cpu_quant.c includes cpu_decode.c and its headers)."""
+    """Every C file, template (*.inc.c) and header of this folder, all part of each build's
+    cache key: the files #include one another (both libraries include cpu_decode_steps.inc.c
+    and the headers)."""
     return tuple(sorted(SOURCE.parent.glob("cpu_*.[ch]")))
 
 
@@ -237,7 +237,7 @@ def paged_decode_attention(
     return out
 
 
-# -- element-wise steps of the torch forward (DEFINE_LAYER_OPS in cpu_decode.c) -----------------
+# -- element-wise steps of the torch forward (cpu_decode_ops.inc.c) ---------------------------
 
 
 def _op(name: str, dtype: torch.dtype) -> Callable[..., object]:

@@ -1,6 +1,6 @@
 """The packed-weight CPU kernels of `cpu_quant.c`, built by cpu_native's machinery (same flags,
 same cache, the same APPLIANCE_CPU_MASK handling) into their own library, and called through
-ctypes on the packed tensors of an appliance.layers.quant.QuantWeight.
+ctypes on the packed tensors of an appliance.kernels.quant_weight.QuantWeight.
 
 - `quant_matmul(x, w, bias, act8)`: the batched matmul of a quantized linear. Up to DENSE_TILE_ROWS
   rows it reads the packed bytes (GEMV-like, bound by the weight read); wider passes
@@ -22,10 +22,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from appliance.cpu.features import CpuFeatures, detect
-from appliance.layers.quant import QuantWeight, tile_rows_of, tileable, untile_rows
-
 from . import cpu_native
+from .cpu_features import CpuFeatures, detect
+from .quant_weight import QuantWeight, tile_rows_of, tileable, untile_rows
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +189,7 @@ def act8_reference(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     xq = xq.reshape(rows, k)
     scale = w.scales.float().repeat_interleave(w.group, dim=1)[:, :k]
     if w.fmt == "q4":
-        from appliance.layers.quant import unpack_q4
+        from .quant_weight import unpack_q4
 
         q = unpack_q4(w.qweight).float()
         assert w.mins is not None  # a q4 weight carries mins (checked at construction)

@@ -18,7 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from appliance.kv_layout import PER_TOKEN_KIND
+from .attention_api import AttentionBackend
+from .kv_formats import PER_TOKEN_KIND
 
 FP8_FORMATS = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
@@ -271,3 +272,7 @@ def _one_prefill(
             q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True
         )
     return out[0].transpose(0, 1)
+
+
+# The torch pair: the reference for every other backend, and the CPU's path without native kernels.
+TORCH_ATTENTION = AttentionBackend("torch", write_kv, paged_attention)

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from .attention_api import AttentionBackend
 from .triton_decode import _decode_kernel, _decode_reduce_kernel
 from .triton_kv import (
     FMT_AUTO,
@@ -378,3 +379,6 @@ def paged_attention_triton(
         key=key,
         value=value,
     )
+
+
+TRITON_ATTENTION = AttentionBackend("triton", write_kv_triton, paged_attention_triton)

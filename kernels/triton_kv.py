@@ -31,8 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from appliance.kv_layout import PER_TOKEN_KIND
-
+from .kv_formats import PER_TOKEN_KIND
 from .paged_attention import MIN_TOKEN_SCALE
 
 # kv_cache_dtype -> the KV_FMT constexpr of the kernels (the JIT code compares with the

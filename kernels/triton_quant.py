@@ -1,5 +1,6 @@
-"""Triton dequantizing matmuls over the packed layouts of appliance.layers.quant (4-bit groups:
-q4; INT8 and the 8-bit GGUF formats: q8), the GPU side of `MatmulWeight.quant_matmul`.
+"""Triton dequantizing matmuls over the packed layouts of appliance.kernels.quant_weight (4-bit
+groups: q4; INT8 and the 8-bit GGUF formats: q8), the GPU side of a packed linear's matmul (the
+CUDA backend wires it: layers/matmul.py).
 
 Each program dequantizes a [BLOCK_N, BLOCK_K] tile of the packed weight in registers
 (nibble = byte >> (4 * (column // 16 % 2)) within each 32-column run; scale and min gathered
@@ -18,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from appliance.layers.quant import QuantWeight
+from .quant_weight import QuantWeight
 
 # Rows of x up to which the GEMV kernel runs.
 GEMV_MAX_ROWS = 8

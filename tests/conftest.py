@@ -6,7 +6,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
-# --- demo models (appliance.tools.demo_model), built once per test session ---
+# --- demo models (appliance.models.demo_model), built once per test session ---
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
@@ -15,7 +15,7 @@ import pytest  # noqa: E402
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Tiny Llama (4 layers, hidden 256, GQA 4, vocab 4096), float32."""
-    from appliance.tools.demo_model import build_demo_model
+    from appliance.models.demo_model import build_demo_model
 
     return build_demo_model("tiny", tmp_path_factory.mktemp("tiny-llama"))
 
@@ -23,7 +23,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def qwen2_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Tiny Qwen2 (q/k/v biases, tied embeddings), float32."""
-    from appliance.tools.demo_model import build_demo_model
+    from appliance.models.demo_model import build_demo_model
 
     return build_demo_model("tiny", tmp_path_factory.mktemp("tiny-qwen2"), arch="qwen2")
 
@@ -31,14 +31,14 @@ def qwen2_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_long_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Tiny Llama with max_position_embeddings=32768, for long prompts."""
-    from appliance.tools.demo_model import build_demo_model
+    from appliance.models.demo_model import build_demo_model
 
     return build_demo_model(
         "tiny", tmp_path_factory.mktemp("tiny-long"), max_position_embeddings=32768
     )
 
 
-# --- CPU paths (appliance.cpu.features): the AVX2 path runs on every machine under the mask ---
+# --- CPU paths (appliance.kernels.cpu_features): the AVX2 path runs on every machine under the mask ---
 # What an AVX2-only CPU (Zen 3 and most servers in service) looks like to the appliance.
 AVX2_ONLY_MASK = "avx512,amx,avx_vnni,avx_ne_convert"
 
@@ -47,7 +47,7 @@ AVX2_ONLY_MASK = "avx512,amx,avx_vnni,avx_ne_convert"
 def cpu_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Runs a test on this CPU's own paths and on the AVX2 paths (under the feature mask).
     Where the CPU is AVX2-only the two are the same, so the native run is skipped."""
-    from appliance.cpu.features import MASK_ENV, parse_mask, read_features
+    from appliance.kernels.cpu_features import MASK_ENV, parse_mask, read_features
 
     if request.param == "avx2":
         monkeypatch.setenv(MASK_ENV, AVX2_ONLY_MASK)

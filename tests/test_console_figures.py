@@ -55,6 +55,7 @@ def test_step_window_histogram_bounds_and_throughput() -> None:
     ]
     assert figures.bound_shares(w.steps) == {
         "token_budget": 0.5,
+        "time_budget": 0.0,
         "max_num_seqs": 0.0,
         "kv_blocks": 0.5,
         "none": 0.0,

@@ -26,6 +26,8 @@ import ctypes, json, sys
 import torch
 from appliance.cpu.primitive_cache import bound_primitive_caches, warm_primitive_caches
 from appliance.layers.linear import RowParallelLinear
+from appliance.layers.matmul import CopyMatmul
+from appliance.layers.matmul import CopyMatmul
 
 class Info(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
@@ -40,18 +42,18 @@ def in_use():
 
 bound_primitive_caches(int(sys.argv[1]))
 torch.manual_seed(0)
-mods = []
+mods, widths = [], []
 for out_f, in_f in ((960, 576), (576, 576), (3072, 576), (576, 1536)):
     m = RowParallelLinear(in_f, out_f)
-    m.matmul_weight = torch.ops.mkldnn._reorder_linear_weight(torch.randn(out_f, in_f), 64)
-    m.onednn_packed = True
+    m.wire(CopyMatmul(torch.ops.mkldnn._reorder_linear_weight(torch.randn(out_f, in_f), 64), True))
     mods.append(m)
+    widths.append(in_f)
 warm = warm_primitive_caches(mods, 33)
 before = in_use()
 with torch.inference_mode():
     for rows in range(200, 240):
-        for m in mods:
-            m._matmul(torch.zeros(rows, m.matmul_weight.shape[1]), None)
+        for m, in_f in zip(mods, widths):
+            m._matmul(torch.zeros(rows, in_f), None)
 print(json.dumps({"warm": warm, "growth_mib": (in_use() - before) / 2**20}))
 """
 

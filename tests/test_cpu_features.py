@@ -1,4 +1,4 @@
-"""The CPU backend's knowledge of the CPU (appliance.cpu.features) and its decisions
+"""The CPU backend's knowledge of the CPU (appliance.kernels.cpu_features) and its decisions
 (appliance.cpu.backend.plan_cpu) on the three CPU classes seen so far, read from their real
 /proc/cpuinfo flag lines; the feature mask, its errors, and that it changes the path taken."""
 
@@ -8,11 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from appliance.config import load_config
-from appliance.cpu.backend import plan_cpu
-from appliance.cpu.choice import QUANT_COPY_FUSED_MAX
-from appliance.cpu.features import (
+from appliance.kernels.cpu_features import (
     MASK_ENV,
     CpuFeatures,
     CpuMaskError,
@@ -21,6 +17,10 @@ from appliance.cpu.features import (
     parse_mask,
     read_features,
 )
+
+from appliance.config import load_config
+from appliance.cpu.choice import QUANT_COPY_FUSED_MAX
+from appliance.cpu.plan import plan_cpu
 from appliance.engine.llm_engine import Engine
 from appliance.sampling_params import SamplingParams
 
@@ -164,9 +164,9 @@ def test_the_mask_changes_the_path_the_engine_takes(
     plain = Engine(load_config(None, overrides))
     monkeypatch.setenv(MASK_ENV, "avx2")
     masked = Engine(load_config(None, overrides))
-    info = masked.loaded.cpu.describe()  # type: ignore[union-attr]
+    info = masked.loaded.backend.describe()
     assert info["cpu"]["isa"] == "sse" and "avx2" in info["cpu"]["masked"]
-    assert plain.loaded.cpu.describe()["cpu"]["isa"] != "sse"  # type: ignore[union-attr]
+    assert plain.loaded.backend.describe()["cpu"]["isa"] != "sse"
     assert masked.loaded.runner.fused_max_batch > 0
     a = [r.token_ids for r in plain.generate(prompts, params)]
     b = [r.token_ids for r in masked.generate(prompts, params)]

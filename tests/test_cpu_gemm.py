@@ -12,15 +12,22 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from appliance.kernels.cpu_features import detect
 
 from appliance.config import load_config
 from appliance.cpu import backend as cpu_backend
-from appliance.cpu.backend import BF16_GEMV_MAX_ROWS, CpuBackend, plan_cpu
-from appliance.cpu.features import detect
+from appliance.cpu.backend import CpuBackend
+from appliance.cpu.plan import BF16_GEMV_MAX_ROWS, plan_cpu
 from appliance.engine.llm_engine import Engine
+from appliance.layers.linear import MatmulWeight
 from appliance.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
+
+
+def prepacked(linear: MatmulWeight) -> bool:
+    """Whether the backend gave this linear a oneDNN-prepacked copy to read."""
+    return linear.matmul is not None and linear.matmul.prepacked
 
 
 def bf16_backend() -> CpuBackend:
@@ -96,9 +103,9 @@ def test_prepacked_bf16_weights_give_the_plain_weights_tokens(
     packed_engine, packed = run_prompts(tiny_model_dir, "bfloat16", True)
     plain_engine, plain = run_prompts(tiny_model_dir, "bfloat16", False)
     layer = packed_engine.loaded.model.model.layers[0]
-    assert layer.mlp.down_proj.onednn_packed and layer.mlp.down_proj.weight.numel() == 0
-    assert packed_engine.loaded.model.lm_head.onednn_packed
-    assert plain_engine.loaded.model.model.layers[0].mlp.down_proj.matmul_weight is None
+    assert prepacked(layer.mlp.down_proj) and layer.mlp.down_proj.weight.numel() == 0
+    assert prepacked(packed_engine.loaded.model.lm_head)
+    assert plain_engine.loaded.model.model.layers[0].mlp.down_proj.matmul is None
     assert packed == plain
 
 
@@ -110,9 +117,9 @@ def test_bf16_without_prepack_support_runs_plain_and_warns(
     monkeypatch.setenv("APPLIANCE_CPU_MASK", "avx512,amx,avx_ne_convert")
     with caplog.at_level("WARNING", logger="appliance.cpu"):
         engine, outs = run_prompts(tiny_model_dir, "bfloat16", True)
-    plan = engine.loaded.cpu.plan  # type: ignore[union-attr]
+    plan = engine.loaded.backend.plan  # type: ignore[attr-defined]
     assert plan.compute_dtype == torch.bfloat16 and not plan.prepack
-    assert engine.loaded.model.model.layers[0].mlp.down_proj.matmul_weight is None
+    assert engine.loaded.model.model.layers[0].mlp.down_proj.matmul is None
     assert any("without bf16 arithmetic" in r.getMessage() for r in caplog.records)
     assert all(len(o) == 24 for o in outs)
 
@@ -128,15 +135,14 @@ def test_prepacked_float32_weights_match_the_plain_ones(
     packed_engine, packed = run_prompts(tiny_model_dir, dtype, True)
     plain_engine, plain = run_prompts(tiny_model_dir, dtype, False)
     down = packed_engine.loaded.model.model.layers[0].mlp.down_proj
-    assert down.onednn_packed and packed_engine.loaded.cpu.plan.compute_dtype == torch.float32  # type: ignore[union-attr]
+    assert prepacked(down) and packed_engine.loaded.compute_dtype == torch.float32
     plain_down = plain_engine.loaded.model.model.layers[0].mlp.down_proj
     if dtype == "auto":
         # Plain float32 copy beside the bf16 weights; the bf16 plain weight is not needed
         # without the native decode, so it is released.
-        assert (
-            plain_down.matmul_weight is not None and plain_down.matmul_weight.dtype == torch.float32
-        )
+        copy = plain_down.matmul.copy if plain_down.matmul is not None else None
+        assert copy is not None and copy.dtype == torch.float32
         assert plain_down.weight.numel() == 0
     else:
-        assert plain_down.matmul_weight is None
+        assert plain_down.matmul is None
     assert packed == plain

@@ -12,12 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from appliance.kernels import cpu_native, cpu_paged_attention
+from appliance.kernels import cpu_native
+from appliance.kernels.cpu_features import detect
 from appliance.kernels.paged_attention import paged_attention
 
 from appliance.config import load_config
-from appliance.cpu.backend import FP32_FUSED_MAX
-from appliance.cpu.features import detect
+from appliance.cpu.attention import cpu_paged_attention
+from appliance.cpu.plan import FP32_FUSED_MAX
 from appliance.engine.llm_engine import Engine
 from appliance.layers.norm import RMSNorm
 from appliance.layers.rotary import RotaryEmbedding, apply_rotary
@@ -202,11 +203,11 @@ def test_native_decode_matches_torch_forward_float32(
         torch.tensor(lp_native), torch.tensor(lp_plain), atol=1e-4, rtol=1e-4
     )
     # The K/V the native forward wrote equal the torch forward's.
-    for (k1, v1), (k2, v2) in zip(
+    for c1, c2 in zip(
         native.loaded.runner.kv.device_caches, plain.loaded.runner.kv.device_caches, strict=True
     ):
-        torch.testing.assert_close(k1, k2, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(v1, v2, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(c1.k, c2.k, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(c1.v, c2.v, atol=1e-4, rtol=1e-4)
 
 
 def test_prepacked_linears_keep_the_plain_weight_the_native_decode_reads(
@@ -216,7 +217,7 @@ def test_prepacked_linears_keep_the_plain_weight_the_native_decode_reads(
     # beside the bf16 weights (AVX2); either way the native decode reads the bf16 weights.
     eng = engine(tiny_model_dir, "auto", native=True)
     down = eng.loaded.model.model.layers[0].mlp.down_proj
-    assert down.matmul_weight is not None and down.onednn_packed
+    assert down.matmul is not None and down.matmul.copy is not None and down.matmul.prepacked
     assert down.weight.numel() > 0 and down.weight.dtype == torch.bfloat16
     assert eng.loaded.runner.fused_max_batch > 0
     out = eng.generate([[5, 6, 7], [9, 10]], SamplingParams(max_tokens=6, temperature=0.0))
@@ -233,8 +234,8 @@ def test_float32_compute_over_bf16_weights_matches_the_native_decode(
     monkeypatch.setenv("APPLIANCE_CPU_MASK", "avx512,amx")
     (native, plain), (lp_native, lp_plain) = lockstep(tiny_model_dir, "auto", 16, 3)
     for eng in (native, plain):
-        assert eng.loaded.cpu is not None and eng.loaded.cpu.plan.compute_dtype == torch.float32
-        assert eng.loaded.runner.kv.device_caches[0][0].dtype == torch.bfloat16
+        assert eng.loaded.compute_dtype == torch.float32
+        assert eng.loaded.runner.kv.device_caches[0].k.dtype == torch.bfloat16
     assert native.loaded.runner.native_decode_steps > 0
     # Both sides round the same float32 values to bf16 K/V; summation order differs (~1e-6),
     # which now and then lands a K/V element on the other side of a bf16 rounding step (0.4%):
@@ -293,11 +294,11 @@ def test_native_decode_splits_the_context_of_few_sequences(
     torch.testing.assert_close(
         torch.tensor(lp_native), torch.tensor(lp_plain), atol=1e-4, rtol=1e-4
     )
-    for (k1, v1), (k2, v2) in zip(
+    for c1, c2 in zip(
         native.loaded.runner.kv.device_caches, plain.loaded.runner.kv.device_caches, strict=True
     ):
-        torch.testing.assert_close(k1, k2, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(v1, v2, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(c1.k, c2.k, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(c1.v, c2.v, atol=1e-4, rtol=1e-4)
 
 
 def test_native_decode_with_sizes_off_the_vector_width(odd_model_dir: Path, cpu_path: str) -> None:
@@ -338,8 +339,8 @@ def test_without_a_compiler_the_engine_falls_back_to_torch(
         assert "no-such-compiler" in (cpu_native.load_error() or "")
         eng = engine(tiny_model_dir, "float32", native=True)
         assert eng.loaded.runner.fused_max_batch == 0
-        assert eng.loaded.cpu is not None
-        assert any("no-such-compiler" in n for n in eng.loaded.cpu.plan.notes)
+        notes = eng.loaded.backend.plan.notes  # type: ignore[attr-defined]
+        assert any("no-such-compiler" in n for n in notes)
         out = eng.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0.0))
         assert len(out[0].token_ids) == 4
     finally:
@@ -361,29 +362,39 @@ def test_build_is_cached_per_source_and_cpu(
 def test_every_file_a_kernel_includes_is_part_of_the_build_key(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The libraries are cached by a hash of their sources: a header they #include that the key
-    missed would leave an edit to it unbuilt. Follows the #include "..." lines of both C
-    files, then edits a copy of the folder's deepest header and sees the key change."""
+    """The libraries are cached by a hash of their sources: a header or template they #include
+    that the key missed would leave an edit to it unbuilt. Follows the #include "..." lines of
+    each library's C file (through the templates they include), then edits a copy of each file
+    it reached, one at a time, and sees that library's key change."""
     folder = cpu_native.SOURCE.parent
     keyed = set(cpu_native.kernel_sources())
-    pending, seen = [folder / "cpu_decode.c", folder / "cpu_quant.c"], set()
-    while pending:
-        path = pending.pop()
-        if path in seen:
-            continue
-        seen.add(path)
-        pending += [folder / name for name in re.findall(r'#include "([^"]+)"', path.read_text())]
-    assert seen <= keyed and len(seen) >= 7, sorted(p.name for p in seen - keyed)
     copy = tmp_path / "kernels"
     copy.mkdir()
     for path in keyed:
         (copy / path.name).write_text(path.read_text())
     monkeypatch.setattr(cpu_native, "SOURCE", copy / "cpu_decode.c")
     features, cc, flags = detect(), "cc", ["-O3"]
-    before = cpu_native._build_key(cc, flags, features, cpu_native.kernel_sources())
-    header = copy / "cpu_decode_simd.h"
-    header.write_text(header.read_text() + "\n/* edited */\n")
-    assert cpu_native._build_key(cc, flags, features, cpu_native.kernel_sources()) != before
+    for library in ("cpu_decode.c", "cpu_quant.c"):
+        pending, seen = [folder / library], set()
+        while pending:
+            path = pending.pop()
+            if path in seen:
+                continue
+            seen.add(path)
+            pending += [folder / n for n in re.findall(r'#include "([^"]+)"', path.read_text())]
+        assert seen <= keyed, sorted(p.name for p in seen - keyed)
+        assert len(seen) >= 8 and any(p.name.endswith(".inc.c") for p in seen), seen
+
+        def key(library: str = library) -> str:
+            return cpu_native._build_key(
+                cc, flags, features, (copy / library, *cpu_native.kernel_sources())
+            )
+
+        for path in sorted(seen):
+            before = key()
+            edited = copy / path.name
+            edited.write_text(edited.read_text() + "\n/* edited */\n")
+            assert key() != before, path.name
 
 
 def test_a_masked_feature_builds_another_library_without_it(
@@ -454,8 +465,8 @@ def test_quantized_kv_under_float32_compute(
     _, lp_plain = run("auto")
     assert quant.loaded.compute_dtype == torch.float32
     caches = quant.loaded.runner.kv.device_caches
-    assert caches[0][0].dtype == torch.bfloat16 and caches[1][0].dtype in (torch.uint8, torch.int8)
-    assert bool(caches[1][0].view(torch.uint8).any())
+    assert caches[0].k.dtype == torch.bfloat16 and caches[1].k.dtype in (torch.uint8, torch.int8)
+    assert bool(caches[1].k.view(torch.uint8).any())
     assert all(len(a) == 10 and all(x == x and x > -1e4 for x in a) for a in lp_quant)
     first_quant = torch.tensor([a[0] for a in lp_quant])
     first_plain = torch.tensor([a[0] for a in lp_plain])

@@ -1,5 +1,5 @@
 """The packed-weight CPU kernels (kernels/cpu_quant.c) against the torch reference
-(appliance.layers.quant), at odd sizes: rows not a multiple of the two-row or four-row blocks,
+(appliance.kernels.quant_weight), at odd sizes: rows not a multiple of the two-row or four-row blocks,
 batches with tails of the 4-row x blocks, groups that end mid-vector, per-channel rows of odd
 length; natively and under the AVX2 mask (the `cpu_path` fixture rebuilds for each)."""
 
@@ -8,8 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from appliance.kernels import cpu_quant
-
-from appliance.layers.quant import QuantWeight, pack_q4, quantize_int8, unpack_q4
+from appliance.kernels.quant_weight import QuantWeight, pack_q4, quantize_int8, unpack_q4
 
 
 def _q4(
@@ -106,7 +105,8 @@ def test_packed_linear_with_a_dense_copy_reads_the_copy() -> None:
     """A packed MatmulWeight the CPU backend gave a dense copy (on AMX) runs its torch-path
     passes on the copy, at any width (the packed bytes then serve the fused decode only):
     the result equals the torch reference, and a poisoned copy shows in every pass."""
-    from appliance.layers.linear import MatmulWeight, reference_quant_matmul
+    from appliance.layers.linear import MatmulWeight
+    from appliance.layers.matmul import CopyMatmul, reference_quant_matmul
 
     w = _q4(96, 128, 32, seed=5)
     layer = MatmulWeight()
@@ -115,11 +115,29 @@ def test_packed_linear_with_a_dense_copy_reads_the_copy() -> None:
     x = torch.randn(3, 128, generator=gen)
     packed = layer._matmul(x, None)  # no copy: the packed kernel (the reference here)
     torch.testing.assert_close(packed, reference_quant_matmul(x, w, None))
-    layer.matmul_weight = w.dequantize(torch.float32)
+    layer.wire(CopyMatmul(w.dequantize(torch.float32), False))
     for rows in (1, 3, 40):
         x = torch.randn(rows, 128, generator=gen)
         torch.testing.assert_close(
             layer._matmul(x, None), reference_quant_matmul(x, w, None), rtol=1e-5, atol=1e-4
         )
-    layer.matmul_weight = torch.full_like(layer.matmul_weight, float("nan"))
+    layer.wire(CopyMatmul(torch.full((96, 128), float("nan")), False))
     assert torch.isnan(layer._matmul(torch.randn(1, 128, generator=gen), None)).all()
+
+
+def test_weight_bytes_counts_a_packed_linears_dense_copy() -> None:
+    """quant-eval's memory figure: the packed bytes, plus the dense copy the backend wired
+    beside them (AMX), read from the linear's matmul strategy."""
+    from appliance.layers.linear import MatmulWeight
+    from appliance.layers.matmul import CopyMatmul, PackedMatmul, reference_quant_matmul
+    from appliance.tools.quant_eval import weight_bytes
+
+    w = _q4(96, 128, 32, seed=5)
+    layer = MatmulWeight()
+    layer.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+    layer.quant = w
+    layer.wire(PackedMatmul(reference_quant_matmul, w))
+    packed_only = weight_bytes(layer)
+    assert packed_only == w.nbytes()
+    layer.wire(CopyMatmul(w.dequantize(torch.bfloat16), False))
+    assert weight_bytes(layer) == packed_only + 96 * 128 * 2

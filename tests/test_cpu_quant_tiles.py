@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 from appliance.kernels import cpu_quant
+from appliance.kernels.quant_weight import QuantWeight, quantize_int8, tile_rows_of, untile_rows
 
-from appliance.layers.quant import QuantWeight, quantize_int8, tile_rows_of, untile_rows
 from tests.test_cpu_quant import _q4, _q8
 
 CASES = [

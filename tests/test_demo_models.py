@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from appliance.models.args import rope_parameters
+from appliance.models.demo_model import CHAT_TEMPLATE, build_demo_model
+from appliance.models.demo_spec import corpus_text
 from appliance.models.hf_files import (
     has_model,
     iter_safetensors,
@@ -17,13 +19,7 @@ from appliance.models.hf_files import (
     load_tokenizer,
     safetensors_files,
 )
-from appliance.tools.demo_model import (
-    CHAT_TEMPLATE,
-    add_demo_model_parser,
-    build_demo_model,
-    demo_model_command,
-)
-from appliance.tools.demo_spec import corpus_text
+from appliance.tools.demo_model import add_demo_model_parser, demo_model_command
 
 BOS_ID, EOS_ID, IM_START_ID, IM_END_ID, PAD_ID = range(5)
 

@@ -138,7 +138,7 @@ def test_long_prompt_chunked_beside_decodes(tiny_long_model_dir: Path) -> None:
 def test_greedy_matches_transformers_llama3_rope_scaling(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
-    from appliance.tools.demo_model import build_demo_model
+    from appliance.models.demo_model import build_demo_model
 
     model_dir = build_demo_model("tiny", tmp_path_factory.mktemp("tiny-llama3"), arch="llama3")
     engine = engine_for(model_dir)

@@ -11,6 +11,7 @@ or around a circle.
 from __future__ import annotations
 
 import ast
+import re
 from functools import cache
 from pathlib import Path
 
@@ -63,9 +64,13 @@ def _imported_names(tree: ast.AST, module: str) -> set[str]:
                 package = module.split(".") if is_package else module.split(".")[:-1]
                 package = package[: len(package) - node.level + 1]
                 base = ".".join(package + ([base] if base else []))
-            names.add(base)
-            # `from pkg import sub` imports the submodule pkg.sub when there is one.
-            names.update(f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in MODULES)
+            # `from pkg import sub` imports the submodule pkg.sub when there is one; the
+            # package itself counts for the names that are not submodules (its __init__ runs
+            # either way: `reachable` adds every package on a module's path).
+            subs = {f"{base}.{a.name}" for a in node.names} & MODULES.keys()
+            names.update(subs)
+            if len(subs) < len(node.names):
+                names.add(base)
         stack.extend(ast.iter_child_nodes(node))
     return names
 
@@ -90,11 +95,22 @@ def imports_of(module: str) -> frozenset[str]:
     return frozenset(out)
 
 
+def parents(module: str) -> list[str]:
+    """The packages Python imports before `module` (their __init__ runs first), below the
+    top level: appliance/__init__.py reaches the engine only lazily, through __getattr__ (the
+    reader counts imports inside functions, so it would see the engine everywhere)."""
+    parts = module.split(".")
+    return [".".join(parts[:i]) for i in range(2, len(parts)) if ".".join(parts[:i]) in MODULES]
+
+
 def reachable(module: str) -> set[str]:
+    """Everything importing `module` imports: its imports, theirs, and every package on the
+    way (importing appliance.kernels.kv_formats runs kernels/__init__.py first)."""
     seen: set[str] = set()
     todo = [module]
     while todo:
-        for dep in imports_of(todo.pop()):
+        current = todo.pop()
+        for dep in [*imports_of(current), *parents(current)]:
             if dep not in seen:
                 seen.add(dep)
                 if dep in MODULES:
@@ -148,9 +164,18 @@ def test_console_reaches_nothing_of_the_engine() -> None:
         "appliance.server.state",
         "appliance.server.app",
     )
-    # What a model is (its config's shape, a GGUF file's metadata) is read torch-free by the
-    # plan the console shows; torch stays unreachable whatever they import.
-    model_description = ("appliance.models.args", "appliance.models.gguf_meta")
+    # What a model is (its config's shape, a GGUF file's metadata) and what the kernels can
+    # run (the CPU's features, the KV formats' names) are read torch-free by the plan the
+    # console shows; torch stays unreachable whatever they import.
+    model_description = (
+        "appliance.models",
+        "appliance.models.args",
+        "appliance.models.demo_spec",
+        "appliance.models.gguf_meta",
+        "appliance.kernels",
+        "appliance.kernels.cpu_features",
+        "appliance.kernels.kv_formats",
+    )
     bad = {
         m: sorted(
             d
@@ -236,3 +261,110 @@ def test_the_circle_finder_finds_a_circle_and_leaves_a_chain_alone() -> None:
 
 def test_no_import_circles() -> None:
     assert circles(package_graph()) == []
+
+
+# -- folders -------------------------------------------------------------------------------------
+
+
+def room(module: str) -> str:
+    """Where a module lives, by folder (import names mapped through SOURCES: appliance.kernels.x
+    is kernels/x.py); the package's top-level modules (config, plan, stats, ...) are each their
+    own room, as they are imported by folders that they do not import back."""
+    folder = str(MODULES[module].parent.relative_to(ROOT))
+    return module if folder == "appliance" else folder
+
+
+def folder_graph() -> dict[str, list[str]]:
+    graph: dict[str, set[str]] = {room(m): set() for m in MODULES}
+    for m in MODULES:
+        for dep in imports_of(m):
+            if dep in MODULES and room(dep) != room(m):
+                graph[room(m)].add(room(dep))
+    return {r: sorted(deps) for r, deps in graph.items()}
+
+
+def test_import_names_map_to_the_design_cards_folders() -> None:
+    assert room("appliance.kernels.paged_attention") == "kernels"
+    assert room("appliance.console.app") == "console"
+    assert room("appliance.engine.loader") == "appliance/engine"
+    assert room("appliance.config") == "appliance.config"
+    assert "kernels" in folder_graph()["appliance/layers"]
+
+
+def test_no_folder_circles() -> None:
+    """Two folders never import each other, directly or around a circle (the module-level
+    test above cannot see a circle of folders whose modules form none)."""
+    assert circles(folder_graph()) == []
+
+
+def test_kernels_are_leaves() -> None:
+    """kernels/ imports torch, triton, the standard library and its own files: what a kernel
+    needs from the policy (limits, layouts, formats) lives in kernels/."""
+    bad = {
+        m: sorted(d for d in imports_of(m) if _in(d, "appliance") and room(d) != "kernels")
+        for m in MODULES
+        if room(m) == "kernels"
+    }
+    assert {m: d for m, d in bad.items() if d} == {}
+
+
+def test_the_engine_imports_no_operator_tool() -> None:
+    """The engine, its device backends, layers, models and kernels import nothing of the
+    operator tools, the benches, the server or the console (a tool may import the engine)."""
+    engine_side = ("appliance.engine", "appliance.cpu", "appliance.layers", "appliance.models")
+    tools = ("appliance.tools", "appliance.bench", "appliance.server", "appliance.console")
+    bad = {
+        m: sorted(d for d in reachable(m) if _in(d, *tools))
+        for m in MODULES
+        if _in(m, *engine_side, "appliance.kernels", "appliance.core")
+    }
+    assert {m: d for m, d in bad.items() if d} == {}
+
+
+# -- the layout table of docs/architecture.md, row by row ------------------------------------------
+
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+
+
+def _room_name(text: str) -> str:
+    """A table cell's `kernels/` or `appliance/engine/` -> its room; module names as they are."""
+    return text.rstrip("/")
+
+
+def layout_table() -> dict[str, set[str] | None]:
+    """room -> the rooms its row says it may import (None: anything)."""
+    section = ARCHITECTURE.read_text("utf-8").split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
+    table: dict[str, set[str] | None] = {}
+    for line in section.splitlines():
+        if not line.startswith("| `"):
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        rooms = [_room_name(x) for x in re.findall(r"`([^`]+)`", cells[0])]
+        allowed = cells[-1]
+        names = None if allowed == "anything" else set(re.findall(r"`([^`]+)`", allowed))
+        for r in rooms:
+            table[r] = None if names is None else {_room_name(x) for x in names}
+    return table
+
+
+def test_the_layout_table_reads_as_rooms() -> None:
+    table = layout_table()
+    assert table["kernels"] == set() and table["appliance/tools"] is None
+    assert table["appliance/layers"] == {"kernels"}
+    assert "appliance.config" in table and "appliance.stats" in table
+
+
+def test_every_room_is_in_the_layout_table_and_every_row_is_a_room() -> None:
+    rooms = set(folder_graph())
+    table = set(layout_table())
+    assert (rooms - table, table - rooms) == (set(), set())
+
+
+def test_each_room_imports_only_what_its_row_allows() -> None:
+    table = layout_table()
+    bad = {
+        r: sorted(set(deps) - allowed)
+        for r, deps in folder_graph().items()
+        if (allowed := table.get(r, set())) is not None and set(deps) - allowed
+    }
+    assert bad == {}

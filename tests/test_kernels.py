@@ -18,7 +18,6 @@ from dataclasses import dataclass  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from appliance.kernels import cpu_paged_attention, get_attention_backend  # noqa: E402
 from appliance.kernels.paged_attention import (  # noqa: E402
     FP8_FORMATS,
     cache_storage_dtype,
@@ -467,10 +466,23 @@ def test_dispatcher_matches_reference_signature(max_query_len: int) -> None:
     assert rel_err(out, ref) < 1e-3
 
 
-def test_backend_selection() -> None:
-    assert get_attention_backend(torch.device("cpu")) == (write_kv, cpu_paged_attention)
-    assert get_attention_backend("cpu", native_cpu=False) == (write_kv, paged_attention)
-    assert get_attention_backend("cuda") == (write_kv_triton, paged_attention_triton)
+def test_each_device_pair_holds_its_kernels() -> None:
+    from appliance.kernels.paged_attention import TORCH_ATTENTION
+    from appliance.kernels.triton_attention import TRITON_ATTENTION
+
+    from appliance.cpu.attention import cpu_attention, cpu_paged_attention
+
+    native = cpu_attention(native=True)
+    assert (native.write_kv, native.paged_attention) == (write_kv, cpu_paged_attention)
+    assert cpu_attention(native=False) is TORCH_ATTENTION
+    assert (TORCH_ATTENTION.write_kv, TORCH_ATTENTION.paged_attention) == (
+        write_kv,
+        paged_attention,
+    )
+    assert (TRITON_ATTENTION.write_kv, TRITON_ATTENTION.paged_attention) == (
+        write_kv_triton,
+        paged_attention_triton,
+    )
 
 
 def test_bench_parses_args_and_needs_cuda(capsys: pytest.CaptureFixture[str]) -> None:

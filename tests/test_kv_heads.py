@@ -18,18 +18,20 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from appliance.kernels.attention_api import AttentionBackend  # noqa: E402
 from appliance.kernels.paged_attention import dequantize, quantize  # noqa: E402
 
 from appliance.config import ConfigError, load_config  # noqa: E402
+from appliance.engine.kv_pool import KVCachePool  # noqa: E402
 from appliance.engine.kv_quant import (  # noqa: E402
     FORMAT_MAX,
     MARGIN,
     apply_layer_spec,
-    rotation_matrix,
 )
-from appliance.engine.model_runner import KVCachePool, KVStorage  # noqa: E402
 from appliance.kv_layout import LayerKV, layer_layout  # noqa: E402
-from appliance.layers.attention import Attention, AttentionMetadata, PagedBatch  # noqa: E402
+from appliance.layers.attention import Attention, AttentionMetadata, PagedBatch, PlainKV  # noqa: E402
+from appliance.layers.kv_cache import KVStorage  # noqa: E402
+from appliance.layers.quantized_kv import rotation_matrix  # noqa: E402
 
 HEADS, KV_HEADS, DIM, BS = 6, 3, 64, 16
 SCALE = DIM**-0.5
@@ -37,15 +39,16 @@ SCALE = DIM**-0.5
 HEAD_GAIN = torch.tensor([1.0, 6.0, 0.15]).view(1, KV_HEADS, 1)
 
 
-def backend(name: str) -> tuple[object, object]:
-    from appliance.kernels import cpu_paged_attention
-    from appliance.kernels.paged_attention import paged_attention, write_kv
+def backend(name: str) -> AttentionBackend:
+    from appliance.kernels.paged_attention import TORCH_ATTENTION
+
+    from appliance.cpu.attention import cpu_attention
 
     if name == "triton":
-        from appliance.kernels.triton_attention import paged_attention_triton, write_kv_triton
+        from appliance.kernels.triton_attention import TRITON_ATTENTION
 
-        return write_kv_triton, paged_attention_triton
-    return write_kv, cpu_paged_attention if name == "cpu" else paged_attention
+        return TRITON_ATTENTION
+    return cpu_attention(native=True) if name == "cpu" else TORCH_ATTENTION
 
 
 def stored(x: torch.Tensor, fmt: str, scale: torch.Tensor) -> torch.Tensor:
@@ -118,7 +121,7 @@ def test_split_cache_attends_like_the_per_head_reference(
     absmax = tuple((x.float() @ rot).abs().amax(dim=(0, 2)) for x in every)
 
     attn = Attention(HEADS, KV_HEADS, DIM, SCALE)
-    attn.set_backend(*backend(name))  # type: ignore[arg-type]
+    attn.wire(PlainKV(backend(name)))
     apply_layer_spec(attn, LayerKV(fmt, kept), absmax)  # type: ignore[arg-type]
     quant = [h for h in range(KV_HEADS) if h not in kept]
     store = KVStorage(
@@ -126,8 +129,9 @@ def test_split_cache_attends_like_the_per_head_reference(
     )
     pool = KVCachePool(1, 8, 0, BS, KV_HEADS, DIM, store, torch.device("cpu"))
     cache = pool.device_caches[0]
-    assert [t.shape[2] for t in cache] == [len(quant), len(quant), len(kept), len(kept)]
-    assert cache[2].dtype == side_dtype
+    assert cache.side is not None and cache.scales is None
+    assert [t.shape[2] for t in cache.tensors()] == [len(quant), len(quant), len(kept), len(kept)]
+    assert cache.side.k.dtype == side_dtype
 
     # Step 1: both prompts as prefills (A 37 tokens, B the first 24).
     meta1 = AttentionMetadata(
@@ -181,7 +185,7 @@ def test_split_cache_attends_like_the_per_head_reference(
         assert err < 2e-4, err
     # The kept heads' values really are in the side cache, and only there.
     a_slot = slots(a_table, range(37, 38))[0]
-    flat_side = cache[2].view(-1, len(kept), DIM)
+    flat_side = cache.side.k.view(-1, len(kept), DIM)
     assert torch.equal(flat_side[a_slot], k["a"][37, list(kept)].to(side_dtype))
 
 
@@ -197,7 +201,7 @@ def test_a_kept_head_reads_16bit_where_the_quantized_layer_would_not() -> None:
     outs = {}
     for kept in ((), (1,)):
         attn = Attention(HEADS, KV_HEADS, DIM, SCALE)
-        attn.set_backend(*backend("torch"))  # type: ignore[arg-type]
+        attn.wire(PlainKV(backend("torch")))
         apply_layer_spec(attn, LayerKV("int8", kept), absmax)  # type: ignore[arg-type]
         store = KVStorage([torch.int8], [len(kept)], torch.float32)
         cache = KVCachePool(1, 3, 0, BS, KV_HEADS, DIM, store, torch.device("cpu")).device_caches[0]
@@ -288,24 +292,24 @@ def test_layout_per_rank_and_whole_layers() -> None:
 def test_swap_copies_the_side_caches_too() -> None:
     store = KVStorage([torch.uint8, torch.bfloat16], [1, 0], torch.bfloat16)
     pool = KVCachePool(2, 4, 3, 16, 2, 32, store, torch.device("cpu"))
-    assert [len(c) for c in pool.device_caches] == [4, 2]
-    assert [len(c) for c in pool.host_caches] == [4, 2]
+    assert [len(c.tensors()) for c in pool.device_caches] == [4, 2]
+    assert [len(c.tensors()) for c in pool.host_caches] == [4, 2]
     for layer in pool.device_caches:
-        for t in layer:
+        for t in layer.tensors():
             t.copy_(torch.randint(0, 120, t.shape).to(t.dtype))
     before = [
-        [t[1].clone() for t in layer] + [t[3].clone() for t in layer]
+        [t[1].clone() for t in layer.tensors()] + [t[3].clone() for t in layer.tensors()]
         for layer in pool.device_caches
     ]
     pool.swap_out([(1, 0), (3, 2)])
     for layer in pool.device_caches:
-        for t in layer:
+        for t in layer.tensors():
             t.zero_()
     pool.swap_in([(0, 1), (2, 3)])
     for layer, saved in zip(pool.device_caches, before, strict=True):
-        n = len(layer)
-        assert all(torch.equal(t[1], s) for t, s in zip(layer, saved[:n], strict=True))
-        assert all(torch.equal(t[3], s) for t, s in zip(layer, saved[n:], strict=True))
+        n = len(layer.tensors())
+        assert all(torch.equal(t[1], s) for t, s in zip(layer.tensors(), saved[:n], strict=True))
+        assert all(torch.equal(t[3], s) for t, s in zip(layer.tensors(), saved[n:], strict=True))
     # Bytes per block: layer 0 one quantized head (1 byte) + one bf16 head, layer 1 bf16.
     assert pool.bytes_per_block() == 2 * 16 * 32 * (1 + 2) + 2 * 16 * 32 * 2 * 2
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from appliance.kernels.attention_api import AttentionBackend
 from appliance.kernels.paged_attention import paged_attention, quantize, write_kv
 
 from appliance import Engine, SamplingParams
@@ -19,9 +20,9 @@ from appliance.config import ConfigError, load_config
 from appliance.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from appliance.cpu import backend as cpu_backend_mod
 from appliance.engine.executor import load_model
+from appliance.engine.kv_pool import KVCachePool
 from appliance.engine.loader import LoadedModel
-from appliance.engine.model_runner import KVCachePool
-from appliance.tools.demo_spec import corpus_text
+from appliance.models.demo_spec import corpus_text
 from appliance.tools.kv_eval import Report, format_report, run_kv_eval
 from appliance.tools.kv_template import write_keep_list
 
@@ -87,13 +88,13 @@ def test_keep_list_layers_stay_16bit_and_capacity_follows(template: Path) -> Non
         cache__swap_space=0.001,
     )
     pool = loaded.runner.kv
-    assert [k.dtype for k, _ in pool.device_caches] == [
+    assert [c.k.dtype for c in pool.device_caches] == [
         torch.int8,
         torch.int8,
         torch.bfloat16,
         torch.int8,
     ]
-    assert [k.dtype for k, _ in pool.host_caches] == [k.dtype for k, _ in pool.device_caches]
+    assert [c.k.dtype for c in pool.host_caches] == [c.k.dtype for c in pool.device_caches]
     # One layer at 2 bytes an element, three at 1: 5/8 of the all-16-bit block.
     assert loaded.bytes_per_block == 16384 * 5 // 8
     specs = [a.spec for a in loaded.model.attention_layers()]
@@ -107,16 +108,16 @@ def test_kept_heads_live_in_side_caches_and_capacity_follows(template: Path) -> 
     """Heads "0:1" and "2:0" (tiny: 4 layers of 2 KV heads): layers 0 and 2 hold one FP8 head
     and a bf16 side cache of one head, the pool sizes with those bytes (as `appliance plan`
     counts them), and the engine serves through the split layers, swap included."""
-    from appliance.tools.plan import make_plan
+    from appliance.plan import make_plan
 
     heads = ["0:1", "2:0"]
     overrides = {"cache.kv_cache_dtype": "fp8_e4m3", "cache.kv_cache_keep_16bit_heads": heads}
     with Engine(load_config(template, {**overrides, "cache.swap_space": 0.001})) as engine:
         pool = engine.runner.kv
-        shapes = [[(t.shape[2], t.dtype) for t in layer] for layer in pool.device_caches]
+        shapes = [[(t.shape[2], t.dtype) for t in c.tensors()] for c in pool.device_caches]
         side = [(1, torch.uint8), (1, torch.uint8), (1, torch.bfloat16), (1, torch.bfloat16)]
         assert shapes == [side, [(2, torch.uint8)] * 2, side, [(2, torch.uint8)] * 2]
-        assert [len(c) for c in pool.host_caches] == [4, 2, 4, 2]
+        assert [c.side is not None for c in pool.host_caches] == [True, False, True, False]
         # (1 + 2) bytes a position over 2 layers, 2 bytes over the other 2, of the 16-bit 4.
         assert engine.loaded.bytes_per_block == 16384 * 5 // 8 == pool.bytes_per_block()
         plan = make_plan(load_config(template, overrides)).chosen
@@ -128,7 +129,8 @@ def test_kept_heads_live_in_side_caches_and_capacity_follows(template: Path) -> 
             ["Incident 5282 — object-storage", "Meeting summary"],
             SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1),
         )
-        assert bool(pool.device_caches[0][2].any()) and bool(pool.device_caches[0][0].any())
+        first = pool.device_caches[0]
+        assert first.side is not None and bool(first.side.k.any()) and bool(first.k.any())
     for result in out:
         assert len(result.token_ids) == 12
         assert all(lp.logprob == lp.logprob and lp.logprob > -1e4 for lp in result.logprobs or [])
@@ -142,35 +144,33 @@ def test_keep_list_index_out_of_range_names_the_limit(template: Path) -> None:
 def test_every_layer_gets_the_devices_backend(
     template: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    asked: list[torch.device] = []
+    asked: list[bool] = []
+    probe = AttentionBackend("probe", write_kv, paged_attention)
 
-    def backend(device: torch.device, native_cpu: bool = True) -> tuple[object, object]:
-        asked.append(torch.device(device))
-        return write_kv, paged_attention
+    def cpu_attention(native: bool) -> AttentionBackend:
+        asked.append(native)
+        return probe
 
-    # On the CPU the backend asks (appliance.cpu.backend); on CUDA the loader does.
-    monkeypatch.setattr(cpu_backend_mod, "get_attention_backend", backend)
+    # Asked once, by the backend (appliance.cpu.backend), for every layer.
+    monkeypatch.setattr(cpu_backend_mod, "cpu_attention", cpu_attention)
     loaded = load(template)
-    assert asked == [torch.device("cpu")]
-    assert all(
-        a.write_kv is write_kv and a.paged_attention is paged_attention
-        for a in loaded.model.attention_layers()
-    )
+    assert len(asked) == 1
+    assert all(a.kernels is probe for a in loaded.model.attention_layers())
 
 
 def test_swap_round_trips_mixed_dtypes() -> None:
     pool = KVCachePool(2, 4, 3, 16, 2, 32, [torch.bfloat16, torch.uint8], torch.device("cpu"))
-    for k, v in pool.device_caches:
-        k.copy_(torch.randint(0, 120, k.shape).to(k.dtype))
-        v.copy_(torch.randint(0, 120, v.shape).to(v.dtype))
-    before = [(k[1].clone(), v[3].clone()) for k, v in pool.device_caches]
+    for c in pool.device_caches:
+        c.k.copy_(torch.randint(0, 120, c.k.shape).to(c.k.dtype))
+        c.v.copy_(torch.randint(0, 120, c.v.shape).to(c.v.dtype))
+    before = [(c.k[1].clone(), c.v[3].clone()) for c in pool.device_caches]
     pool.swap_out([(1, 0), (3, 2)])
-    for k, v in pool.device_caches:
-        k.zero_()
-        v.zero_()
+    for c in pool.device_caches:
+        c.k.zero_()
+        c.v.zero_()
     pool.swap_in([(0, 1), (2, 3)])
-    for (k, v), (k1, v3) in zip(pool.device_caches, before, strict=True):
-        assert torch.equal(k[1], k1) and torch.equal(v[3], v3)
+    for c, (k1, v3) in zip(pool.device_caches, before, strict=True):
+        assert torch.equal(c.k[1], k1) and torch.equal(c.v[3], v3)
 
 
 @pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
@@ -195,12 +195,13 @@ def test_int8_and_e5m2_generate_end_to_end(template: Path, fmt: str) -> None:
         )
         expected = torch.int8 if fmt == "int8" else torch.uint8
         layers = engine.runner.kv.device_caches
-        assert all(layer[0].dtype == expected for layer in layers)
-        assert all(len(layer) == (4 if fmt == "int8" else 2) for layer in layers)
+        assert all(layer.k.dtype == expected for layer in layers)
+        assert all((layer.scales is not None) == (fmt == "int8") for layer in layers)
         specs = [a.spec for a in engine.loaded.model.attention_layers()]
         assert all((s.k_scale is None) == (fmt == "int8") for s in specs)
         if fmt == "int8":  # the scales written are the tokens' own: all positive where used
-            assert all(bool((layer[2].view(-1)[:40] > 0).any()) for layer in layers)
+            scales = [layer.scales for layer in layers]
+            assert all(s is not None and bool((s.k.view(-1)[:40] > 0).any()) for s in scales)
     for result in out:
         assert len(result.token_ids) == 24
         assert all(lp.logprob == lp.logprob and lp.logprob > -1e4 for lp in result.logprobs or [])
@@ -253,7 +254,7 @@ def teacher_forced_agreement(
 
 @pytest.fixture(scope="module")
 def kv_eval_report(template: Path) -> Report:
-    data = Path(__file__).parent.parent / "appliance" / "tools" / "data" / "corpus.txt"
+    data = Path(__file__).parent.parent / "appliance" / "models" / "data" / "corpus.txt"
     return run_kv_eval(
         str(template),
         [str(data)],
@@ -367,7 +368,7 @@ def test_kv_eval_measures_int8_with_the_scales_the_template_serves(template: Pat
     """int8 serves per-token scales by default: kv-eval ranks its layers under that rounding,
     and under per-head scales where the template asks for them (a different cache, so a
     different KL). Per-token INT8 moves the predictions less than calibrated per-head INT8."""
-    data = [str(Path(__file__).parent.parent / "appliance" / "tools" / "data" / "corpus.txt")]
+    data = [str(Path(__file__).parent.parent / "appliance" / "models" / "data" / "corpus.txt")]
     common = {"kv_cache_dtype": "int8", "budget": 0, "max_tokens": 128, "window": 64, "chunk": 32}
     token = run_kv_eval(str(template), data, **common)  # type: ignore[arg-type]
     head = run_kv_eval(str(template), data, {"cache.kv_cache_scales": "per_head"}, **common)  # type: ignore[arg-type]

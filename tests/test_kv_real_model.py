@@ -70,7 +70,7 @@ MEASURED_BY_CPU: dict[
 
 
 def _measured() -> dict[tuple[str, tuple[int, ...], tuple[str, ...]], tuple[float, float]]:
-    from appliance.cpu.features import detect
+    from appliance.kernels.cpu_features import detect
 
     isa = detect().isa
     if isa in MEASURED_BY_CPU:

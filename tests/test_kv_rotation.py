@@ -1,4 +1,4 @@
-"""RotatedKV (engine/kv_quant.py): a quantized layer stores K/V rotated and attends with rotated
+"""RotatedKV (layers/quantized_kv.py): a quantized layer stores K/V rotated and attends with rotated
 queries; attention must equal plain attention over the exact K/V up to the format's rounding,
 on the torch path and the Triton kernels (interpreted here, compiled on a GPU) alike."""
 
@@ -11,6 +11,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from appliance.kernels.attention_api import AttentionBackend  # noqa: E402
 from appliance.kernels.paged_attention import (  # noqa: E402
     dequantize,
     paged_attention,
@@ -18,7 +19,7 @@ from appliance.kernels.paged_attention import (  # noqa: E402
     write_kv,
 )
 
-from appliance.engine.kv_quant import RotatedKV, rotation_matrix  # noqa: E402
+from appliance.layers.quantized_kv import RotatedKV, rotation_matrix  # noqa: E402
 
 HEADS, KV_HEADS, DIM, BS = 4, 2, 64, 16
 
@@ -47,8 +48,9 @@ def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
 
 
 def backends() -> list[tuple[str, object, object]]:
-    from appliance.kernels import cpu_paged_attention
     from appliance.kernels.triton_attention import paged_attention_triton, write_kv_triton
+
+    from appliance.cpu.attention import cpu_paged_attention
 
     return [
         ("torch", write_kv, paged_attention),
@@ -74,7 +76,7 @@ def test_rotated_cache_attends_like_exact_kv(fmt: str, name: str) -> None:
     margin = {"fp8_e4m3": 2.0 / 448, "int8": 1.1 / 127}[fmt]
     k_scale, v_scale = absmax(k) * margin, absmax(v) * margin
     _, write, attend = next(b for b in backends() if b[0] == name)
-    rkv = RotatedKV(write, attend, DIM, torch.device("cpu"))
+    rkv = RotatedKV(AttentionBackend(name, write, attend), DIM, torch.device("cpu"))  # type: ignore[arg-type]
     store = torch.uint8 if fmt.startswith("fp8") else torch.int8
     k_cache = torch.full((4, BS, KV_HEADS, DIM), 0x55, dtype=store)  # poisoned, not zeros
     v_cache = k_cache.clone()
@@ -92,12 +94,10 @@ def test_rotated_cache_attends_like_exact_kv(fmt: str, name: str) -> None:
     fresh_v = torch.cat([vq[:-new], v[-new:]])
     ref = exact_attention(q, fresh_k, fresh_v)
     # Prefill of the last 8 positions, with their fresh K/V ...
-    out = rkv.paged_attention(
-        q, *args, new, ctx, fmt, k_scale, v_scale, key=k[-new:], value=v[-new:]
-    )
+    out = rkv.attend(q, *args, new, ctx, fmt, k_scale, v_scale, key=k[-new:], value=v[-new:])
     assert torch.allclose(out.double(), ref, atol=1e-4), float((out.double() - ref).abs().max())
     # ... and a decode of the last one, reading every position back from the cache.
-    last = rkv.paged_attention(
+    last = rkv.attend(
         q[-1:], *args[:4], torch.tensor([0, 1]), DIM**-0.5, 1, ctx, fmt, k_scale, v_scale
     )
     ref_last = exact_attention(q[-1:], kq, vq)

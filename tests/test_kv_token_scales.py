@@ -14,13 +14,20 @@ from pathlib import Path  # noqa: E402
 import msgspec  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from appliance.kernels.paged_attention import paged_attention, write_kv  # noqa: E402
+from appliance.kernels.attention_api import AttentionBackend  # noqa: E402
+from appliance.kernels.kv_formats import PER_TOKEN_KIND
+from appliance.kernels.paged_attention import (  # noqa: E402
+    TORCH_ATTENTION,  # noqa: E402
+    paged_attention,
+    write_kv,
+)
 
 from appliance.config import ConfigError, load_config  # noqa: E402
-from appliance.engine.kv_quant import apply_layer_spec, kv_storage, rotation_matrix  # noqa: E402
-from appliance.engine.model_runner import KVCachePool  # noqa: E402
-from appliance.kv_layout import PER_TOKEN_KIND, LayerKV  # noqa: E402
-from appliance.layers.attention import Attention, AttentionMetadata, PagedBatch  # noqa: E402
+from appliance.engine.kv_pool import KVCachePool  # noqa: E402
+from appliance.engine.kv_quant import apply_layer_spec, kv_storage  # noqa: E402
+from appliance.kv_layout import LayerKV  # noqa: E402
+from appliance.layers.attention import Attention, AttentionMetadata, PagedBatch, PlainKV  # noqa: E402
+from appliance.layers.quantized_kv import rotation_matrix  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings(  # the interpreter's range(<tensor>) on numpy 2.x
     "ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning"
@@ -29,13 +36,13 @@ pytestmark = pytest.mark.filterwarnings(  # the interpreter's range(<tensor>) on
 BS, BLOCKS, HKV, GROUP, D = 4, 6, 2, 2, 8
 
 
-def backend(name: str) -> tuple[object, object]:
-    """(write_kv, paged_attention) of the torch path or the Triton kernels."""
+def backend(name: str) -> AttentionBackend:
+    """The torch pair or the Triton kernels."""
     if name == "triton":
-        from appliance.kernels.triton_attention import paged_attention_triton, write_kv_triton
+        from appliance.kernels.triton_attention import TRITON_ATTENTION
 
-        return write_kv_triton, paged_attention_triton
-    return write_kv, paged_attention
+        return TRITON_ATTENTION
+    return TORCH_ATTENTION
 
 
 def hand_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,7 +112,8 @@ def test_attention_over_a_per_token_cache_matches_float64(decode: bool, name: st
     K/V; the backend writes the cache itself (contexts of 7 and 5 end mid-block)."""
     gen = torch.Generator().manual_seed(1)
     lengths, tables = [7, 5], [[4, 1], [0, 5]]
-    write, attend = backend(name)
+    pair = backend(name)
+    write, attend = pair.write_kv, pair.paged_attention
     caches, kv = _filled_cache(lengths, tables, gen, write)
     scale = D**-0.5
     q_len = 1 if decode else 3
@@ -159,7 +167,7 @@ def test_attention_over_a_per_token_cache_matches_float64(decode: bool, name: st
 
 @pytest.mark.parametrize("name", ["torch", "triton"])
 def test_attention_layer_rotates_keeps_a_head_and_reads_the_pools_scale_caches(name: str) -> None:
-    """Attention.forward over a pool layer (k, v, side_k, side_v, k_scales, v_scales): KV head 1
+    """Attention.forward over a pool layer (k, v, a side pair, a scales pair): KV head 1
     kept 16-bit (float32 here), head 0 per-token INT8 of the rotated K/V; one prefill then one
     decode, against float64 attention over K/V dequantized by hand (rotated back). On Triton
     both the quantized heads and the kept one run through the kernels."""
@@ -169,9 +177,11 @@ def test_attention_layer_rotates_keeps_a_head_and_reads_the_pools_scale_caches(n
         1, BLOCKS, 2, BS, HKV, D, kv_storage([layer], torch.float32), torch.device("cpu")
     )
     cache = pool.device_caches[0]
-    assert [t.dtype for t in cache] == [torch.int8] * 2 + [torch.float32] * 2 + [torch.float16] * 2
+    assert [t.dtype for t in cache.tensors()] == (
+        [torch.int8] * 2 + [torch.float32] * 2 + [torch.float16] * 2
+    )
     attn = Attention(HKV * GROUP, HKV, D, D**-0.5)
-    attn.set_backend(*backend(name))  # type: ignore[arg-type]
+    attn.wire(PlainKV(backend(name)))
     apply_layer_spec(attn, layer, None)
     n, table = 6, [3, 2]
     k, v = torch.randn(n, HKV, D, generator=gen), torch.randn(n, HKV, D, generator=gen)
@@ -194,7 +204,9 @@ def test_attention_layer_rotates_keeps_a_head_and_reads_the_pools_scale_caches(n
     expected = reference_attention(q[5:], kd, vd, [5], D**-0.5)
     torch.testing.assert_close(out.double(), expected, atol=1e-4, rtol=1e-4)
     # The scale caches hold head 0's scales only (head 1 is in the side cache).
-    assert cache[4].shape == (BLOCKS, BS, 1) and bool((cache[4].view(-1)[slots] > 0).all())
+    assert cache.scales is not None
+    k_scales = cache.scales.k
+    assert k_scales.shape == (BLOCKS, BS, 1) and bool((k_scales.view(-1)[slots] > 0).all())
 
 
 def test_pool_counts_and_swaps_the_scale_caches() -> None:
@@ -202,14 +214,15 @@ def test_pool_counts_and_swaps_the_scale_caches() -> None:
     pool = KVCachePool(2, 3, 2, BS, HKV, D, kv_storage(layers, torch.bfloat16), torch.device("cpu"))
     # Layer 0: K,V int8 + two float16 scales per head; layer 1: bf16.
     assert pool.bytes_per_block() == BS * (2 * HKV * (D + 2) + 2 * HKV * D * 2)
-    for t in pool.device_caches[0]:
+    layer = pool.device_caches[0].tensors()
+    for t in layer:
         t.copy_(torch.randn(t.shape).to(t.dtype) * 10)
-    before = [t[1].clone() for t in pool.device_caches[0]]
+    before = [t[1].clone() for t in layer]
     pool.swap_out([(1, 0)])
-    for t in pool.device_caches[0]:
+    for t in layer:
         t.zero_()
     pool.swap_in([(0, 2)])
-    for t, b in zip(pool.device_caches[0], before, strict=True):
+    for t, b in zip(layer, before, strict=True):
         assert torch.equal(t[2], b)
 
 
@@ -254,7 +267,8 @@ def test_per_token_layers_are_built_on_the_models_device() -> None:
     """Off the CPU (here the meta device, which stands for CUDA) per-token layers load: no
     refusal, no calibration, and the rotation and head split of each layer live on that
     device, not on the CPU (no absmax tensor to take the device from)."""
-    from appliance.engine.kv_quant import RotatedKV, configure_kv_cache
+    from appliance.engine.kv_quant import configure_kv_cache
+    from appliance.layers.quantized_kv import QuantizedKV, SplitHeadsKV
 
     config = load_config(
         None,
@@ -278,10 +292,10 @@ def test_per_token_layers_are_built_on_the_models_device() -> None:
     assert absmax is None and storage.token_scales == [True, True]
     for attn, kept in zip(layers, [(), (0,)], strict=True):
         assert attn.spec.kv_cache_dtype == PER_TOKEN_KIND and attn.spec.kept_heads == kept
-        rotated = attn.write_kv.__self__  # type: ignore[attr-defined]
-        assert isinstance(rotated, RotatedKV) and rotated.rot.device == meta
-    assert layers[0].split is None
-    assert layers[1].split is not None and layers[1].split.q_kept.device == meta
+    path0, path1 = layers[0].kv_path, layers[1].kv_path
+    assert isinstance(path0, QuantizedKV) and path0.rotated.rot.device == meta
+    assert isinstance(path1, SplitHeadsKV) and path1.quantized.rotated.rot.device == meta
+    assert path1.split.q_kept.device == meta
 
 
 def test_swapped_sequences_keep_their_scales(tiny_model_dir: Path) -> None:
@@ -304,8 +318,8 @@ def test_swapped_sequences_keep_their_scales(tiny_model_dir: Path) -> None:
         **per_token,
     )
     for layer in engine.runner.kv.host_caches:
-        assert len(layer) == 4  # k, v, k_scales, v_scales
-        for t in layer:
+        assert layer.scales is not None and layer.side is None
+        for t in layer.tensors():
             t.fill_(float("nan") if t.is_floating_point() else 127)
     results = engine.generate([p for p, _ in jobs], [sp for _, sp in jobs])
     assert [r.token_ids for r in results] == alone

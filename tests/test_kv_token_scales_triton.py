@@ -18,14 +18,13 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from appliance.kernels.kv_formats import PER_TOKEN_KIND  # noqa: E402
 from appliance.kernels.paged_attention import paged_attention, write_kv  # noqa: E402
 from appliance.kernels.triton_attention import (  # noqa: E402
     paged_attention_decode,
     paged_attention_prefill,
 )
 from appliance.kernels.triton_kv import write_kv_triton  # noqa: E402
-
-from appliance.kv_layout import PER_TOKEN_KIND  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings(  # the interpreter's range(<tensor>) on numpy 2.x
     "ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning"

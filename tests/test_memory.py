@@ -16,7 +16,7 @@ from appliance.engine import memory
 from appliance.engine.memory import GpuMemoryPlan
 from appliance.models.args import ModelArgs
 from appliance.models.llama import LlamaForCausalLM
-from appliance.tools.plan import reference_architectures
+from appliance.plan import reference_architectures
 
 GiB = 1024**3
 

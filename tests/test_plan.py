@@ -13,12 +13,12 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
+from appliance import plan as plan_cmd
 from appliance.config import ConfigError, load_config, shipped_template_dir
 from appliance.layers.parallel import tensor_parallel
 from appliance.models.args import ModelArgs
 from appliance.models.llama import LlamaForCausalLM
-from appliance.tools import plan as plan_cmd
-from appliance.tools.plan import make_plan, reference_architectures
+from appliance.plan import make_plan, reference_architectures
 
 GiB = 1024**3
 
@@ -214,10 +214,10 @@ def test_plan_kv_bytes_equal_the_loaders(
     allocates takes / 16 (the real tensors, side caches of kept heads included), on the
     largest rank: at TP 2 each rank holds one of the 2 KV heads, at TP 4 a replica, so a kept
     head costs 16-bit bytes on the ranks that hold it only."""
+    from appliance.engine.kv_pool import KVCachePool
     from appliance.engine.kv_quant import kv_storage, layer_layout
     from appliance.engine.loader import kv_bytes_per_block
-    from appliance.engine.model_runner import KVCachePool
-    from appliance.tools.demo_spec import DEMO_SHAPES
+    from appliance.models.demo_spec import DEMO_SHAPES
 
     s = DEMO_SHAPES["tiny"]
     cfg = {
@@ -338,7 +338,7 @@ def test_cpu_demo_plan_counts_the_bf16_copy_of_packed_weights_on_amx(
     """cpu-demo serves SmolLM2's Q4_1 GGUF: where the CPU has AMX the backend keeps a
     prepacked bf16 copy of the linears and the LM head beside the packed bytes, and the plan
     counts it (2 bytes a weight); elsewhere the packed bytes are all there is."""
-    from appliance.cpu import features
+    from appliance.kernels import cpu_features as features
 
     flags = (
         "fma avx f16c avx2 avx512f avx512dq avx512cd avx512bw avx512vl avx512_bf16 "

@@ -62,9 +62,9 @@ def test_preempted_outputs_equal_unpreempted_runs(
     )
     # The host swap pool is allocated empty: poison it, so a read of a swap block that was
     # never written would show in the outputs.
-    for k, v in engine.runner.kv.host_caches:
-        k.fill_(float("nan"))
-        v.fill_(float("nan"))
+    for layer in engine.runner.kv.host_caches:
+        layer.k.fill_(float("nan"))
+        layer.v.fill_(float("nan"))
     jobs = workload(engine.loaded.args.vocab_size)
     results = engine.generate([p for p, _ in jobs], [sp for _, sp in jobs])
     assert [r.token_ids for r in results] == alone_outputs
@@ -95,9 +95,9 @@ def test_swap_pool_full_falls_back_to_recompute(
     )
     # The host swap pool is allocated empty: poison it, so a read of a swap block that was
     # never written would show in the outputs.
-    for k, v in engine.runner.kv.host_caches:
-        k.fill_(float("nan"))
-        v.fill_(float("nan"))
+    for layer in engine.runner.kv.host_caches:
+        layer.k.fill_(float("nan"))
+        layer.v.fill_(float("nan"))
     jobs = workload(engine.loaded.args.vocab_size)
     results = engine.generate([p for p, _ in jobs], [sp for _, sp in jobs])
     assert [r.token_ids for r in results] == alone_outputs

@@ -16,7 +16,7 @@ from tests.quant_models import greedy, random_llama, random_prompts, write_awq_o
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from appliance.tools.demo_model import build_demo_model
+    from appliance.models.demo_model import build_demo_model
 
     return build_demo_model("tiny", tmp_path_factory.mktemp("tiny-tok"))
 

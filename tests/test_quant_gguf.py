@@ -58,7 +58,7 @@ def test_blocks_repack_to_what_gguf_dequantizes(name: str) -> None:
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from appliance.tools.demo_model import build_demo_model
+    from appliance.models.demo_model import build_demo_model
 
     return build_demo_model("tiny", tmp_path_factory.mktemp("tiny-tok"))
 
@@ -106,8 +106,8 @@ def test_gguf_model_matches_transformers_on_its_weights(
         assert all(m.quant is not None for m in linears)
         assert all(m.weight.numel() == 0 for m in linears)
         assert model.model.embed_tokens.quant is not None
-        cpu = engine.loaded.cpu
-        assert cpu is not None and type(cpu.fused_decode).__name__ == "QuantFusedCpuDecode"
+        fused = engine.loaded.backend.fused_decode
+        assert type(fused).__name__ == "QuantFusedCpuDecode"
         got = _engine_greedy(engine, prompts, 24)
         # One at a time: every decode step goes through the fused packed forward.
         single = _engine_greedy(engine, prompts[:1], 24)
@@ -132,8 +132,8 @@ def test_k_quant_gguf_model_matches_transformers_on_its_weights(
         model = engine.loaded.model
         sources = {m.quant.source for m in model.modules() if getattr(m, "quant", None) is not None}
         assert sources == {"gguf:Q4_K", "gguf:Q6_K"}, sources
-        cpu = engine.loaded.cpu
-        assert cpu is not None and type(cpu.fused_decode).__name__ == "QuantFusedCpuDecode"
+        fused = engine.loaded.backend.fused_decode
+        assert type(fused).__name__ == "QuantFusedCpuDecode"
         got = _engine_greedy(engine, prompts, 16)
         single = _engine_greedy(engine, prompts[:1], 16)
     assert got == expected
@@ -148,7 +148,7 @@ def test_gguf_model_on_the_torch_path_matches_too(tokenizer_dir: Path, tmp_path:
     prompts = random_prompts(hf.config.vocab_size, [3, 18])
     expected = greedy(ref, prompts, 16)
     with _engine(path, **{"model.cpu_native_kernels": False}) as engine:
-        assert engine.loaded.cpu is not None and engine.loaded.cpu.fused_decode is None
+        assert engine.loaded.backend.fused_decode is None
         assert _engine_greedy(engine, prompts, 16) == expected
 
 
@@ -158,7 +158,7 @@ def test_plan_reads_a_gguf_file_and_counts_what_the_engine_holds(
     """`appliance plan` on a .gguf path: the shape from the file's metadata, the weights at the
     bytes the loaded engine really holds (packed tensors repacked, the rest in the model
     dtype), to the byte."""
-    from appliance.tools.plan import make_plan
+    from appliance.plan import make_plan
 
     hf = random_llama(tokenizer_dir, seed=4)
     path, _ = write_gguf(hf, tokenizer_dir, tmp_path / "q4", "Q4_0")
@@ -182,9 +182,8 @@ def test_int8_quantizes_a_16bit_checkpoint_at_load(tiny_model_dir: Path) -> None
     """model.quantization = "int8": every linear held as per-channel int8 (its dense weight
     never allocated), and the greedy tokens match transformers on the same int8 weights
     dequantized (the quantization is the appliance's; the arithmetic is checked)."""
+    from appliance.kernels.quant_weight import quantize_int8
     from transformers import AutoModelForCausalLM
-
-    from appliance.layers.quant import quantize_int8
 
     ref = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
     with torch.no_grad():
@@ -217,12 +216,13 @@ def test_int8_activations_hold_row_tiles_and_compute_as_the_row_major_kernels(
     token: a float32 rounding apart upstream can move an activation across an int8 rounding
     boundary, so the comparison is one decode step, and perplexity over a window."""
     from appliance.kernels import cpu_quant
+    from appliance.kernels.quant_weight import untile_rows
 
-    from appliance.cpu.backend import TILED_FUSED_MAX
+    from appliance.cpu.plan import TILED_FUSED_MAX
     from appliance.cpu.quant_decode import QuantFusedCpuDecode
     from appliance.engine.executor import load_model
     from appliance.layers.embedding import ParallelLMHead
-    from appliance.layers.quant import untile_rows
+    from appliance.layers.matmul import PackedMatmul
     from appliance.tools.quant_eval import config_for, perplexity, teacher_forced_logprobs
 
     hf = random_llama(tokenizer_dir, seed=4, tied=True)
@@ -239,7 +239,7 @@ def test_int8_activations_hold_row_tiles_and_compute_as_the_row_major_kernels(
         )
     )
     try:
-        model, fused = loaded.model, loaded.cpu.fused_decode  # type: ignore[union-attr]
+        model, fused = loaded.model, loaded.backend.fused_decode
         owners = [
             m
             for m in model.modules()
@@ -263,9 +263,15 @@ def test_int8_activations_hold_row_tiles_and_compute_as_the_row_major_kernels(
         tiled_ppl = perplexity(teacher_forced_logprobs(loaded, windows), windows)
         for m in owners:
             m.quant = untile_rows(m.quant)  # type: ignore[union-attr]
+        # Each linear's strategy holds the packed weight it was wired with: rewire the
+        # row-major ones (the LM head reads its embedding's, untiled above).
+        for linear in model.linears():
+            if isinstance(linear.matmul, PackedMatmul):
+                assert linear.quant is not None and linear.quant.tile_rows != 8
+                linear.wire(PackedMatmul(linear.matmul.kernel, linear.quant))
         plain = QuantFusedCpuDecode(
             model,
-            loaded.runner.kv.device_caches,
+            [(c.k, c.v) for c in loaded.runner.kv.device_caches],
             fused.block_size,
             fused.dtype,
             cpu_quant.load(),
@@ -304,7 +310,7 @@ def test_wide_fused_steps_share_the_preparation_and_compute_as_narrow_ones(
             )
         )
         try:
-            fused = loaded.cpu.fused_decode  # type: ignore[union-attr]
+            fused = loaded.backend.fused_decode
             assert fused is not None and fused.tiled == (activations == "int8")
             batch = 11
             # The first token of each sequence, each in a fresh block of the KV pool.

@@ -22,12 +22,12 @@ import pytest
 from server_harness import ServerProcess, write_template
 from transformers import AutoTokenizer
 
+from appliance.models.demo_model import CHAT_TEMPLATE
 from appliance.server.chat_caps import _probe, detect_parser
 from appliance.server.prompts import chat_prompt
 from appliance.server.schemas import ChatCompletionRequest, ChatMessage
 from appliance.server.tool_calls import ToolPlan, ToolStream, plan_tools
 from appliance.server.tool_generic import parse_generic
-from appliance.tools.demo_model import CHAT_TEMPLATE
 
 TEMPLATES = Path(__file__).parent / "templates"
 MODEL = "tiny"

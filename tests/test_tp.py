@@ -238,5 +238,6 @@ def test_tp2_matches_tp1_with_a_kept_kv_head(tiny_model_dir: Path) -> None:
             prompts = prompts_for(engine.loaded.args.vocab_size)[2:6]
             answers[tp] = [r.token_ids for r in engine.generate(prompts, greedy())]
             if tp == 1:
-                assert [len(c) for c in engine.runner.kv.device_caches] == [4, 2, 2, 2]
+                caches = engine.runner.kv.device_caches
+                assert [c.side is not None for c in caches] == [True, False, False, False]
     assert answers[2] == answers[1]

@@ -1,5 +1,5 @@
 """The Triton dequantizing GEMV/GEMM (kernels/triton_quant.py) under TRITON_INTERPRET=1 against
-the torch reference (appliance.layers.quant): 4-bit groups (fp16 and float32 mins) and 8-bit
+the torch reference (appliance.kernels.quant_weight): 4-bit groups (fp16 and float32 mins) and 8-bit
 (per group and per channel, K not a multiple of the tile), odd N, with and without bias, on
 both kernels (rows at and above the GEMV limit)."""
 
@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from appliance.kernels.quant_weight import QuantWeight, pack_q4, quantize_int8
 from appliance.kernels.triton_quant import GEMV_MAX_ROWS, quant_matmul_triton
-
-from appliance.layers.quant import QuantWeight, pack_q4, quantize_int8
 
 
 def _q4(n: int, k: int, group: int, mins_dtype: torch.dtype) -> QuantWeight:

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from appliance.kernels import cpu_quant
-from appliance.layers.quant import QuantWeight, pack_q4, tile_rows_of, tileable
+from appliance.kernels.quant_weight import QuantWeight, pack_q4, tile_rows_of, tileable
 
 # SmolLM2-135M's linears (the real model at hand), [out_features, in_features].
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}

@@ -282,7 +282,7 @@ def main(ns: argparse.Namespace) -> int:
     except InvalidBound as exc:
         print(f"bench offline: {exc}", file=sys.stderr)
         return 1
-    backend = loaded.cpu.describe() if loaded.cpu is not None else None
+    backend = loaded.backend.describe()
     if ns.json:
         print(
             json.dumps(
@@ -315,8 +315,7 @@ def main(ns: argparse.Namespace) -> int:
         f"{rates.fp32_flops_per_s / 1e9:.0f} GFLOP/s, {half_name} "
         f"{rates.half_flops_per_s / 1e9:.0f} GFLOP/s"
     )
-    if loaded.cpu is not None:
-        print(loaded.cpu.plan.summary())
+    print(loaded.backend.summary())
     kv = kv_summary(loaded, config, ns.prompt_len + ns.output_len)
     keep = ", per-token scales" if kv["kv_cache_scales"] == "per_token" else ""
     keep += f", 16-bit layers {kv['kv_cache_keep_16bit']}" if kv["kv_cache_keep_16bit"] else ""

@@ -1,8 +1,9 @@
 """`appliance bench serve`: a load generator for any OpenAI-compatible server.
 
 Streams /v1/completions with httpx under burst or Poisson arrivals and reports request and
-token throughput, TTFT / TPOT / end-to-end percentiles (overall and per priority class),
-goodput under an SLO, and errors by status, as a table and as JSON.
+token throughput, TTFT / TPOT / end-to-end percentiles (overall, per kind of request and per
+priority class), goodput under SLOs per kind (appliance/bench/goodput.py), and errors by status,
+as a table and as JSON; `--plot` draws each request's TTFT and TPOT over its arrival time.
 
 `--offline` replays the very same requests (same token ids, lengths, classes and arrival times)
 through an in-process engine, with no HTTP and no IPC: the reference the served numbers are
@@ -14,12 +15,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from appliance.bench.audit import Outcome, ServerAudit, print_audit
+from appliance.bench.goodput import SLO, SLOError, SLOs, count, parse_slos, print_goodput
 from appliance.bench.workload import PROFILES, Item, make_workload
 
 if TYPE_CHECKING:
@@ -38,6 +41,9 @@ class Result:
     # Refusals (429, 503): whether they said when to retry, and how long they took to come.
     retry_after: bool = False
     refused_s: float | None = None
+    # The profile's kind (short, long, ...) and the scheduled arrival, s after the start.
+    kind: str = ""
+    arrival_s: float = 0.0
 
     @property
     def ok(self) -> bool:
@@ -48,23 +54,6 @@ class Result:
         if self.ttft_s is None or self.e2e_s is None or self.output_tokens < 2:
             return None
         return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
-
-
-@dataclass
-class SLO:
-    ttft_ms: float | None = None
-    tpot_ms: float | None = None
-    e2e_ms: float | None = None
-
-    def met(self, r: Result) -> bool:
-        if not r.ok:
-            return False
-        checks = [
-            (self.ttft_ms, r.ttft_s),
-            (self.tpot_ms, r.tpot_s),
-            (self.e2e_ms, r.e2e_s),
-        ]
-        return all(limit is None or (v is not None and v * 1000 <= limit) for limit, v in checks)
 
 
 # -- HTTP ----------------------------------------------------------------------------------------
@@ -90,7 +79,7 @@ async def _send(
 ) -> Result:
     # Without the priority extra the server picks the class (its default): say so in the rows.
     label = "(default)" if ns.no_priority else item.priority_class
-    res = Result(item.index, label, len(item.prompt))
+    res = Result(item.index, label, len(item.prompt), kind=item.kind, arrival_s=item.arrival_s)
     body: dict[str, Any] = {
         "model": ns.model,
         "prompt": item.prompt if ns.prompt_format == "tokens" else item.text,
@@ -185,7 +174,12 @@ def run_offline(items: list[Item], ns: argparse.Namespace) -> tuple[list[Result]
         key, _, value = s.partition("=")
         overrides[key] = parse_override_value(value)
     engine = Engine(load_config(ns.template, overrides))
-    results = {it.index: Result(it.index, it.priority_class, len(it.prompt)) for it in items}
+    results = {
+        it.index: Result(
+            it.index, it.priority_class, len(it.prompt), kind=it.kind, arrival_s=it.arrival_s
+        )
+        for it in items
+    }
     pending = sorted(items, key=lambda it: it.arrival_s)
     arrival = {}
     t0 = time.perf_counter()
@@ -238,6 +232,10 @@ class Summary:
     output_token_throughput: float
     total_token_throughput: float
     goodput: float
+    # Requests that met every SLO of their kind; per metric bounded, completed requests that
+    # met and missed it.
+    good: int = 0
+    slo_counts: dict[str, dict[str, int]] = field(default_factory=dict)
     ttft_ms: dict[str, float | None] = field(default_factory=dict)
     tpot_ms: dict[str, float | None] = field(default_factory=dict)
     e2e_s: dict[str, float | None] = field(default_factory=dict)
@@ -251,8 +249,11 @@ def _dist(values: list[float], scale: float) -> dict[str, float | None]:
     return out
 
 
-def summarize(results: list[Result], seconds: float, slo: SLO) -> Summary:
+def summarize(results: list[Result], seconds: float, slo: SLO | SLOs) -> Summary:
+    """`seconds`: the whole run's, also for a subset of its results (a kind, a class)."""
+    slos = slo if isinstance(slo, SLOs) else SLOs(slo)
     ok = [r for r in results if r.ok]
+    good, slo_counts = count(ok, slos)
     out_tokens = sum(r.output_tokens for r in ok)
     in_tokens = sum(r.prompt_tokens for r in ok)
     return Summary(
@@ -262,7 +263,9 @@ def summarize(results: list[Result], seconds: float, slo: SLO) -> Summary:
         request_throughput=round(len(ok) / seconds, 3),
         output_token_throughput=round(out_tokens / seconds, 1),
         total_token_throughput=round((out_tokens + in_tokens) / seconds, 1),
-        goodput=round(sum(1 for r in ok if slo.met(r)) / seconds, 3),
+        goodput=round(good / seconds, 3),
+        good=good,
+        slo_counts=slo_counts,
         ttft_ms=_dist([r.ttft_s for r in ok if r.ttft_s is not None], 1000),
         tpot_ms=_dist([t for r in ok if (t := r.tpot_s) is not None], 1000),
         e2e_s=_dist([r.e2e_s for r in ok if r.e2e_s is not None], 1),
@@ -278,13 +281,20 @@ def errors_by_status(results: list[Result]) -> dict[str, int]:
 
 
 def print_table(
-    title: str, overall: Summary, per_class: dict[str, Summary], errors: dict[str, int]
+    title: str,
+    overall: Summary,
+    per_class: dict[str, Summary],
+    errors: dict[str, int],
+    per_kind: dict[str, Summary] | None = None,
 ) -> None:
+    """Rows: all, then each kind of request (where the profile has more than one), then each
+    priority class sent."""
     print(title)
+    rows = [("all", overall), *(per_kind or {}).items(), *per_class.items()]
     head = f"{'':<10} {'reqs':>5} {'ok':>5} {'req/s':>7} {'out tok/s':>10} {'tot tok/s':>10} {'goodput/s':>10}"
     print(head)
     print("-" * len(head))
-    for name, s in [("all", overall), *per_class.items()]:
+    for name, s in rows:
         print(
             f"{name:<10} {s.requests:>5} {s.ok:>5} {s.request_throughput:>7.2f} "
             f"{s.output_token_throughput:>10.1f} {s.total_token_throughput:>10.1f} {s.goodput:>10.2f}"
@@ -297,7 +307,7 @@ def print_table(
     def f(v: float | None, w: int) -> str:
         return f"{v:>{w}.1f}" if v is not None else f"{'-':>{w}}"
 
-    for name, s in [("all", overall), *per_class.items()]:
+    for name, s in rows:
         print(
             f"{name:<10} {f(s.ttft_ms['p50'], 9)} {f(s.ttft_ms['p90'], 8)} {f(s.ttft_ms['p99'], 8)}    | "
             f"{f(s.tpot_ms['p50'], 9)} {f(s.tpot_ms['p99'], 7)}    | {f(s.e2e_s['p50'], 8)} {f(s.e2e_s['p99'], 7)}"
@@ -323,9 +333,19 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vocab", type=int, default=8000, help="token ids are drawn from [16, vocab)")
     p.add_argument("--prompt-format", choices=["tokens", "text"], default="tokens")
-    p.add_argument("--slo-ttft-ms", type=float)
-    p.add_argument("--slo-tpot-ms", type=float)
-    p.add_argument("--slo-e2e-ms", type=float)
+    per_kind = "MS for every request, or KIND=MS,... per kind of the profile (short, long)"
+    p.add_argument("--slo-ttft-ms", metavar="MS|KIND=MS,...", help=f"TTFT SLO: {per_kind}")
+    p.add_argument("--slo-tpot-ms", metavar="MS|KIND=MS,...", help=f"TPOT SLO: {per_kind}")
+    p.add_argument("--slo-e2e-ms", metavar="MS|KIND=MS,...", help=f"end-to-end SLO: {per_kind}")
+    p.add_argument(
+        "--goodput",
+        nargs="+",
+        metavar="KEY:MS",
+        help="vLLM's spelling of the SLOs, for every kind: ttft:MS tpot:MS e2el:MS",
+    )
+    p.add_argument(
+        "--plot", metavar="FILE.png", help="draw TTFT and TPOT per request over arrival time"
+    )
     p.add_argument("--no-priority", action="store_true", help="do not send the priority extra")
     p.add_argument("--allow-eos", action="store_true", help="let requests stop at EOS")
     p.add_argument("--max-connections", type=int, default=1024)
@@ -359,6 +379,17 @@ def main(ns: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    try:
+        slos = parse_slos(
+            ns.slo_ttft_ms,
+            ns.slo_tpot_ms,
+            ns.slo_e2e_ms,
+            ns.goodput,
+            [k.name for k in PROFILES[ns.profile]],
+        )
+    except SLOError as e:
+        print(e, file=sys.stderr)
+        return 2
     items = make_workload(
         ns.profile,
         ns.num_requests,
@@ -377,12 +408,14 @@ def main(ns: argparse.Namespace) -> int:
     else:
         results, seconds, audit = asyncio.run(run_http(items, ns))
         source = ns.url
-    slo = SLO(ns.slo_ttft_ms, ns.slo_tpot_ms, ns.slo_e2e_ms)
-    overall = summarize(results, seconds, slo)
+    overall = summarize(results, seconds, slos)
     classes = sorted({r.priority_class for r in results})
     per_class = {
-        c: summarize([r for r in results if r.priority_class == c], seconds, slo) for c in classes
+        c: summarize([r for r in results if r.priority_class == c], seconds, slos) for c in classes
     }
+    # Per kind where the profile mixes kinds (with one kind the row would repeat "all").
+    kinds = [k.name for k in PROFILES[ns.profile]] if len(PROFILES[ns.profile]) > 1 else []
+    per_kind = {k: summarize([r for r in results if r.kind == k], seconds, slos) for k in kinds}
     errors = errors_by_status(results)
     report = json.dumps(
         {
@@ -392,8 +425,10 @@ def main(ns: argparse.Namespace) -> int:
             "rate": ns.rate,
             "num_requests": ns.num_requests,
             "seed": ns.seed,
-            "slo": asdict(slo),
+            "slo": asdict(slos.default),
+            "slo_per_kind": {k: asdict(s) for k, s in slos.kinds.items()},
             "summary": asdict(overall),
+            "per_kind": {k: asdict(s) for k, s in per_kind.items()},
             "per_class": {c: asdict(s) for c, s in per_class.items()},
             "errors": errors,
             "offline_cpu_s": cpu_s,
@@ -401,13 +436,24 @@ def main(ns: argparse.Namespace) -> int:
             "max_concurrency": ns.max_concurrency,
         }
     )
+    model = ns.model or (ns.model_dir and os.path.basename(ns.model_dir.rstrip("/")))
+    arrival = "burst" if ns.arrival == "burst" else f"poisson {ns.rate:g} req/s"
+    if ns.plot:
+        from appliance.bench.serve_plot import plot_results
+
+        plot_results(
+            results,
+            slos,
+            f"bench serve: profile {ns.profile}, {arrival}, "
+            + (f"model {model}" if model else f"template {ns.template}"),
+            ns.plot,
+        )
     if ns.json_out:
         with open(ns.json_out, "w") as f:
             f.write(report + "\n")
     if ns.json:
         print(report)
         return 0
-    arrival = "burst" if ns.arrival == "burst" else f"poisson {ns.rate:g} req/s"
     if ns.max_concurrency and not ns.offline:
         arrival += f", at most {ns.max_concurrency} in flight"
     print_table(
@@ -415,7 +461,12 @@ def main(ns: argparse.Namespace) -> int:
         overall,
         per_class,
         errors,
+        per_kind,
     )
+    if slos.given():
+        print_goodput([("all", overall), *per_kind.items(), *per_class.items()], slos)
+    if ns.plot:
+        print(f"\nplot: {ns.plot}")
     if audit is not None:
         print_audit(audit)
     return 0

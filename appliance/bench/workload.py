@@ -18,10 +18,14 @@ class Item:
     priority_class: str
     # The same prompt as words, for servers that take no token ids (--prompt-format text).
     text: str = ""
+    # The profile's kind of request it was drawn from (short, long, ...): SLOs and plots use it.
+    kind: str = ""
 
 
 @dataclass(frozen=True)
 class Kind:
+    # short, medium or long: `bench serve` reports goodput per kind and takes SLOs per kind.
+    name: str
     share: float
     priority_class: str
     prompt_len: tuple[int, int]
@@ -30,13 +34,13 @@ class Kind:
 
 # Issue 3's mix: 80% short real-time chat, 20% long batch summarisation.
 PROFILES: dict[str, list[Kind]] = {
-    "chat": [Kind(1.0, "realtime", (32, 96), (32, 128))],
-    "long": [Kind(1.0, "batch", (1400, 1500), (384, 512))],
+    "chat": [Kind("short", 1.0, "realtime", (32, 96), (32, 128))],
+    "long": [Kind("long", 1.0, "batch", (1400, 1500), (384, 512))],
     "mixed": [
-        Kind(0.8, "realtime", (48, 80), (64, 128)),
-        Kind(0.2, "batch", (1400, 1500), (384, 512)),
+        Kind("short", 0.8, "realtime", (48, 80), (64, 128)),
+        Kind("long", 0.2, "batch", (1400, 1500), (384, 512)),
     ],
-    "batch": [Kind(1.0, "batch", (192, 320), (192, 320))],
+    "batch": [Kind("medium", 1.0, "batch", (192, 320), (192, 320))],
 }
 
 _WORDS = (
@@ -59,6 +63,7 @@ def make_workload(
     rng = random.Random(seed)
     kinds = [
         Kind(
+            k.name,
             k.share,
             k.priority_class,
             (prompt_len, prompt_len) if prompt_len else k.prompt_len,
@@ -74,7 +79,8 @@ def make_workload(
         plen = rng.randint(*kind.prompt_len)
         prompt = [rng.randrange(16, vocab) for _ in range(plen)]
         text = " ".join(rng.choice(_WORDS) for _ in range(plen))
-        items.append(Item(i, t, prompt, rng.randint(*kind.output_len), kind.priority_class, text))
+        out_len = rng.randint(*kind.output_len)
+        items.append(Item(i, t, prompt, out_len, kind.priority_class, text, kind.name))
         if arrival == "poisson":
             t += rng.expovariate(rate)
     return items

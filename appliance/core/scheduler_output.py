@@ -46,7 +46,8 @@ class SchedulerOutput:
     # Constrained requests finished since the last step: the runner drops their matchers
     # (a preempted request keeps its matcher; it is not listed here).
     done_request_ids: list[str] = field(default_factory=list)
-    # Which limit stopped the step from doing more: none | token_budget | max_num_seqs | kv_blocks
+    # Which limit stopped the step from doing more: none | token_budget | time_budget |
+    # max_num_seqs | kv_blocks
     bound_by: str = "none"
 
     @property

@@ -5,18 +5,15 @@ without importing torch. `appliance.cpu.backend.plan_cpu` turns it into torch dt
 
 from __future__ import annotations
 
-import os
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from appliance.config import ApplianceConfig
-from appliance.cpu.features import CpuFeatures
+from appliance.kernels.cpu_features import NATIVE_MAX_QUERY_HEADS, CpuFeatures
 
 # What the native kernels (kernels/cpu_decode.c) take: weight/KV dtypes and query heads per
 # KV head one attention work item holds scores for.
 NATIVE_DTYPES = ("bfloat16", "float32")
-NATIVE_MAX_QUERY_HEADS = 64
 BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 # Packed (GGUF/AWQ/GPTQ/INT8) weights on AMX keep a oneDNN-prepacked bf16 copy (AMX tiles)
 # beside the packed bytes: decode steps of up to this many sequences run the fused packed
@@ -28,11 +25,6 @@ BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 # "The capital of France is Paris." starts with a 0.1-nat lead over "La" that int8 activations
 # overturn (docs/quantized-weights.md).
 QUANT_COPY_FUSED_MAX = 48
-
-
-def c_compiler() -> str | None:
-    """The compiler the native kernels are built with: $CC, else cc or gcc on PATH."""
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
 @dataclass

@@ -67,21 +67,22 @@ def warm_primitive_caches(modules: Iterable[torch.nn.Module], first_rows: int) -
     (inputs are zeros: only shapes matter)."""
     # What keys a primitive: the weight's shape and dtype, and whether a bias is added (only the
     # merged column linears pass theirs, as their forward does).
-    distinct: dict[tuple[object, ...], tuple[MatmulWeight, torch.Tensor | None]] = {}
+    distinct: dict[tuple[object, ...], tuple[MatmulWeight, torch.Tensor, torch.Tensor | None]] = {}
     for m in modules:
-        if isinstance(m, MatmulWeight) and m.onednn_packed and m.matmul_weight is not None:
+        if not isinstance(m, MatmulWeight) or m.matmul is None:
+            continue
+        copy = m.matmul.copy
+        if m.matmul.prepacked and copy is not None:
             bias: torch.Tensor | None = m.bias if isinstance(m, MergedColumnLinear) else None
-            key = (*m.matmul_weight.shape, m.matmul_weight.dtype, bias is None)
-            distinct.setdefault(key, (m, bias))
+            key = (*copy.shape, copy.dtype, bias is None)
+            distinct.setdefault(key, (m, copy, bias))
     if not distinct:
         return 0
     entries = min(capacity_in_force(), WARM_MAX_ENTRIES)
     row_counts = range(first_rows, first_rows + -(-entries // len(distinct)))
     runs = 0
     with torch.inference_mode():
-        for m, bias in distinct.values():
-            weight = m.matmul_weight
-            assert weight is not None
+        for m, weight, bias in distinct.values():
             for rows in row_counts:
                 m._matmul(torch.zeros(rows, weight.shape[1], dtype=weight.dtype), bias)
                 runs += 1

@@ -13,7 +13,7 @@ import torch
 
 from appliance.cpu.fused_decode import run_decode_forward
 from appliance.kernels import cpu_native, cpu_quant
-from appliance.layers.quant import QuantWeight
+from appliance.kernels.quant_weight import QuantWeight
 from appliance.models.llama import LlamaForCausalLM
 
 

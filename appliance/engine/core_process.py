@@ -166,7 +166,7 @@ class _Core:
                 dtype=str(loaded.dtype).removeprefix("torch."),
                 pid=os.getpid(),
                 phase_times=phases,
-                backend=loaded.cpu.describe() if loaded.cpu is not None else {},
+                backend=loaded.backend.describe(),
             ),
         )
         return cls(conn, config, engine, loaded)

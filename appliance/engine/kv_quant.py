@@ -2,7 +2,7 @@
 
 Scales: one float32 per layer, per KV head, for K and for V (``stored = x / scale``), fixed at
 start-up by a calibration forward with 16-bit KV over text the package ships
-(`appliance/tools/data/corpus.txt`): ``scale = absmax * MARGIN / format_max``.
+(`appliance/models/data/corpus.txt`): ``scale = absmax * MARGIN / format_max``.
 
 Or, for INT8 with cache.kv_cache_scales = "per_token" (int8's default: "auto"), one float16
 scale per token and KV head, the token's own absmax / 127, computed when the token is written
@@ -23,20 +23,17 @@ Why per-head scales are calibrated at start-up and not at write time:
 The price: values beyond the calibrated range saturate (clamped to the format's max, which is
 also what keeps FP8 NaN/inf byte patterns out of the cache). MARGIN leaves headroom for that.
 
-Rotation: a quantized layer stores ``K @ R`` and ``V @ R`` (R: an orthonormal Hadamard matrix
-of head_dim), attends with ``q @ R`` and turns its output back with ``R^T``; since R is
-orthonormal, q.k and p.V are unchanged, but the few outlier channels of a trained model's K
-(RoPE dimensions 5-20x the rest) are spread over all channels, so a per-head scale no longer
-spends the format's range on them. Measured on SmolLM2-135M-Instruct (16 chat answers, teacher
-forced, flipped greedy tokens): int8 33 -> 16, fp8_e4m3 49 -> 46. It needs no storage: the
-wrapper (`RotatedKV`) sits around whichever backend the device has (torch, Triton).
+Rotation (appliance/layers/quantized_kv.py): a quantized layer stores K/V times an orthonormal
+Hadamard matrix, which spreads the outlier channels of a trained model's K over all channels.
+Measured on SmolLM2-135M-Instruct (16 chat answers, teacher forced, flipped greedy tokens):
+int8 33 -> 16, fp8_e4m3 49 -> 46.
 A prefill attends to the chunk's fresh K/V on every backend (`key=`/`value=` of the shared
 attention signature): in the Triton prefill kernel on CUDA, the torch reference on the CPU.
 
 Kept heads (cache.kv_cache_keep_16bit_heads): a quantized layer may hold some KV heads in a
 16-bit side cache (appliance/kv_layout.py decides which, per rank); its scales then cover the
-other heads only, and `Attention.forward` runs the kept heads through the device's plain
-backend over the side cache (`apply_layer_spec`).
+other heads only, and the layer's path runs the kept heads through the device's plain
+pair over the side cache (`apply_layer_spec`, layers/quantized_kv.py's SplitHeadsKV).
 """
 
 from __future__ import annotations
@@ -49,12 +46,17 @@ import torch
 
 from appliance.config import CacheConfig
 from appliance.core.scheduler_output import ScheduledRequest, SchedulerOutput
-from appliance.engine.model_runner import KVCachePool, KVStorage, ModelRunner
+from appliance.engine.kv_pool import KVCachePool
+from appliance.engine.model_runner import ModelRunner
+from appliance.kernels.attention_api import AttentionBackend, WriteKV
+from appliance.kernels.kv_formats import PER_TOKEN_KIND
 from appliance.kernels.paged_attention import cache_storage_dtype
-from appliance.kv_layout import PER_TOKEN_KIND, LayerKV
+from appliance.kv_layout import LayerKV
 from appliance.kv_layout import layer_layout as kv_layer_layout
-from appliance.layers.attention import Attention, KVCacheSpec, PagedAttention, WriteKV
+from appliance.layers.attention import Attention, KVCacheSpec, PlainKV
+from appliance.layers.kv_cache import KVStorage
 from appliance.layers.parallel import tp_rank, tp_size
+from appliance.layers.quantized_kv import kv_path, rotation_matrix
 from appliance.models.llama import LlamaForCausalLM
 from appliance.sampling_params import SamplingParams
 
@@ -72,60 +74,6 @@ CALIBRATION_WINDOWS = 2
 CALIBRATION_WINDOW_TOKENS = 256
 # A head that never produced a non-zero value still needs a usable (non-zero) scale.
 MIN_ABSMAX = 1e-6
-
-
-def rotation_matrix(head_dim: int, device: torch.device) -> torch.Tensor:
-    """Orthonormal [head_dim, head_dim], float32: Sylvester's Hadamard matrix / sqrt(head_dim)
-    for powers of two (every entry +-1/sqrt(d): each stored channel mixes all input channels
-    equally); other sizes take a fixed orthogonal matrix (QR of a seeded Gaussian)."""
-    if head_dim & (head_dim - 1) == 0:
-        h = torch.ones(1, 1, dtype=torch.float64)
-        while h.shape[0] < head_dim:
-            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-        r = h / math.sqrt(head_dim)
-    else:
-        g = torch.Generator().manual_seed(head_dim)
-        r, _ = torch.linalg.qr(torch.randn(head_dim, head_dim, generator=g, dtype=torch.float64))
-    return r.to(torch.float32).to(device)
-
-
-class RotatedKV:
-    """(write_kv, paged_attention) of a quantized layer around the device's own pair: K/V are
-    written rotated, queries rotated in and outputs rotated back (module docstring). Prefill
-    batches with this step's K/V attend to them (rotated the same way) for the chunk's own
-    positions (every backend's attention takes them as key=/value=)."""
-
-    def __init__(
-        self, write: WriteKV, attend: PagedAttention, head_dim: int, device: torch.device
-    ) -> None:
-        self.inner_write, self.inner_attend = write, attend
-        self.rot = rotation_matrix(head_dim, device)
-
-    def write_kv(self, key: torch.Tensor, value: torch.Tensor, *rest: object) -> None:
-        self.inner_write(key.float() @ self.rot, value.float() @ self.rot, *rest)
-
-    def paged_attention(
-        self,
-        query: torch.Tensor,
-        *rest: object,
-        key: torch.Tensor | None = None,
-        value: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        q = (query.float() @ self.rot).to(query.dtype)
-        if key is not None and value is not None:
-            fresh = (key.float() @ self.rot, value.float() @ self.rot)
-            out = self.inner_attend(q, *rest, key=fresh[0], value=fresh[1])
-        else:
-            out = self.inner_attend(q, *rest)
-        return (out.float() @ self.rot.T).to(query.dtype)
-
-
-def base_backend(attn: Attention) -> tuple[WriteKV, PagedAttention]:
-    """The layer's device backend, under a RotatedKV a quantized spec may have put there."""
-    owner = getattr(attn.write_kv, "__self__", None)
-    if isinstance(owner, RotatedKV):
-        return owner.inner_write, owner.inner_attend
-    return attn.write_kv, attn.paged_attention
 
 
 def layer_layout(cache: CacheConfig, num_layers: int, num_kv_heads: int) -> list[LayerKV]:
@@ -157,7 +105,7 @@ class TextEncoder(Protocol):
 
 def calibration_windows(tokenizer: TextEncoder, max_len: int) -> list[list[int]]:
     """Token windows from the shipped corpus (spread over it, so several kinds of text)."""
-    from appliance.tools.demo_spec import corpus_text
+    from appliance.models.demo_spec import corpus_text
 
     text = corpus_text()
     size = max(2, min(CALIBRATION_WINDOW_TOKENS, max_len))
@@ -185,16 +133,25 @@ def calibrate_absmax(
     absmax = [
         (torch.zeros(heads, device=device), torch.zeros(heads, device=device)) for _ in layers
     ]
-    saved = [(attn.write_kv, attn.paged_attention, attn.spec) for attn in layers]
-    # The range of what a quantized layer stores: the rotated K/V (RotatedKV).
+    saved = [attn.kv_path for attn in layers]
+    # The range of what a quantized layer stores: the rotated K/V (layers/quantized_kv.py).
     rot = rotation_matrix(layers[0].head_dim, device)
 
     def observer(i: int, write: WriteKV) -> WriteKV:
-        def write_kv(key: torch.Tensor, value: torch.Tensor, *rest: object) -> None:
+        def write_kv(
+            key: torch.Tensor,
+            value: torch.Tensor,
+            k_cache: torch.Tensor,
+            v_cache: torch.Tensor,
+            slot_mapping: torch.Tensor,
+            kv_cache_dtype: str = "auto",
+            k_scale: torch.Tensor | None = None,
+            v_scale: torch.Tensor | None = None,
+        ) -> None:
             k_max, v_max = absmax[i]
             torch.maximum(k_max, (key.float() @ rot).abs().amax(dim=(0, 2)), out=k_max)
             torch.maximum(v_max, (value.float() @ rot).abs().amax(dim=(0, 2)), out=v_max)
-            write(key, value, *rest)
+            write(key, value, k_cache, v_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
 
         return write_kv
 
@@ -213,15 +170,16 @@ def calibrate_absmax(
         )
     try:
         for i, attn in enumerate(layers):
-            attn.spec = KVCacheSpec()
-            write, attend = base_backend(attn)
-            attn.set_backend(observer(i, write), attend)
+            base = attn.kernels
+            observed = AttentionBackend(
+                "calibration", observer(i, base.write_kv), base.paged_attention
+            )
+            attn.wire(PlainKV(observed))
         tokens = sum(len(w) for w in windows)
         runner.execute(SchedulerOutput(scheduled=scheduled, num_scheduled_tokens=tokens))
     finally:
-        for attn, (write, attend, spec) in zip(layers, saved, strict=True):
-            attn.set_backend(write, attend)
-            attn.spec = spec
+        for attn, path in zip(layers, saved, strict=True):
+            attn.wire(path)
     return absmax
 
 
@@ -246,16 +204,13 @@ def apply_layer_spec(
     absmax: tuple[torch.Tensor, torch.Tensor] | None,
     device: torch.device | None = None,
 ) -> None:
-    """16-bit layers need no scales and attend through the device's backend as it is;
-    quantized ones through RotatedKV, and their kept heads through the device's backend over
-    the 16-bit side cache (Attention.forward splits the heads). The rotation and the head
-    split are built on `device`, else on the calibrated scales' device (the CPU without
-    either: per-token layers have no calibration to take it from)."""
-    write, attend = base_backend(attn)
+    """Wire the layer's KV path over the device's pair it already has: 16-bit layers need no
+    scales and attend through the pair as it is; quantized ones rotated, their kept heads over
+    the 16-bit side cache (layers/quantized_kv.py). The rotation and the head split are built
+    on `device`, else on the calibrated scales' device (the CPU without either: per-token
+    layers have no calibration to take it from)."""
     if layer.kind == "auto":
-        attn.spec = KVCacheSpec()
-        attn.set_backend(write, attend)
-        attn.set_side(None)
+        attn.wire(PlainKV(attn.kernels))
         return
     # The quantized cache holds the heads not kept, in order: their scales alone.
     quant = [h for h in range(attn.num_kv_heads) if h not in layer.kept_heads]
@@ -265,21 +220,19 @@ def apply_layer_spec(
         # Scales live in the pool's scale caches (written with each token), none calibrated.
         if device is None:
             device = absmax[0].device if absmax is not None else torch.device("cpu")
-        attn.spec = KVCacheSpec(layer.kind, kept_heads=kept)
+        spec = KVCacheSpec(layer.kind, kept_heads=kept)
     else:
         assert absmax is not None, "quantized layers need calibrated absmax values"
         k_max, v_max = absmax[0][quant], absmax[1][quant]
         if device is None:
             device = k_max.device
-        attn.spec = KVCacheSpec(
+        spec = KVCacheSpec(
             layer.kind,
             scales_from_absmax(k_max, layer.kind),
             scales_from_absmax(v_max, layer.kind),
             kept,
         )
-    rotated = RotatedKV(write, attend, attn.head_dim, device)
-    attn.set_backend(rotated.write_kv, rotated.paged_attention)
-    attn.set_side((write, attend) if layer.kept_heads else None, device)
+    attn.wire(kv_path(attn.kernels, spec, attn.num_heads, attn.num_kv_heads, attn.head_dim, device))
 
 
 def configure_kv_cache(

@@ -27,6 +27,7 @@ from appliance.engine.loader import LoadedModel, StepExecutor
 from appliance.engine.output_processor import OutputProcessor
 from appliance.engine.outputs import CompletionResult, EngineOutput, Logprob
 from appliance.engine.stats import StepHistory, snapshot
+from appliance.engine.step_warmup import needs_seed, seed_step_costs
 from appliance.sampling_params import SamplingParams
 from appliance.stats import EngineStats, PreemptionEvent, StepRecord
 
@@ -90,6 +91,8 @@ class Engine:
         self._peak_blocks = 0
         # Slot utilisation when the most blocks were in use (PagedAttention's waste figure).
         self.slot_utilisation_at_peak = 1.0
+        if needs_seed(self):
+            seed_step_costs(self)
 
     @classmethod
     def from_template(
@@ -140,7 +143,7 @@ class Engine:
         params.validate()
         request_checks.check_structured(params)
         try:
-            prio, cls_name = self.config.resolve_priority(priority)
+            prio, cls_name = self.config.resolve_priority(priority, len(token_ids))
         except ConfigError as exc:
             raise ValueError(str(exc)) from None
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -224,6 +227,8 @@ class Engine:
             eo.num_cached_tokens = req.num_cached_prompt_tokens
 
         duration = time.perf_counter() - started
+        if out.scheduled:
+            sched.observe_step(out, duration)
         self._record_step(out, duration)
         self.departures.observe(duration, departures)
         return list(outputs.values())

@@ -15,25 +15,26 @@ import torch
 
 from appliance.config import ApplianceConfig, CacheConfig, ConfigError, served_model_name
 from appliance.core.scheduler_output import SchedulerOutput
-from appliance.cpu.backend import CpuBackend
-from appliance.engine import memory
+from appliance.engine.backend import Backend, make_backend
 from appliance.engine.guided import GuidedDecoder
+from appliance.engine.kv_pool import KVCachePool
 from appliance.engine.kv_quant import configure_kv_cache
-from appliance.engine.model_runner import KVCachePool, KVStorage, ModelRunner, RunnerOutput
-from appliance.kernels import get_attention_backend
+from appliance.engine.model_runner import ModelRunner, RunnerOutput
 from appliance.kv_layout import kv_bytes_per_token as kv_layout_bytes_per_token
-from appliance.layers.linear import MatmulWeight
+from appliance.layers.kv_cache import KVStorage
 from appliance.layers.parallel import tp_rank, tp_size
 from appliance.layers.rotary import RotaryEmbedding
 from appliance.models.args import ModelArgs
 from appliance.models.checkpoint import Checkpoint, has_checkpoint, open_checkpoint
-from appliance.models.hf_files import load_tokenizer  # noqa: F401 (re-exported for callers)
+from appliance.models.hf_files import (
+    eos_token_ids,
+    load_tokenizer,  # noqa: F401 (re-exported for callers)
+)
 from appliance.models.llama import LlamaForCausalLM
 
 log = logging.getLogger("appliance.loader")
 
 GiB = 1024**3
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 class StepExecutor(Protocol):
@@ -54,48 +55,40 @@ class LoadedModel:
     num_blocks: int
     num_swap_blocks: int
     runner: ModelRunner
-    device: torch.device
-    # The weights' storage dtype; activations and batched matmuls run in compute_dtype (float32
-    # over 16-bit weights on CPUs without bf16 arithmetic, see appliance.cpu.backend).
-    dtype: torch.dtype
+    # The device backend (engine/backend.py): its decisions are for logs, /admin/stats and
+    # the benches.
+    backend: Backend
     block_size: int
     bytes_per_block: int
     phase_times: dict[str, float]
     # What the engine calls each step: the runner itself at TP 1, a TPExecutor that drives the
     # worker ranks at TP > 1 (appliance.engine.tp). Set by __post_init__ when not given.
     executor: StepExecutor | None = None
-    compute_dtype: torch.dtype | None = None
-    # The CPU backend's decisions (None on CUDA): for logs, /admin/stats and the benches.
-    cpu: CpuBackend | None = None
 
     def __post_init__(self) -> None:
         if self.executor is None:
             self.executor = self.runner
-        if self.compute_dtype is None:
-            self.compute_dtype = self.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.backend.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The weights' storage dtype."""
+        return self.backend.weight_dtype
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """What activations and batched matmuls run in (float32 over 16-bit weights on CPUs
+        without bf16 arithmetic, appliance.cpu.plan)."""
+        return self.backend.compute_dtype
 
     def close(self) -> None:
         """Stop the worker ranks (TP > 1); nothing to do at TP 1. Idempotent."""
         close = getattr(self.executor, "close", None)
         if close is not None:
             close()
-
-
-def resolve_device(config: ApplianceConfig) -> torch.device:
-    wanted = config.hardware.device
-    if wanted == "cuda" or (wanted == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise ConfigError("hardware.device: 'cuda' asked for but no CUDA device is visible")
-        # One GPU per tensor-parallel rank; set_device makes NCCL and the kernels use it.
-        device = torch.device("cuda", tp_rank())
-        torch.cuda.set_device(device)
-        return device
-    return torch.device("cpu")
-
-
-def resolve_dtype(config: ApplianceConfig) -> torch.dtype:
-    """The weights' dtype on CUDA ("auto" is bfloat16); the CPU backend decides its own."""
-    return torch.bfloat16 if config.model.dtype == "auto" else DTYPES[config.model.dtype]
 
 
 def resolve_model_dir(config: ApplianceConfig, progress: Callable[[str], None]) -> Path:
@@ -119,7 +112,7 @@ def resolve_model_dir(config: ApplianceConfig, progress: Callable[[str], None]) 
             ) from None
         return path
     if config.model.demo_shape:
-        from appliance.tools.demo_model import build_demo_model
+        from appliance.models.demo_model import build_demo_model
 
         progress(f"building the {config.model.demo_shape!r} demo model into {path} (first start)")
         build_demo_model(config.model.demo_shape, path, progress=progress)
@@ -142,19 +135,6 @@ def kv_bytes_per_block(
     return block_size * per_token
 
 
-def _eos_ids(hf_config: Any, tokenizer: Any) -> frozenset[int]:
-    ids: set[int] = set()
-    for source in (
-        getattr(hf_config, "eos_token_id", None),
-        getattr(tokenizer, "eos_token_id", None),
-    ):
-        if isinstance(source, int):
-            ids.add(source)
-        elif isinstance(source, list):
-            ids.update(source)
-    return frozenset(ids)
-
-
 @dataclass
 class _Weights:
     """Step 1's result: the model on its device, with what was read beside it."""
@@ -165,8 +145,7 @@ class _Weights:
     tokenizer: Any
     model: LlamaForCausalLM
     max_len: int
-    cpu: CpuBackend | None
-    gpu_used_before: int
+    backend: Backend
 
 
 @dataclass
@@ -194,13 +173,12 @@ def load_this_rank(
             f"is rank {tp_rank()} of a tensor-parallel engine of size {tp_size()}; close it first"
         )
     times: dict[str, float] = {}
-    device = resolve_device(config)
-    weights = load_weights(config, device, say, times)
+    weights = load_weights(config, say, times)
     t = time.perf_counter()
-    layout = size_kv_cache(config, weights, device, say)
+    layout = size_kv_cache(config, weights, say)
     times["size_kv"] = time.perf_counter() - t
     t = time.perf_counter()
-    loaded = wire_backend(config, weights, layout, device, times)
+    loaded = wire_backend(config, weights, layout, times)
     times["allocate_kv"] = time.perf_counter() - t
     say(
         f"KV cache: {layout.num_blocks} blocks x {config.cache.block_size} tokens "
@@ -210,13 +188,10 @@ def load_this_rank(
 
 
 def load_weights(
-    config: ApplianceConfig,
-    device: torch.device,
-    say: Callable[[str], None],
-    times: dict[str, float],
+    config: ApplianceConfig, say: Callable[[str], None], times: dict[str, float]
 ) -> _Weights:
-    """Step 1: config, tokenizer and weights, in the dtypes the backend picks for this device;
-    on the CPU the backend prepares the model (matmul weights, ops, attention kernels)."""
+    """Step 1: config, tokenizer and weights, in the dtypes the device backend picks, which
+    then prepares the model (matmuls, ops, attention kernels)."""
     t0 = time.perf_counter()
     model_dir = resolve_model_dir(config, say)
     times["locate_model"] = time.perf_counter() - t0
@@ -242,26 +217,17 @@ def load_weights(
     times["config_tokenizer"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    cpu = (
-        CpuBackend.create(config, args.num_heads, args.num_kv_heads)
-        if device.type == "cpu"
-        else None
-    )
-    if cpu is not None:
-        say(cpu.plan.summary())
-    dtype = cpu.plan.weight_dtype if cpu is not None else resolve_dtype(config)
+    backend = make_backend(config, args)
+    say(backend.summary())
+    device, dtype = backend.device, backend.weight_dtype
     say(f"loading weights from {model_dir} ({args.num_layers} layers, {dtype}, {ckpt.describe()})")
     with torch.device("meta"):
         model = LlamaForCausalLM(args)
     if ckpt.quantized:
         drop_dense_weights(model, ckpt)
-    gpu_used_before = 0
-    if device.type == "cuda":
-        # Before allocating: weights that cannot fit are a message with numbers, not an OOM.
-        packed = ckpt.packed_bytes_estimate(packed_params(model)) if ckpt.quantized else 0
-        gpu_used_before = memory.check_weights_fit(
-            model, dtype, device, config, hf_config, extra_bytes=packed
-        )
+    # Before allocating: weights that cannot fit are a message with numbers, not an OOM.
+    packed = ckpt.packed_bytes_estimate(packed_params(model)) if ckpt.quantized else 0
+    backend.check_weights_fit(model, hf_config, packed)
     model = model.to_empty(device=device).to(dtype)
     # Buffers (rotary tables) are recomputed on the real device: to_empty left them blank.
     fresh = RotaryEmbedding(
@@ -269,33 +235,19 @@ def load_weights(
     ).to(device)
     model.model.rotary.cos, model.model.rotary.sin = fresh.cos, fresh.sin
     model.load_weights(ckpt.weights(dtype, args.tie_word_embeddings))
-    if ckpt.quantized and device.type != "cpu":
-        move_packed(model, device)
+    if ckpt.quantized:
+        backend.place_packed(model)
     model.eval()
-    if cpu is not None:
-        cpu.prepare_model(model, config.scheduler.max_num_seqs)
-    else:
-        # Triton kernels on CUDA (the same signatures as the torch reference).
-        write_kv, attend = get_attention_backend(device)
-        for attn in model.attention_layers():
-            attn.set_backend(write_kv, attend)
-        if ckpt.quantized:
-            # Packed weights: the Triton dequantizing GEMV/GEMM (imports triton: CUDA only).
-            from appliance.kernels.triton_quant import quant_matmul_triton
-
-            for module in model.modules():
-                if isinstance(module, MatmulWeight) and module.quant is not None:
-                    module.quant_matmul = quant_matmul_triton
+    backend.prepare_model(model, config.scheduler.max_num_seqs)
     times["load_weights"] = time.perf_counter() - t
-    return _Weights(model_dir, hf_config, args, tokenizer, model, max_len, cpu, gpu_used_before)
+    return _Weights(model_dir, hf_config, args, tokenizer, model, max_len, backend)
 
 
 def drop_dense_weights(model: LlamaForCausalLM, ckpt: Checkpoint) -> None:
     """Quantized checkpoints: the linears (and the embedding, where the file packs it) never
     get a dense weight allocated; a tensor the file keeps dense still finds room at load."""
-    for module in model.modules():
-        if isinstance(module, MatmulWeight):
-            module.expect_quantized()
+    for module in model.linears():
+        module.expect_quantized()
     packs_embedding = ckpt.gguf is not None or (ckpt.int8 and model.args.tie_word_embeddings)
     if packs_embedding:
         model.model.embed_tokens.expect_quantized()
@@ -304,71 +256,49 @@ def drop_dense_weights(model: LlamaForCausalLM, ckpt: Checkpoint) -> None:
 def packed_params(model: LlamaForCausalLM) -> int:
     """Elements of the dense weights drop_dense_weights left out (what the file packs)."""
     total = 0
-    for module in model.modules():
-        if isinstance(module, MatmulWeight) and "weight" in module._parameters:
+    for module in model.linears():
+        if "weight" in module._parameters:
             total += module.dense_shape[0] * module.dense_shape[1]
     return total
 
 
-def move_packed(model: LlamaForCausalLM, device: torch.device) -> None:
-    """The checkpoint readers build packed weights on the CPU; the GPU kernels read them there."""
-    for module in model.modules():
-        if (
-            isinstance(module, MatmulWeight)
-            and "weight" in module._parameters
-            and module.quant is not None
-        ):
-            module.quant = module.quant.to(device)
-    embed = model.model.embed_tokens
-    if embed.quant is not None:
-        embed.quant = embed.quant.to(device)
-
-
-def size_kv_cache(
-    config: ApplianceConfig, w: _Weights, device: torch.device, say: Callable[[str], None]
-) -> _KVLayout:
+def size_kv_cache(config: ApplianceConfig, w: _Weights, say: Callable[[str], None]) -> _KVLayout:
     """Step 2: per-layer KV storage (kv_cache_keep_16bit layers and kv_cache_keep_16bit_heads
     heads stay 16-bit; quantized layers get per-head scales from a calibration forward, or
     per-token INT8 scale caches, engine/kv_quant.py), then the number of blocks the memory
     settings allow."""
-    kv_dtype = w.cpu.plan.kv_dtype if w.cpu is not None else w.model.lm_head.weight.dtype
-    storage, _ = configure_kv_cache(w.model, w.tokenizer, config.cache, kv_dtype, device, w.max_len)
+    backend = w.backend
+    kv_dtype = backend.kv_dtype
+    storage, _ = configure_kv_cache(
+        w.model, w.tokenizer, config.cache, kv_dtype, backend.device, w.max_len
+    )
     cache = config.cache
     per_block = kv_bytes_per_block(w.args, cache.block_size, cache, kv_dtype, tp_size())
-    gpu_plan: memory.GpuMemoryPlan | None = None
+    reckoning = ""
     if cache.num_blocks:
         num_blocks = cache.num_blocks
-    elif device.type == "cuda":
-        gpu_plan = memory.plan_gpu_kv(
-            w.model, w.args, config, device, storage, w.max_len, per_block, w.gpu_used_before
-        )
-        num_blocks = gpu_plan.num_blocks
-        say(f"memory plan: {gpu_plan.describe()}")
     else:
-        num_blocks = int(cache.kv_cache_memory * GiB // per_block)
+        num_blocks, reckoning = backend.kv_blocks(w.model, w.args, storage, w.max_len, per_block)
+        if reckoning:
+            say(f"memory plan: {reckoning}")
     needed = -(-w.max_len // cache.block_size)
     if num_blocks < needed:
         raise ConfigError(
             f"cache: {num_blocks} KV blocks of {cache.block_size} tokens "
             f"({per_block / 2**20:.2f} MiB each) cannot hold one sequence of max_model_len "
             f"{w.max_len} ({needed} blocks); raise cache.kv_cache_memory / gpu_memory_utilization "
-            "or lower model.max_model_len"
-            + (f" [{gpu_plan.describe()}]" if gpu_plan is not None else "")
+            "or lower model.max_model_len" + (f" [{reckoning}]" if reckoning else "")
         )
     num_swap = int(cache.swap_space * GiB // per_block)
     return _KVLayout(storage, per_block, num_blocks, num_swap)
 
 
 def wire_backend(
-    config: ApplianceConfig,
-    w: _Weights,
-    layout: _KVLayout,
-    device: torch.device,
-    times: dict[str, float],
+    config: ApplianceConfig, w: _Weights, layout: _KVLayout, times: dict[str, float]
 ) -> LoadedModel:
     """Step 3: allocate the pool, build the runner, and give the backend the cache (the CPU's
     fused decode reads it in place)."""
-    args = w.args
+    args, backend = w.args, w.backend
     pool = KVCachePool(
         args.num_layers,
         layout.num_blocks,
@@ -377,19 +307,27 @@ def wire_backend(
         args.kv_heads_per_rank(tp_size()),
         args.head_dim,
         layout.storage,
-        device,
+        backend.device,
+        pin_host_memory=backend.pin_host_memory,
     )
-    eos = _eos_ids(w.hf_config, w.tokenizer)
-    if w.cpu is not None:
-        w.cpu.wire(w.model, pool.device_caches, config.cache.block_size)
-        t = time.perf_counter()
-        w.cpu.warm(w.model)
-        times["warm_matmuls"] = time.perf_counter() - t
-    runner = ModelRunner(w.model, pool, config.cache.block_size, device, cpu=w.cpu)
-    # The driver samples, so it holds the grammar matchers (lazy: nothing is built until a
+    eos = eos_token_ids(w.hf_config, w.tokenizer)
+    backend.wire(w.model, pool.device_caches, config.cache.block_size)
+    t = time.perf_counter()
+    backend.warm(w.model)
+    times["warm_matmuls"] = time.perf_counter() - t
+    # Rank 0 samples (tensor-parallel workers run the forward, whose collectives need every
+    # rank), so it alone holds the grammar matchers (lazy: nothing is built until a
     # constrained request arrives).
-    runner.guided = GuidedDecoder(w.tokenizer, args.vocab_size, eos)
-    weight_dtype = w.cpu.plan.weight_dtype if w.cpu is not None else resolve_dtype(config)
+    driver = tp_rank() == 0
+    runner = ModelRunner(
+        w.model,
+        pool,
+        config.cache.block_size,
+        backend.device,
+        hooks=backend,
+        guided=GuidedDecoder(w.tokenizer, args.vocab_size, eos) if driver else None,
+        samples=driver,
+    )
     return LoadedModel(
         model_name=served_model_name(config, w.model_dir),
         model_dir=w.model_dir,
@@ -401,11 +339,8 @@ def wire_backend(
         num_blocks=layout.num_blocks,
         num_swap_blocks=layout.num_swap,
         runner=runner,
-        device=device,
-        dtype=weight_dtype,
+        backend=backend,
         block_size=config.cache.block_size,
         bytes_per_block=layout.per_block,
         phase_times=times,
-        compute_dtype=w.cpu.plan.compute_dtype if w.cpu is not None else weight_dtype,
-        cpu=w.cpu,
     )

@@ -15,9 +15,11 @@ from typing import Any
 
 import torch
 
-from appliance.config import ApplianceConfig, ConfigError
+from appliance.config import TP_SIZES, ApplianceConfig, ConfigError
 from appliance.core.scheduler_output import ScheduledRequest, SchedulerOutput
-from appliance.engine.model_runner import KVCachePool, KVStorage, ModelRunner
+from appliance.engine.kv_pool import KVCachePool
+from appliance.engine.model_runner import ModelRunner
+from appliance.layers.kv_cache import KVStorage
 from appliance.layers.parallel import agree_min, tp_size
 from appliance.models.args import ModelArgs
 from appliance.models.llama import LlamaForCausalLM
@@ -107,8 +109,6 @@ def check_weights_fit(
 
 
 def _suggest_tp(hf_config: Any, elem: int, available: int, tp: int) -> str:
-    from appliance.tools.plan import TP_SIZES
-
     try:
         spec = ModelArgs.from_hf(hf_config)
     except ValueError:

@@ -6,21 +6,18 @@ then prefill chunks, so attention runs as at most two batched calls per layer.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from appliance.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from appliance.engine.guided import GuidedDecoder
+from appliance.engine.kv_pool import KVCachePool
 from appliance.engine.sampler import Sampler, SampleRequest, TokenLogprobs
 from appliance.layers.attention import AttentionMetadata, PagedBatch
 from appliance.models.llama import LlamaForCausalLM
-
-if TYPE_CHECKING:
-    from appliance.cpu.backend import CpuBackend
 
 
 @dataclass
@@ -31,108 +28,46 @@ class RunnerOutput:
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
 
 
-@dataclass
-class KVStorage:
-    """What the pool allocates per layer: the cache's dtype, and how many of the layer's KV
-    heads sit apart in a 16-bit side cache of `side_dtype` (cache.kv_cache_keep_16bit_heads;
-    the layer's own cache then holds only the other heads), and whether the layer's INT8
-    cache has per-token scales (cache.kv_cache_scales = "per_token": float16 scale caches of
-    the quantized heads, [blocks, block_size, heads], beside K and V)."""
+class FusedDecode(Protocol):
+    """A whole decode step in one native call: (input_ids, positions, slots, block_tables,
+    seq_lens) -> logits of every row."""
 
-    dtypes: list[torch.dtype]
-    side_heads: list[int]
-    side_dtype: torch.dtype
-    token_scales: list[bool] = field(default_factory=list)
-
-    @classmethod
-    def of(
-        cls, dtype: torch.dtype | Sequence[torch.dtype] | KVStorage, num_layers: int
-    ) -> KVStorage:
-        if isinstance(dtype, KVStorage):
-            return dtype
-        dtypes = [dtype] * num_layers if isinstance(dtype, torch.dtype) else list(dtype)
-        return cls(dtypes, [0] * len(dtypes), dtypes[0] if dtypes else torch.bfloat16)
-
-
-class KVCachePool:
-    """Per-layer K/V tensors of the device pool and the host swap pool: (k, v), or
-    (k, v, side_k, side_v) for a layer that keeps heads apart in 16-bit, each followed by
-    (k_scales, v_scales) for a layer with per-token scales (Attention.forward splits them)."""
-
-    def __init__(
+    def __call__(
         self,
-        num_layers: int,
-        num_blocks: int,
-        num_swap_blocks: int,
-        block_size: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype | Sequence[torch.dtype] | KVStorage,
-        device: torch.device,
-    ) -> None:
-        # One storage dtype per layer (or one for all): with kv_cache_keep_16bit some layers keep
-        # the model dtype while the rest store FP8/INT8 bytes. Zeros, never empty: the torch
-        # attention multiplies masked-out V rows by zero weights, and 0 * NaN garbage is NaN.
-        storage = KVStorage.of(dtype, num_layers)
-        if len(storage.dtypes) != num_layers or len(storage.side_heads) != num_layers:
-            raise ValueError(f"KVCachePool: {len(storage.dtypes)} dtypes for {num_layers} layers")
-        self.dtypes = storage.dtypes
-        self.storage = storage
-        token_scales = storage.token_scales or [False] * num_layers
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+    ) -> torch.Tensor: ...
 
-        def layer(
-            blocks: int, i: int, alloc: Callable[..., torch.Tensor]
-        ) -> tuple[torch.Tensor, ...]:
-            side = storage.side_heads[i]
-            main = (blocks, block_size, num_kv_heads - side, head_dim)
-            out: tuple[torch.Tensor, ...] = (
-                alloc(main, storage.dtypes[i]),
-                alloc(main, storage.dtypes[i]),
-            )
-            if side:
-                apart = (blocks, block_size, side, head_dim)
-                out += (alloc(apart, storage.side_dtype), alloc(apart, storage.side_dtype))
-            if token_scales[i]:
-                scales = (blocks, block_size, num_kv_heads - side)
-                out += (alloc(scales, torch.float16), alloc(scales, torch.float16))
-            return out
 
-        self.device_caches = [
-            layer(num_blocks, i, lambda s, dt: torch.zeros(s, dtype=dt, device=device))
-            for i in range(num_layers)
-        ]
-        pin = device.type == "cuda"
-        # Empty, not zeros: a swap block is only read after a whole device block was copied
-        # into it, and untouched pages cost nothing (zero-filling took ~1 s per GiB at start).
-        self.host_caches = [
-            layer(num_swap_blocks, i, lambda s, dt: torch.empty(s, dtype=dt, pin_memory=pin))
-            for i in (range(num_layers) if num_swap_blocks else [])
-        ]
+class ForwardHooks(Protocol):
+    """What the runner asks its device backend each step (engine/backend.py's Backend is one)."""
 
-    def bytes_per_block(self) -> int:
-        """Bytes one block takes over every layer's tensors (side caches included)."""
-        return sum(t[0].numel() * t.element_size() for layer in self.device_caches for t in layer)
+    @property
+    def fused_decode(self) -> FusedDecode | None:
+        """Decode steps of up to fused_max_batch() sequences go to it (None: never)."""
+        ...
 
-    def swap_out(self, mapping: list[tuple[int, int]]) -> None:
-        self._copy(mapping, self.device_caches, self.host_caches)
+    def fused_max_batch(self) -> int: ...
 
-    def swap_in(self, mapping: list[tuple[int, int]]) -> None:
-        self._copy(mapping, self.host_caches, self.device_caches)
+    def matmuls(self, rows: int) -> AbstractContextManager[None]:
+        """Around a forward of `rows` rows (a backend may switch matmul paths by width)."""
+        ...
 
-    @staticmethod
-    def _copy(
-        mapping: list[tuple[int, int]],
-        src: list[tuple[torch.Tensor, ...]],
-        dst: list[tuple[torch.Tensor, ...]],
-    ) -> None:
-        if not mapping:
-            return
-        src_ids = torch.tensor([a for a, _ in mapping])
-        dst_ids = torch.tensor([b for _, b in mapping])
-        # Every tensor of a layer, side caches included: a swapped block holds all its heads.
-        for s_layer, d_layer in zip(src, dst, strict=True):
-            for s, d in zip(s_layer, d_layer, strict=True):
-                d[dst_ids.to(d.device)] = s[src_ids.to(s.device)].to(d.device)
+
+class PlainForward:
+    """No fused decode, no matmul switch: the runners of calibration, profiling and the
+    evaluation tools, which run the model's forward as it is."""
+
+    fused_decode: FusedDecode | None = None
+
+    def fused_max_batch(self) -> int:
+        return 0
+
+    def matmuls(self, rows: int) -> AbstractContextManager[None]:
+        return nullcontext()
 
 
 class ModelRunner:
@@ -142,8 +77,10 @@ class ModelRunner:
         kv: KVCachePool,
         block_size: int,
         device: torch.device,
+        hooks: ForwardHooks | None = None,
+        guided: GuidedDecoder | None = None,
+        samples: bool = True,
         sampler_seed: int = 0,
-        cpu: CpuBackend | None = None,
     ) -> None:
         self.model = model
         self.kv = kv
@@ -152,19 +89,16 @@ class ModelRunner:
         self.sampler = Sampler(sampler_seed)
         # False on tensor-parallel workers: they run the forward (its collectives need every
         # rank) but only the driver samples.
-        self.samples = True
-        # The CPU backend (None on CUDA): its fused decode for small decode steps, and the
-        # matmul switch around every other forward.
-        self.cpu = cpu
-        self.fused_max_batch = cpu.fused_max_batch() if cpu is not None else 0
+        self.samples = samples
+        # The backend's fused decode for small decode steps, and its matmul switch around
+        # every other forward.
+        self.hooks: ForwardHooks = hooks if hooks is not None else PlainForward()
+        self.fused_max_batch = self.hooks.fused_max_batch()
         self.native_decode_steps = 0
         # Block table per live request, kept up to date from what each step changed.
         self.block_tables: dict[str, list[int]] = {}
-        # Grammar matchers of constrained requests (the driver's runner only; loader.py).
-        self.guided: GuidedDecoder | None = None
-
-    def _matmuls(self, rows: int) -> AbstractContextManager[None]:
-        return self.cpu.matmuls(rows) if self.cpu is not None else nullcontext()
+        # Grammar matchers of constrained requests (the driver's runner only, which samples).
+        self.guided = guided
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         self._update_block_tables(out)
@@ -194,21 +128,23 @@ class ModelRunner:
             and decode.num_tokens <= self.fused_max_batch
             and not scoring
         ):
-            assert self.cpu is not None and self.cpu.fused_decode is not None
-            logits = self.cpu.fused_decode(
+            assert self.hooks.fused_decode is not None
+            logits = self.hooks.fused_decode(
                 input_ids, positions, meta.slot_mapping, decode.block_tables, decode.seq_lens
             )
+            if not row_list:  # nothing sampled nor scored (the load-time warm-up's steps)
+                return RunnerOutput({}, {})
             # When every row is sampled, in order, the logits are used as they are (no copy).
             if row_list != list(range(logits.shape[0])):
                 logits = logits.index_select(0, torch.tensor(row_list, device=self.device))
             self.native_decode_steps += 1
         else:
-            with self._matmuls(input_ids.shape[0]):
+            with self.hooks.matmuls(input_ids.shape[0]):
                 hidden = self.model(input_ids, positions, meta, self.kv.device_caches)
             if not sampling and not scoring:
                 return RunnerOutput({}, {})
             rows = torch.tensor(row_list, device=self.device)
-            with self._matmuls(len(row_list)):
+            with self.hooks.matmuls(len(row_list)):
                 logits = self.model.compute_logits(hidden.index_select(0, rows))
         # TP workers ran the forward and the logits' all-gather with the driver; it samples.
         if not self.samples or (not sampling and not scoring):

@@ -9,7 +9,14 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from appliance.core.wait_estimate import estimated_wait_s
-from appliance.stats import EngineStats, LiveRequest, QueueInfo, StatsSnapshot, StepRecord
+from appliance.stats import (
+    EngineStats,
+    LiveRequest,
+    QueueInfo,
+    StatsSnapshot,
+    StepCostStats,
+    StepRecord,
+)
 
 if TYPE_CHECKING:
     from appliance.engine.llm_engine import Engine
@@ -72,6 +79,7 @@ def _engine_stats(engine: Engine, detail: bool) -> EngineStats:
         counters=sched.counters,
         last_step=engine.history.records[-1] if engine.history.records else None,
         block_states=kv.pool.state_string() if detail else None,
+        step_cost=StepCostStats(**sched.cost.describe()),
     )
 
 

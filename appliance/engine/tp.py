@@ -41,7 +41,8 @@ import torch.multiprocessing as mp
 
 from appliance.config import ApplianceConfig, ConfigError
 from appliance.core.scheduler_output import SchedulerOutput
-from appliance.engine.loader import LoadedModel, load_this_rank, resolve_device, resolve_model_dir
+from appliance.engine.backend import device_type
+from appliance.engine.loader import LoadedModel, load_this_rank, resolve_model_dir
 from appliance.engine.model_runner import RunnerOutput
 from appliance.engine.tp_worker import (
     STOP,
@@ -144,8 +145,8 @@ class TPExecutor:
                 "parallel.tensor_parallel_size: a tensor-parallel engine already runs in this "
                 "process (torch.distributed has one group per process); close it first"
             )
-        device = resolve_device(config)
-        if device.type == "cuda" and torch.cuda.device_count() < size:
+        on_cuda = device_type(config) == "cuda"
+        if on_cuda and torch.cuda.device_count() < size:
             raise ConfigError(
                 f"parallel.tensor_parallel_size {size}: only {torch.cuda.device_count()} "
                 "CUDA devices are visible"
@@ -156,7 +157,7 @@ class TPExecutor:
             config.model, path=str(model_dir), demo_shape="", packaged=""
         )
         config = msgspec.structs.replace(config, model=model)
-        ex = cls(size, "nccl" if device.type == "cuda" else "gloo")
+        ex = cls(size, "nccl" if on_cuda else "gloo")
         _active = ex
         atexit.register(ex.close)
         try:

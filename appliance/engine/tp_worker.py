@@ -103,7 +103,6 @@ def worker_main(args: WorkerArgs, commands: Connection, reports: Connection) -> 
         )
         loaded = load_this_rank(args.config, progress=lambda _msg: None)
         runner = loaded.runner
-        runner.samples = False
         reports.send_bytes(
             encoder.encode(Ready(loaded.num_blocks, loaded.num_swap_blocks, loaded.bytes_per_block))
         )

@@ -6,9 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from appliance.kernels.quant_weight import QuantWeight, dequantize_rows
 from appliance.layers.linear import MatmulWeight
 from appliance.layers.parallel import all_gather_last_dim, all_reduce, tp_rank, tp_size
-from appliance.layers.quant import QuantWeight, dequantize_rows
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -24,9 +24,12 @@ class VocabParallelEmbedding(nn.Module):
         # dequantizes only the rows asked for; `weight` then stays empty (its dtype is the
         # lookup's output dtype).
         self.quant: QuantWeight | None = None
-        # The lookup's output dtype for a packed table (the CPU backend sets its compute
-        # dtype: float32 rows need no detour through the 16-bit weight dtype).
+        # The lookup's output dtype for a packed table (the backend's compute dtype, `wire`;
+        # None: the weight's dtype).
         self.quant_out_dtype: torch.dtype | None = None
+
+    def wire(self, quant_out_dtype: torch.dtype | None) -> None:
+        self.quant_out_dtype = quant_out_dtype
 
     def expect_quantized(self) -> None:
         self.weight = nn.Parameter(torch.empty(0, device=self.weight.device), requires_grad=False)

@@ -7,53 +7,33 @@ tensors through `load(part, tensor)` and keeps only this rank's slice.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from appliance.kernels.quant_weight import QuantWeight
+from appliance.layers.matmul import Matmul, reference_quant_matmul
 from appliance.layers.parallel import all_reduce, tp_rank, tp_size
-from appliance.layers.quant import QuantWeight
-
-# (x, packed weight, bias) -> x @ W^T + bias: the backend's dequantizing matmul.
-QuantMatmul = Callable[[torch.Tensor, QuantWeight, "torch.Tensor | None"], torch.Tensor]
-
-
-def reference_quant_matmul(
-    x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None
-) -> torch.Tensor:
-    """The torch reference (and the fallback where no kernel is wired): dequantize, then a
-    plain matmul. The dequantized matrix lives only for this call."""
-    dense = w.dequantize(torch.float32)
-    out = F.linear(x.float(), dense, None if bias is None else bias.float())
-    return out.to(x.dtype)
 
 
 class MatmulWeight(nn.Module):
-    """A module whose matmul can read another copy of its weight than `weight` itself.
+    """A linear whose matmul the device backend chooses at load (`wire`, one strategy object
+    per weight: appliance.layers.matmul). `weight` keeps the checkpoint's values for whatever
+    else reads them (the native decode, the embedding) and may be released when nothing does.
 
-    The CPU backend (appliance.cpu.backend) sets `matmul_weight`: oneDNN's prepacked layout
-    (`onednn_packed`), or a plain tensor in the compute dtype (float32 on CPUs without bf16
-    arithmetic). `weight` keeps the checkpoint's values for whatever else reads them (the
-    native decode, the embedding) and may be released when nothing does. Passes of up to
-    `plain_max_rows` rows read `weight` itself where it is still held in the input's dtype
-    (ATen's GEMV beats a prepacked GEMM at one or two rows).
-
-    A quantized checkpoint sets `quant` (packed integers and scales, appliance.layers.quant)
-    and leaves `weight` empty: no dequantized copy is held; `quant_matmul` (the backend's
-    kernel, the torch reference by default) reads the packed bytes. Where the backend also gives
-    it a dense `matmul_weight` (AMX), this module's passes read that, and the packed bytes serve
-    the fused native decode only."""
+    A quantized checkpoint sets `quant` (packed integers and scales,
+    appliance.kernels.quant_weight) and leaves `weight` empty: no dequantized copy is held
+    unless the backend's strategy keeps one (AMX); the packed bytes also serve the fused native
+    decode. Until wired, the torch reference runs (dense, or dequantize-then-matmul)."""
 
     weight: nn.Parameter
-    matmul_weight: torch.Tensor | None = None
-    onednn_packed: bool = False
-    plain_max_rows: int = 0
     quant: QuantWeight | None = None
-    quant_matmul: QuantMatmul = staticmethod(reference_quant_matmul)
+    matmul: Matmul | None = None
     # The dense shape a quantized module would have had (expect_quantized).
     dense_shape: tuple[int, int] = (0, 0)
+
+    def wire(self, matmul: Matmul) -> None:
+        self.matmul = matmul
 
     def expect_quantized(self) -> None:
         """Before the model is materialized: drop the dense weight so it is never allocated
@@ -69,18 +49,11 @@ class MatmulWeight(nn.Module):
         return self.weight.data
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        w = self.matmul_weight
-        if self.quant is not None and w is None:
-            return self.quant_matmul(x, self.quant, bias)
-        if w is None or (
-            x.shape[0] <= self.plain_max_rows
-            and self.weight.numel() > 0
-            and self.weight.dtype == x.dtype
-        ):
-            return F.linear(x, self.weight, bias)
-        if self.onednn_packed:
-            return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
-        return F.linear(x, w, bias)
+        if self.matmul is not None:
+            return self.matmul(x, bias)
+        if self.quant is not None:
+            return reference_quant_matmul(x, self.quant, bias)
+        return F.linear(x, self.weight, bias)
 
 
 class MergedColumnLinear(MatmulWeight):

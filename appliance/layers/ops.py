@@ -1,5 +1,5 @@
 """The element-wise steps of a decoder layer, behind one object the model is given at load time
-(the way `Attention.set_backend` takes the attention kernels): torch operators by default (GPU,
+(wired by the device backend, as each attention layer's KV path is): torch operators by default (GPU,
 and the reference), the native CPU kernels when the CPU backend has built them.
 
 Both sides compute the same thing and round where torch's model-dtype operators round, so a

@@ -159,6 +159,15 @@ class Metrics:
             [*m, "state"],
             registry=reg,
         )
+        # What the scheduler expects a step to cost here (core/step_cost.py): vLLM has no
+        # such model, hence appliance_*.
+        self.step_cost = Gauge(
+            "appliance_step_cost_seconds",
+            "The engine's fitted cost of a step, by term: the step itself, a decode row, a "
+            "decode context token, a prefill token, a prefill query-key pair.",
+            [*m, "term"],
+            registry=reg,
+        )
         self.cache_info = Gauge(
             "vllm:cache_config_info",
             "Information of the cache configuration.",
@@ -435,6 +444,16 @@ class Metrics:
         self.kv_blocks.labels(name, "cached").set(s.blocks_cached)
         self.kv_blocks.labels(name, "free").set(s.blocks_free)
         self.kv_blocks.labels(name, "swapped").set(s.swap_blocks_used)
+        cost = s.step_cost
+        if cost is not None and cost.fitted:
+            for term, seconds in (
+                ("step", cost.step_ms / 1e3),
+                ("decode_row", cost.decode_row_ms / 1e3),
+                ("decode_context_token", cost.decode_context_us_per_token / 1e6),
+                ("prefill_token", cost.prefill_token_ms / 1e3),
+                ("prefill_pair", cost.prefill_pair_ns / 1e9),
+            ):
+                self.step_cost.labels(name, term).set(seconds)
         mir = self._mirrors
         mir["preemptions"].set_total((name,), s.counters.preemptions)
         for key, n in s.counters.preemptions_by.items():

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from appliance.layers.quant import QuantWeight, quantize_int8
+from appliance.kernels.quant_weight import QuantWeight, quantize_int8
 from appliance.models import hf_files
 from appliance.models.gguf_file import GgufCheckpoint
 from appliance.models.gguf_meta import find_gguf

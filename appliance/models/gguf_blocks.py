@@ -1,4 +1,4 @@
-"""ggml's quantized blocks -> the engine's packed layouts (appliance.layers.quant), on the packed
+"""ggml's quantized blocks -> the engine's packed layouts (appliance.kernels.quant_weight), on the packed
 bytes: the integers are re-ordered, never dequantized. Block layouts as ggml-quants.h defines
 them; `gguf.quants.dequantize` is the reference the tests hold these against.
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from appliance.layers.quant import QuantWeight, pack_q4
+from appliance.kernels.quant_weight import QuantWeight, pack_q4
 from appliance.models.gguf_meta import ENGINE_BITS
 
 # ggml type name -> (elements, bytes) of one block.

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from appliance.layers.quant import QuantWeight
+from appliance.kernels.quant_weight import QuantWeight
 from appliance.models.gguf_blocks import BLOCKS, convert
 from appliance.models.gguf_meta import GgufMeta
 

@@ -12,7 +12,7 @@ from typing import Any
 SUFFIX = ".gguf"
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2"}
 # Bits per weight of each ggml type once repacked into the engine's layouts
-# (appliance.layers.quant): q4 = 4 bits + an fp16 scale and fp16 min per 32; q8 = 8 bits + an
+# (appliance.kernels.quant_weight): q4 = 4 bits + an fp16 scale and fp16 min per 32; q8 = 8 bits + an
 # fp16 scale per group (32 for Q8_0, Q6_K's 16-column sub-blocks). Q4_0 gains its min, the
 # K-quants their per-32 / per-16 scales spelled out.
 ENGINE_BITS = {"Q8_0": 8.5, "Q4_0": 5.0, "Q4_1": 5.0, "Q4_K": 5.0, "Q6_K": 9.0}

@@ -135,3 +135,17 @@ def iter_safetensors(
             for name in f.keys():
                 if wanted is None or name in wanted[file.name]:
                     yield name, f.get_tensor(name)
+
+
+def eos_token_ids(hf_config: Any, tokenizer: Any) -> frozenset[int]:
+    """The ids that end a generation: the model config's and the tokenizer's."""
+    ids: set[int] = set()
+    for source in (
+        getattr(hf_config, "eos_token_id", None),
+        getattr(tokenizer, "eos_token_id", None),
+    ):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, list):
+            ids.update(source)
+    return frozenset(ids)

@@ -1,5 +1,5 @@
 """AWQ and GPTQ Hugging Face checkpoints (4-bit, config.json `quantization_config`) -> the q4
-layout of appliance.layers.quant, integers re-ordered on load, never dequantized.
+layout of appliance.kernels.quant_weight, integers re-ordered on load, never dequantized.
 
 Both store, per linear, int32 words of eight 4-bit values plus fp16 scales [K/group, N] and
 packed zero points [K/group, N/8]; a weight is (q - zero) * scale, kept here as
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from appliance.layers.quant import QuantWeight, pack_q4
+from appliance.kernels.quant_weight import QuantWeight, pack_q4
 from appliance.models.hf_files import CONFIG_FILE, iter_safetensors
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)

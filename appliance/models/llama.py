@@ -11,13 +11,14 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from appliance.kernels.quant_weight import QuantWeight
 from appliance.layers.attention import Attention, AttentionMetadata
 from appliance.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from appliance.layers.linear import MergedColumnLinear, RowParallelLinear
+from appliance.layers.kv_cache import LayerCache
+from appliance.layers.linear import MatmulWeight, MergedColumnLinear, RowParallelLinear
 from appliance.layers.norm import RMSNorm
 from appliance.layers.ops import LayerOps
 from appliance.layers.parallel import divide, tp_rank, tp_size
-from appliance.layers.quant import QuantWeight
 from appliance.layers.rotary import RotaryEmbedding
 from appliance.models.args import ModelArgs
 
@@ -53,7 +54,7 @@ class LlamaAttention(nn.Module):
         rope: Any,
         hidden: torch.Tensor,
         meta: AttentionMetadata,
-        kv_cache: tuple[torch.Tensor, ...],
+        kv_cache: LayerCache,
     ) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
         tokens = hidden.shape[0]
@@ -90,7 +91,7 @@ class LlamaDecoderLayer(nn.Module):
         rope: Any,
         hidden: torch.Tensor,
         meta: AttentionMetadata,
-        kv_cache: tuple[torch.Tensor, ...],
+        kv_cache: LayerCache,
     ) -> torch.Tensor:
         # `hidden` is this forward's own tensor: it takes the residual adds in place.
         normed = ops.add_rms_norm(hidden, None, self.input_layernorm)
@@ -129,7 +130,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
-        # The element-wise steps: torch unless the CPU backend gives native ones (set_ops).
+        # The element-wise steps: torch unless the backend wires others (native ones on CPUs).
         self.ops = LayerOps()
         self.model = LlamaModel(args)
         tied = self.model.embed_tokens if args.tie_word_embeddings else None
@@ -138,8 +139,15 @@ class LlamaForCausalLM(nn.Module):
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
 
-    def set_ops(self, ops: LayerOps) -> None:
+    def linears(self) -> list[MatmulWeight]:
+        """Every module whose matmul the backend chooses (the LM head included)."""
+        return [m for m in self.modules() if isinstance(m, MatmulWeight)]
+
+    def wire(self, ops: LayerOps) -> None:
+        """The backend's element-wise ops; a packed embedding's lookup then yields rows in their
+        compute dtype (float32 rows need no detour through the 16-bit weight dtype)."""
         self.ops = ops
+        self.model.embed_tokens.wire(ops.compute_dtype)
 
     def decode_tensors(
         self,
@@ -174,7 +182,7 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         meta: AttentionMetadata,
-        kv_caches: list[tuple[torch.Tensor, ...]],
+        kv_caches: list[LayerCache],
     ) -> torch.Tensor:
         ops = self.ops
         hidden = self.model.embed_tokens(input_ids)

@@ -100,7 +100,7 @@ def score_answers(
 def heldout_windows(tokenizer: Any, tokens: int = 512, window: int = 256) -> list[list[int]]:
     """Windows of the shipped corpus's last part: calibration reads windows at 0 and 1/2 of it
     (kv_quant.calibration_windows), so the perplexity is measured on text it never saw."""
-    from appliance.tools.demo_spec import corpus_text
+    from appliance.models.demo_spec import corpus_text
 
     text = corpus_text()
     ids = list(tokenizer.encode(text[len(text) * 3 // 4 :], add_special_tokens=False))[:tokens]
@@ -199,7 +199,7 @@ def table(
     perplexity (fp32 compute), KV bytes per token and sequences of max_model_len that fit in
     the cpu-demo template's pool (bf16, 1 GiB; as `appliance plan` counts them)."""
     from appliance.config import load_config
-    from appliance.tools.plan import make_plan
+    from appliance.plan import make_plan
 
     def config(fmt: str, kept: list[int], heads: list[str]) -> ApplianceConfig:
         return load_config(

@@ -32,6 +32,7 @@ import torch
 from appliance.config import ConfigError, load_config, resolve_template
 from appliance.core.scheduler_output import ScheduledRequest
 from appliance.engine.executor import load_model
+from appliance.engine.kv_pool import KVCachePool
 from appliance.engine.kv_quant import (
     apply_kv_specs,
     calibrate_absmax,
@@ -39,8 +40,9 @@ from appliance.engine.kv_quant import (
     kv_storage,
 )
 from appliance.engine.loader import LoadedModel
-from appliance.engine.model_runner import KVCachePool, ModelRunner
-from appliance.kv_layout import PER_TOKEN_KIND, LayerKV
+from appliance.engine.model_runner import ModelRunner
+from appliance.kernels.kv_formats import PER_TOKEN_KIND
+from appliance.kv_layout import LayerKV
 from appliance.sampling_params import SamplingParams
 from appliance.tools.kv_template import write_keep_list
 

@@ -29,11 +29,13 @@ from appliance.engine.kv_quant import (
     FORMAT_MAX,
     calibrate_absmax,
     calibration_windows,
-    rotation_matrix,
     scales_from_absmax,
 )
+from appliance.kernels.attention_api import AttentionBackend, WriteKV
 from appliance.kernels.paged_attention import dequantize, quantize
-from appliance.layers.attention import KVCacheSpec
+from appliance.layers.attention import AttentionMetadata, KVCacheSpec, attend_over
+from appliance.layers.kv_cache import LayerCache
+from appliance.layers.quantized_kv import rotation_matrix
 from appliance.tools.kv_answers import QUESTIONS, chat_prompts, score_answers
 
 PARAMS = SamplingParams(max_tokens=64, temperature=0.0)
@@ -73,34 +75,58 @@ def stored_form(x: torch.Tensor, fmt: str, mode: str, head_scale: torch.Tensor) 
     return (y @ rot.T).to(x.dtype)
 
 
+class SimulatedKV:
+    """A 16-bit cache holding what a quantized one would give back (the simulated write), read
+    as an INT8 cache of unit scales: the same bytes, and a prefill attends to its fresh K/V at
+    full precision as over a quantized cache."""
+
+    def __init__(self, kernels: AttentionBackend, simulated: AttentionBackend, heads: int) -> None:
+        self.kernels = kernels
+        self.simulated = simulated
+        ones = torch.ones(heads)
+        self.spec = KVCacheSpec("int8", ones, ones)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+        cache: LayerCache,
+        scale: float,
+    ) -> torch.Tensor:
+        return attend_over(self.simulated, q, k, v, meta, cache.k, cache.v, self.spec, scale)
+
+
 def simulate(config: ApplianceConfig, fmt: str, mode: str, absmax: Any) -> list[list[int]]:
     with Engine(config) as engine:
         runner, bs = engine.runner, engine.loaded.block_size
         for i, attn in enumerate(engine.loaded.model.attention_layers()):
-            write, attend = attn.write_kv, attn.paged_attention
+            base = attn.kernels
             ks, vs = (scales_from_absmax(m, fmt if fmt != "auto" else "int8") for m in absmax[i])
-            ones = torch.ones(attn.num_kv_heads)
-            attn.spec = KVCacheSpec("int8", ones, ones)
 
             def write_kv(
-                k: torch.Tensor,
-                v: torch.Tensor,
-                kc: torch.Tensor,
-                vc: torch.Tensor,
-                slots: torch.Tensor,
-                *rest: object,
-                write: Any = write,
+                key: torch.Tensor,
+                value: torch.Tensor,
+                k_cache: torch.Tensor,
+                v_cache: torch.Tensor,
+                slot_mapping: torch.Tensor,
+                kv_cache_dtype: str = "auto",
+                k_scale: torch.Tensor | None = None,
+                v_scale: torch.Tensor | None = None,
+                write: WriteKV = base.write_kv,
                 ks: torch.Tensor = ks,
                 vs: torch.Tensor = vs,
             ) -> None:
-                fk, fv = stored_form(k, fmt, mode, ks), stored_form(v, fmt, mode, vs)
+                fk, fv = stored_form(key, fmt, mode, ks), stored_form(value, fmt, mode, vs)
                 if mode == "sink":
                     first = torch.tensor(sorted({t[0] for t in runner.block_tables.values()}))
-                    exact = torch.isin(slots // bs, first)
-                    fk[exact], fv[exact] = k[exact], v[exact]
-                write(fk, fv, kc, vc, slots, "auto")
+                    exact = torch.isin(slot_mapping // bs, first)
+                    fk[exact], fv[exact] = key[exact], value[exact]
+                write(fk, fv, k_cache, v_cache, slot_mapping, "auto")
 
-            attn.set_backend(write_kv, attend)
+            simulated = AttentionBackend("simulated", write_kv, base.paged_attention)
+            attn.wire(SimulatedKV(base, simulated, attn.num_kv_heads))
         prompts = chat_prompts(engine.tokenizer, QUESTIONS)
         return [r.token_ids for r in engine.generate(prompts, PARAMS)]
 

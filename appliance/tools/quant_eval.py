@@ -76,7 +76,8 @@ def teacher_forced_logprobs(
     """Next-token log-probs [len(window), vocab] per window, each window prefilled in chunks
     through the runner's own step preparation on a fresh pool (the serving path's forward)."""
     from appliance.core.scheduler_output import ScheduledRequest
-    from appliance.engine.model_runner import KVCachePool, ModelRunner
+    from appliance.engine.kv_pool import KVCachePool
+    from appliance.engine.model_runner import ModelRunner
     from appliance.sampling_params import SamplingParams
 
     bs, n_layers = loaded.block_size, loaded.args.num_layers
@@ -143,7 +144,8 @@ def weight_bytes(model: torch.nn.Module) -> int:
         )
         if quant is not None and own:
             total += quant.nbytes()
-        copy = getattr(m, "matmul_weight", None)
+        matmul = m.matmul if isinstance(m, MatmulWeight) else None
+        copy = matmul.copy if matmul is not None else None
         if quant is not None and copy is not None:
             total += copy.numel() * copy.element_size()
     return total

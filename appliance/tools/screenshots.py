@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model = ns.model
         if model is None:
-            from appliance.tools.demo_model import build_demo_model
+            from appliance.models.demo_model import build_demo_model
 
             model = str(build_demo_model("tiny", Path(tmp) / "tiny"))
         token = "screenshot-token"

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from appliance.tools.demo_spec import corpus_text
+from appliance.models.demo_spec import corpus_text
 
 HOLDOUT = 0.1
 

@@ -12,11 +12,21 @@ Torch-free: the decision is made from flags, not by trying an instruction and ca
 from __future__ import annotations
 
 import os
+import shutil
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 
 MASK_ENV = "APPLIANCE_CPU_MASK"
+# Query heads per KV head the native decode attention takes (its per-group accumulators are
+# sized by it); the CPU plan turns the native kernels off above it.
+NATIVE_MAX_QUERY_HEADS = 64
+
+
+def c_compiler() -> str | None:
+    """The compiler the native kernels are built with: $CC, else cc or gcc on PATH."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
 
 # The features the appliance's paths ask about, as /proc/cpuinfo spells them, with the gcc
 # switch that turns each off in a native build (`-march=native -mno-...`).

@@ -35,4 +35,4 @@ DEMO_SHAPES: dict[str, DemoShape] = {
 
 def corpus_text() -> str:
     """The training text shipped with the package (also used by tests for round trips)."""
-    return resources.files("appliance.tools").joinpath("data/corpus.txt").read_text("utf-8")
+    return resources.files("appliance.models").joinpath("data/corpus.txt").read_text("utf-8")

@@ -1,5 +1,5 @@
 """`appliance plan`'s text output: the chosen layout per GPU (or CPU rank), then one line per
-tensor-parallel size. The arithmetic is appliance/tools/plan.py's."""
+tensor-parallel size. The arithmetic is appliance/plan.py's."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from appliance.quant_sizes import format_note
 
 if TYPE_CHECKING:  # the plan imports this module for its output and its units
-    from appliance.tools.plan import Plan
+    from appliance.plan import Plan
 
 KiB = 1024
 MiB = 1024**2

@@ -16,13 +16,18 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from appliance.config import ApplianceConfig, ConfigError, load_config, shipped_template_dir
+from appliance.config import (
+    TP_SIZES,
+    ApplianceConfig,
+    ConfigError,
+    load_config,
+    shipped_template_dir,
+)
 from appliance.kv_layout import kv_bytes_per_token as kv_layout_bytes_per_token
 from appliance.models.args import ModelArgs
+from appliance.plan_render import GiB, render
 from appliance.quant_sizes import quantized_weight_bytes, weight_format
-from appliance.tools.plan_render import GiB, render
 
-TP_SIZES = (1, 2, 4, 8)
 DTYPE_BYTES = {"auto": 2, "bfloat16": 2, "float16": 2, "float32": 4}  # auto = bfloat16
 # CUDA context, cuBLAS workspace and NCCL buffers live outside torch's allocator; the engine
 # measures them at start, the plan assumes this much per GPU (an A10 context alone is ~0.4 GiB).
@@ -117,7 +122,7 @@ def reference_architectures() -> dict[str, Path]:
 
 def _demo_config(shape: str) -> dict[str, Any]:
     # The demo models are built on first start; their shape table is the one source of truth.
-    from appliance.tools.demo_spec import DEMO_SHAPES
+    from appliance.models.demo_spec import DEMO_SHAPES
 
     s = DEMO_SHAPES[shape]
     return {
@@ -200,8 +205,8 @@ def _kv_elem(config: ApplianceConfig, dtype_bytes: int) -> int:
 
 def _cpu_choice(spec: ModelArgs, config: ApplianceConfig) -> Any:
     """What the CPU backend would choose on this machine (appliance.cpu.choice)."""
-    from appliance.cpu.choice import c_compiler, choose
-    from appliance.cpu.features import detect
+    from appliance.cpu.choice import choose
+    from appliance.kernels.cpu_features import c_compiler, detect
 
     def compiler() -> tuple[bool, str | None]:
         # What the engine would find: a C compiler to build the native kernels with.

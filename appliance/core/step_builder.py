@@ -1,0 +1,287 @@
+"""One step's decisions (`Scheduler.schedule`): decodes first, then prefill chunks, then
+admissions, under the token budget, the sequence limit, the KV blocks and, where the classes
+being decoded set a TPOT target, a time budget: each prefill chunk is cut to what the engine's
+cost model of this box (core/step_cost.py) expects the step to fit in."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from appliance.core.block_pool import KVBlock
+from appliance.core.request import FinishReason, Request, RequestStatus
+from appliance.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from appliance.core.step_cost import StepShape
+
+if TYPE_CHECKING:
+    from appliance.core.scheduler import Scheduler
+
+
+class StepBuilder:
+    """The decisions of one `Scheduler.schedule()` call."""
+
+    def __init__(self, sched: Scheduler) -> None:
+        self.s = sched
+        self.kv = sched.kv
+        self.budget = sched.cfg.max_num_batched_tokens
+        self.granted: dict[str, int] = {}
+        self.order: list[Request] = []
+        self.swap_out: list[tuple[int, int]] = []
+        self.swap_in: list[tuple[int, int]] = []
+        self.bound_by = "none"
+        self.preempted_any = False
+        # What the step computes so far (the cost model's input), and its time limit: the
+        # tightest TPOT target among the classes it decodes (None: tokens alone bound it).
+        self.shape = StepShape()
+        self.limit_s: float | None = None
+
+    def _bound(self, limit: str) -> None:
+        # The first limit hit is the one that bound the step.
+        if self.bound_by == "none":
+            self.bound_by = limit
+
+    def _chunk(self, req: Request, remaining: int) -> int:
+        """Tokens `req` computes this step out of its `remaining` ones (its last `remaining`
+        positions: it starts at num_tokens - remaining)."""
+        limit = self.s.cfg.long_prefill_token_threshold or remaining
+        tokens = min(remaining, self.budget, limit)
+        if tokens > 1 and self.limit_s is not None:
+            start = req.num_tokens - remaining
+            timed = self.s.cost.max_chunk(self.shape, start, tokens, self.limit_s)
+            if timed < tokens:
+                self._bound("time_budget")
+                tokens = timed
+        return tokens
+
+    def _grant(self, req: Request, tokens: int) -> None:
+        self.granted[req.request_id] = tokens
+        self.order.append(req)
+        self.budget -= tokens
+        self.shape = self._add(self.shape, req, tokens)
+
+    @staticmethod
+    def _add(shape: StepShape, req: Request, tokens: int) -> StepShape:
+        # One token is a decode row to the model (StepShape.of reads a step the same way).
+        start = req.num_computed_tokens
+        if tokens == 1:
+            return shape.with_decode(start)
+        return shape.with_chunk(start, tokens)
+
+    def _ungrant(self, req: Request) -> None:
+        tokens = self.granted.pop(req.request_id, None)
+        if tokens is not None:
+            self.order.remove(req)
+            self.budget += tokens
+            self.shape = StepShape()
+            for r in self.order:
+                self.shape = self._add(self.shape, r, self.granted[r.request_id])
+
+    def _preempt(self, victim: Request, cause: str) -> None:
+        self._ungrant(victim)
+        self.swap_out.extend(self.s.preempt(victim, cause))
+        self.preempted_any = True
+        self._bound("kv_blocks")
+
+    # Running requests: decodes first so a long prefill never stalls them.
+    def schedule_running(self) -> None:
+        s = self.s
+        running = s.policy.serve_order(s.running)
+        decodes = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
+        prefills = [r for r in running if r.num_tokens - r.num_computed_tokens > 1]
+        targets = [t for r in decodes if (t := s.config.tpot_slo_s(r.priority_class)) is not None]
+        self.limit_s = min(targets) if targets else None
+        for req in decodes + prefills:
+            if req not in s.running:
+                continue  # preempted earlier in this step
+            remaining = req.num_tokens - req.num_computed_tokens
+            if self.budget <= 0:
+                self._bound("token_budget")
+                break
+            tokens = self._chunk(req, remaining)
+            if tokens < remaining:
+                self._bound("token_budget")
+            if self._allocate_or_preempt(req, tokens):
+                self._grant(req, tokens)
+
+    def _allocate_or_preempt(self, req: Request, tokens: int) -> bool:
+        s = self.s
+        while not self.kv.allocate_slots(req, tokens):
+            victim = s.policy.out_of_blocks_victim(req, s.running)
+            if victim is req:
+                if len(s.running) == 1 and not s.swapped and self._alone_cannot_fit(req, tokens):
+                    s.finish_request(
+                        req.request_id,
+                        FinishReason.ERROR,
+                        f"KV cache exhausted: the request needs "
+                        f"{len(req.blocks) + self.kv.blocks_needed(req, tokens)}"
+                        f" blocks, the pool has {self.kv.num_blocks}",
+                    )
+                    self._bound("kv_blocks")
+                    return False
+                self._preempt(req, "out_of_blocks")
+                return False
+            self._preempt(victim, "out_of_blocks")
+        return True
+
+    def _alone_cannot_fit(self, req: Request, tokens: int) -> bool:
+        return self.kv.blocks_needed(req, tokens) > self.kv.num_free_blocks
+
+    # Waiting and swapped requests, most urgent first.
+    def admit(self) -> None:
+        s = self.s
+        if not s.policy.may_admit(bool(s.running or self.order)):
+            return  # a static batch runs until all of its members finish
+        candidates = sorted(s.waiting + s.swapped, key=s.policy.queue_key)
+        for req in candidates:
+            if req.status is RequestStatus.FINISHED:
+                continue
+            if self.budget <= 0:
+                self._bound("token_budget")
+                break
+            if len(s.running) >= s.cfg.max_num_seqs:
+                if not self._make_room(req, "max_num_seqs"):
+                    self._bound("max_num_seqs")
+                    break
+            admitted = (
+                self._admit_swapped(req)
+                if req.status is RequestStatus.SWAPPED
+                else (self._admit_waiting(req))
+            )
+            if not admitted:
+                self._bound("kv_blocks")
+                break
+
+    def _make_room(self, req: Request, cause: str) -> bool:
+        """Arrival-triggered preemption, as far as the policy allows it (whom, and when)."""
+        s = self.s
+        victim = s.policy.arrival_victim(req, s.running, cause, s._pressure_steps)
+        if victim is None:
+            return False
+        self._preempt(victim, cause)
+        return True
+
+    def _admit_swapped(self, req: Request) -> bool:
+        s = self.s
+        while True:
+            host_blocks = len(req.swap_blocks)
+            # Room for the swapped blocks and for what it computes next: one decode token, or
+            # the next chunk when it was preempted in the middle of its prefill.
+            chunk = self._chunk(req, req.num_tokens - req.num_computed_tokens)
+            need = max(host_blocks, -(-(req.num_computed_tokens + chunk) // self.kv.block_size))
+            if need <= self.kv.num_free_blocks:
+                break
+            if not self._make_room(req, "kv_pressure"):
+                return False
+        self.swap_in.extend(self.kv.swap_in(req))
+        s.counters.blocks_swapped_in += host_blocks
+        s.swapped.remove(req)
+        tokens = self._chunk(req, req.num_tokens - req.num_computed_tokens)
+        if not self.kv.allocate_slots(req, tokens):
+            # Cannot happen after the check above; keep the invariant loud.
+            raise RuntimeError(f"allocation for resumed request {req.request_id} failed")
+        self._start(req, tokens)
+        return True
+
+    def _lookup(self, req: Request) -> list[KVBlock]:
+        # A request still owed prompt logprobs computes its whole prompt (as vLLM does): a
+        # cached block holds KV, not the hidden states its logprobs come from. Its blocks
+        # still enter the cache for others.
+        if req.wants_prompt_logprobs:
+            return []
+        return self.kv.get_computed_blocks(req)[0]
+
+    def _admit_waiting(self, req: Request) -> bool:
+        hits = self._lookup(req)
+        while True:
+            tokens = self._initial_tokens(req, len(hits))
+            if tokens and self.kv.can_allocate(req, tokens, hits):
+                break
+            if not self._make_room(req, "kv_pressure"):
+                return False
+            hits = self._lookup(req)
+        # One allocation for the hits and the first chunk (or a protected request's whole
+        # remaining length); _start only grants the chunk.
+        self.kv.allocate_slots(req, tokens, hits)
+        hit_tokens = len(hits) * self.kv.block_size
+        self.kv.record_prefix_lookup(req.num_tokens, hit_tokens)
+        req.num_computed_tokens = hit_tokens
+        if req.first_scheduled_time is None:
+            req.num_cached_prompt_tokens = hit_tokens
+        self.s.waiting.remove(req)
+        self._start(req, self._chunk(req, req.num_tokens - hit_tokens))
+        return True
+
+    def _initial_tokens(self, req: Request, num_hits: int) -> int:
+        """Tokens to allocate for on admission: the first chunk, or for a request the thrash
+        guard protects, its whole remaining length so it never needs preempting again."""
+        remaining = req.num_tokens - num_hits * self.kv.block_size
+        chunk = self._chunk(req, remaining)
+        if self.s.policy.is_protected(req):
+            params = req.sampling_params
+            final = min(req.num_prompt_tokens + params.max_tokens, self.s.max_model_len)
+            # A reservation the whole pool cannot hold would never be admitted: fall back.
+            if -(-final // self.kv.block_size) <= self.kv.num_blocks:
+                return max(chunk, final - num_hits * self.kv.block_size - 1)
+        return chunk
+
+    def _start(self, req: Request, tokens: int) -> None:
+        """Move an admitted request (its blocks allocated) to running, granting `tokens`."""
+        s = self.s
+        now = time.monotonic()
+        if req.preempted_at is not None:
+            req.time_preempted += now - req.preempted_at
+            s.counters.time_preempted_s += now - req.preempted_at
+            req.preempted_at = None
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = now
+            s._started.append(req.request_id)
+        req.status = RequestStatus.RUNNING
+        s.running.append(req)
+        if tokens < req.num_tokens - req.num_computed_tokens:
+            self._bound("token_budget")
+        self._grant(req, tokens)
+
+    def build(self) -> SchedulerOutput:
+        scheduled = []
+        total = 0
+        context = 0
+        for req in self.order:
+            tokens = self.granted[req.request_id]
+            start = req.num_computed_tokens
+            # Only what changed: the blocks added since the runner last saw the request.
+            new_table = not req.table_sent
+            block_ids = self.kv.block_ids(req, start=0 if new_table else req.num_block_ids_sent)
+            req.table_sent = True
+            req.num_block_ids_sent = len(req.blocks)
+            lp_start, targets = start, []
+            if req.wants_prompt_logprobs:
+                lp_start = max(start, req.num_prompt_logprobs)
+                lp_end = min(start + tokens, req.num_prompt_tokens - 1)
+                targets = req.token_ids[lp_start + 1 : lp_end + 1]
+            scheduled.append(
+                ScheduledRequest(
+                    request_id=req.request_id,
+                    token_ids=req.token_ids[start : start + tokens],
+                    start_pos=start,
+                    block_ids=block_ids,
+                    sample=start + tokens == req.num_tokens,
+                    sampling_params=req.sampling_params,
+                    output_index=req.num_output_tokens,
+                    new_table=new_table,
+                    stop_token_ids=req.stop_token_ids,
+                    prompt_logprobs_start=lp_start,
+                    prompt_logprob_targets=targets,
+                )
+            )
+            total += tokens
+            context += start + tokens
+        return SchedulerOutput(
+            scheduled=scheduled,
+            num_scheduled_tokens=total,
+            num_context_tokens=context,
+            blocks_to_swap_out=self.swap_out,
+            blocks_to_swap_in=self.swap_in,
+            finished_request_ids=self.s.take_dropped_tables(),
+            done_request_ids=self.s.take_done_structured(),
+            bound_by=self.bound_by,
+        )

@@ -1,0 +1,206 @@
+"""What a step costs on this box: a linear model of a step's wall time, learnt online from the
+engine's own steps (seeded at load by a few timed warm-up steps), that the scheduler asks how
+large a prefill chunk may be for the step to finish within a class's TPOT target.
+
+seconds ~= a + b * decode_rows + c * decode_context + d * prefill_tokens + e * prefill_pairs
+
+- a: the per-step cost (scheduling, the runner's preparation, sampling, host overhead);
+- b: per decode row (its share of the weight reads a batch shares, the LM head row, sampling);
+- c: per context token a decode row attends over (KV read);
+- d: per prefill token (the matmuls);
+- e: per query-key pair of a prefill chunk (its attention: a chunk of t tokens after s cached
+  ones attends over t * (s + t / 2) pairs), which is what makes a late chunk of a long prompt
+  slower than its first.
+
+Fitted by least squares, coefficients kept non-negative, over the last steps of two kinds
+(decode-only steps and steps with prefill, each its own window, so a long run of decodes does not
+forget what prefill costs). Pure Python: the core stays torch-free.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from appliance.core.scheduler_output import SchedulerOutput
+
+# Feature scales: each column near 1 at typical sizes, so the normal equations stay well posed.
+SCALES = (1.0, 1.0, 1e-3, 1e-2, 1e-5)
+NAMES = ("step", "decode_row", "decode_context_token", "prefill_token", "prefill_pair")
+WINDOW = 128  # steps kept of each kind
+REFIT_EVERY = 8  # observations between refits (a 5x5 solve over up to 256 rows)
+RIDGE = 1e-6
+# A chunk is never cut below this many tokens by time alone: a long prompt always progresses.
+MIN_CHUNK = 16
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What a step computes, as the cost model reads it."""
+
+    decode_rows: int = 0
+    decode_context: int = 0
+    prefill_tokens: int = 0
+    prefill_pairs: float = 0.0
+
+    @classmethod
+    def of(cls, out: SchedulerOutput) -> StepShape:
+        shape = cls()
+        for r in out.scheduled:
+            n = len(r.token_ids)
+            shape = shape.with_decode(r.start_pos) if n == 1 else shape.with_chunk(r.start_pos, n)
+        return shape
+
+    def with_decode(self, start: int) -> StepShape:
+        return StepShape(
+            self.decode_rows + 1,
+            self.decode_context + start + 1,
+            self.prefill_tokens,
+            self.prefill_pairs,
+        )
+
+    def with_chunk(self, start: int, tokens: int) -> StepShape:
+        return StepShape(
+            self.decode_rows,
+            self.decode_context,
+            self.prefill_tokens + tokens,
+            self.prefill_pairs + tokens * (start + tokens / 2),
+        )
+
+    def features(self) -> tuple[float, ...]:
+        raw = (1.0, self.decode_rows, self.decode_context, self.prefill_tokens, self.prefill_pairs)
+        return tuple(x * s for x, s in zip(raw, SCALES, strict=True))
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """Gaussian elimination with partial pivoting; None when singular."""
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[pivot][col]) < 1e-15:
+            return None
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(col + 1, n):
+            f = m[r][col] / m[col][col]
+            for c in range(col, n + 1):
+                m[r][c] -= f * m[col][c]
+    x = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        x[r] = (m[r][n] - sum(m[r][c] * x[c] for c in range(r + 1, n))) / m[r][r]
+    return x
+
+
+def fit_nonnegative(rows: list[tuple[tuple[float, ...], float]]) -> list[float] | None:
+    """Least squares with every coefficient >= 0 (a cost never makes a step faster): solve,
+    drop the columns that came out negative, solve again (an active set, a few rounds)."""
+    if not rows:
+        return None
+    width = len(rows[0][0])
+    active = list(range(width))
+    for _ in range(width):
+        ata = [[RIDGE * (i == j) for j in active] for i in active]
+        atb = [0.0] * len(active)
+        for x, y in rows:
+            for ii, i in enumerate(active):
+                atb[ii] += x[i] * y
+                for jj, j in enumerate(active):
+                    ata[ii][jj] += x[i] * x[j]
+        sol = _solve(ata, atb)
+        if sol is None:
+            return None
+        negative = [active[k] for k, v in enumerate(sol) if v < 0]
+        if not negative:
+            coef = [0.0] * width
+            for k, i in enumerate(active):
+                coef[i] = sol[k]
+            return coef
+        active = [i for i in active if i not in negative]
+        if not active:
+            return [0.0] * width
+    return None
+
+
+class StepCostModel:
+    def __init__(self) -> None:
+        self._decode_steps: deque[tuple[tuple[float, ...], float]] = deque(maxlen=WINDOW)
+        self._prefill_steps: deque[tuple[tuple[float, ...], float]] = deque(maxlen=WINDOW)
+        self._since_fit = 0
+        self.coef: list[float] | None = None
+        self.observations = 0
+        # Mean absolute error of the last fit over its rows, seconds.
+        self.error_s = 0.0
+
+    @property
+    def ready(self) -> bool:
+        """Fitted from steps with prefill and steps without: only then does it bound chunks."""
+        return self.coef is not None and bool(self._prefill_steps) and bool(self._decode_steps)
+
+    def observe(self, shape: StepShape, seconds: float) -> None:
+        if shape.decode_rows == 0 and shape.prefill_tokens == 0:
+            return
+        window = self._prefill_steps if shape.prefill_tokens else self._decode_steps
+        window.append((shape.features(), seconds))
+        self.observations += 1
+        self._since_fit += 1
+        if self.coef is None or self._since_fit >= REFIT_EVERY:
+            self.refit()
+
+    def refit(self) -> None:
+        rows = [*self._decode_steps, *self._prefill_steps]
+        coef = fit_nonnegative(rows)
+        self._since_fit = 0
+        if coef is None:
+            return
+        self.coef = coef
+        self.error_s = sum(abs(self._dot(x) - y) for x, y in rows) / len(rows)
+
+    def _dot(self, features: tuple[float, ...]) -> float:
+        assert self.coef is not None
+        return sum(c * x for c, x in zip(self.coef, features, strict=True))
+
+    def estimate(self, shape: StepShape) -> float | None:
+        """Seconds the step is expected to take (None until fitted)."""
+        return self._dot(shape.features()) if self.coef is not None else None
+
+    def max_chunk(self, shape: StepShape, start: int, remaining: int, limit_s: float) -> int:
+        """The largest chunk of a prompt at `start` (at most `remaining` tokens) that keeps a step
+        of `shape` plus the chunk within `limit_s`; never below MIN_CHUNK (nor above
+        `remaining`). The cost grows with the chunk, so a bisection finds it."""
+        if not self.ready:
+            return remaining
+        floor = min(MIN_CHUNK, remaining)
+
+        def fits(tokens: int) -> bool:
+            cost = self.estimate(shape.with_chunk(start, tokens))
+            return cost is not None and cost <= limit_s
+
+        if fits(remaining):
+            return remaining
+        lo, hi = floor, remaining  # fits(hi) is False
+        if not fits(lo):
+            return floor
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if fits(mid):
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+    def describe(self) -> dict[str, Any]:
+        """The current figures in readable units (ms; µs per context token)."""
+        coef = self.coef or [0.0] * len(NAMES)
+        per = [c * s for c, s in zip(coef, SCALES, strict=True)]
+        return {
+            "fitted": self.coef is not None,
+            "ready": self.ready,
+            "observations": self.observations,
+            "step_ms": per[0] * 1e3,
+            "decode_row_ms": per[1] * 1e3,
+            "decode_context_us_per_token": per[2] * 1e6,
+            "prefill_token_ms": per[3] * 1e3,
+            "prefill_pair_ns": per[4] * 1e9,
+            "mean_abs_error_ms": self.error_s * 1e3,
+        }

@@ -1,0 +1,69 @@
+"""Seed the scheduler's step cost model at load (core/step_cost.py) with a few timed steps of
+known shape, run through the real executor on free KV blocks: two prefill chunks of one prompt
+(the second attends over the first), then decode steps of one row and of several rows. Only
+where a class sets an SLO (the model is then asked from the first request on); otherwise the
+model learns from the served steps alone."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from appliance.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from appliance.core.step_cost import StepShape
+from appliance.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from appliance.engine.llm_engine import Engine
+
+PREFILL_TOKENS = 256
+DECODE_ROWS = 8
+REPEATS = 2  # the first run of a shape pays one-off costs (primitive creation): it is not kept
+
+
+def needs_seed(engine: Engine) -> bool:
+    classes = engine.config.priority_classes.values()
+    return any(c.tpot_slo_ms or c.ttft_slo_s for c in classes)
+
+
+def seed_step_costs(engine: Engine) -> int:
+    """Run and time the warm-up steps; returns how many were observed."""
+    bs = engine.kv.block_size
+    cfg = engine.config.scheduler
+    prompt = min(PREFILL_TOKENS, cfg.max_num_batched_tokens, engine.max_model_len - 2)
+    prompt -= prompt % 2
+    blocks = list(range(-(-(prompt + 1) // bs)))
+    if prompt < 2 or len(blocks) > engine.kv.num_blocks:
+        return 0
+    half = prompt // 2
+    vocab = engine.loaded.args.vocab_size
+    tokens = [(7 * i + 3) % vocab for i in range(prompt)]
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    rows = min(DECODE_ROWS, cfg.max_num_seqs)
+
+    def step(name: str, start: int, ids: list[int], new: bool = True) -> ScheduledRequest:
+        return ScheduledRequest(name, ids, start, blocks if new else [], False, params, 0, new)
+
+    plans: list[list[ScheduledRequest]] = [
+        [step("warmup-prefill", 0, tokens[:half])],
+        [step("warmup-prefill", half, tokens[half:], new=False)],
+        [step("warmup-decode-0", prompt, tokens[:1])],
+        [step(f"warmup-decode-{i}", prompt, tokens[:1]) for i in range(rows)],
+    ]
+    observed = 0
+    names = sorted({r.request_id for plan in plans for r in plan})
+    for repeat in range(REPEATS):
+        for plan in plans:
+            count = sum(len(r.token_ids) for r in plan)
+            out = SchedulerOutput(scheduled=plan, num_scheduled_tokens=count)
+            started = time.perf_counter()
+            engine.executor.execute(out)
+            seconds = time.perf_counter() - started
+            if repeat == REPEATS - 1:
+                engine.scheduler.cost.observe(StepShape.of(out), seconds)
+                observed += 1
+        # The runner forgets the warm-up's block tables (the blocks were never the KV
+        # manager's: they are written afresh by whoever is given them).
+        engine.executor.execute(SchedulerOutput(finished_request_ids=names))
+    engine.scheduler.cost.refit()
+    return observed

@@ -1,0 +1,177 @@
+"""The step cost model (core/step_cost.py) and the time budget it gives the scheduler: against a
+synthetic step-time function whose coefficients the test knows. Pure Python."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from appliance.config import ConfigError, load_config
+from appliance.core.step_cost import MIN_CHUNK, StepCostModel, StepShape, fit_nonnegative
+from tests.test_scheduler import make, req, step
+
+# A box where a step costs 4 ms, a decode row 1.5 ms, a context token 2 us, a prefill token
+# 0.8 ms and a query-key pair of a chunk 3 ns.
+TRUE = {"step": 4e-3, "row": 1.5e-3, "ctx": 2e-6, "tok": 0.8e-3, "pair": 3e-9}
+
+
+def true_seconds(shape: StepShape) -> float:
+    return (
+        TRUE["step"]
+        + TRUE["row"] * shape.decode_rows
+        + TRUE["ctx"] * shape.decode_context
+        + TRUE["tok"] * shape.prefill_tokens
+        + TRUE["pair"] * shape.prefill_pairs
+    )
+
+
+def random_shape(rng: random.Random) -> StepShape:
+    shape = StepShape()
+    for _ in range(rng.randint(0, 24)):
+        shape = shape.with_decode(rng.randint(10, 3000))
+    if rng.random() < 0.5 or shape.decode_rows == 0:
+        shape = shape.with_chunk(rng.randint(0, 2000), rng.randint(16, 1024))
+    return shape
+
+
+def trained(noise: float = 0.02, steps: int = 400, seed: int = 0) -> StepCostModel:
+    rng = random.Random(seed)
+    model = StepCostModel()
+    for _ in range(steps):
+        shape = random_shape(rng)
+        model.observe(shape, true_seconds(shape) * (1 + rng.uniform(-noise, noise)))
+    model.refit()
+    return model
+
+
+def test_the_model_converges_on_a_synthetic_step_time_function() -> None:
+    model = trained()
+    assert model.ready
+    figures = model.describe()
+    assert figures["step_ms"] == pytest.approx(4.0, rel=0.15)
+    assert figures["decode_row_ms"] == pytest.approx(1.5, rel=0.1)
+    assert figures["prefill_token_ms"] == pytest.approx(0.8, rel=0.05)
+    assert figures["prefill_pair_ns"] == pytest.approx(3.0, rel=0.15)
+    rng = random.Random(99)
+    for _ in range(50):
+        shape = random_shape(rng)
+        estimate = model.estimate(shape)
+        assert estimate == pytest.approx(true_seconds(shape), rel=0.05)
+
+
+def test_the_model_follows_a_box_that_got_slower() -> None:
+    """Shared boxes drift: after the steps of a 2x slower box, the estimate doubles."""
+    model = trained()
+    rng = random.Random(5)
+    for _ in range(300):
+        shape = random_shape(rng)
+        model.observe(shape, 2 * true_seconds(shape))
+    shape = StepShape().with_decode(500).with_chunk(0, 512)
+    assert model.estimate(shape) == pytest.approx(2 * true_seconds(shape), rel=0.05)
+
+
+def test_fitted_costs_are_never_negative() -> None:
+    # Steps that got faster with more rows (noise on a tiny model): the row cost is 0, not < 0.
+    rows = [((1.0, float(n), 0.0, 0.0, 0.0), 0.01 - 0.0001 * n) for n in range(1, 30)]
+    coef = fit_nonnegative(rows)
+    assert coef is not None and all(c >= 0 for c in coef)
+
+
+@pytest.mark.parametrize("limit_ms", [20, 50, 200])
+def test_the_estimate_bounds_the_chunk(limit_ms: float) -> None:
+    model = trained()
+    shape = StepShape()
+    for _ in range(4):
+        shape = shape.with_decode(800)
+    limit = limit_ms / 1e3
+    chunk = model.max_chunk(shape, 1000, 4000, limit)
+    estimate = model.estimate(shape.with_chunk(1000, chunk))
+    assert estimate is not None
+    if chunk > MIN_CHUNK:
+        assert estimate <= limit
+        over = model.estimate(shape.with_chunk(1000, chunk + 1))
+        assert over is not None and over > limit
+    # And the true step time the chunk gives stays near the limit (the model is close).
+    assert true_seconds(shape.with_chunk(1000, chunk)) <= limit * 1.05 or chunk == MIN_CHUNK
+
+
+def test_an_unfitted_model_never_cuts() -> None:
+    assert StepCostModel().max_chunk(StepShape().with_decode(10), 0, 3000, 0.001) == 3000
+
+
+CLASSES = {"priority_classes.interactive.priority": 5, "priority_classes.batch.priority": 10}
+SLO = {
+    **CLASSES,
+    "priority_classes.interactive.tpot_slo_ms": 60.0,
+    "scheduler.max_num_batched_tokens": 4096,
+}
+
+
+def seeded(overrides: dict[str, object]) -> object:
+    s = make(overrides, num_blocks=512)
+    s.cost = trained()
+    return s
+
+
+def test_a_decoding_class_with_a_tpot_target_cuts_a_long_prefill_by_time() -> None:
+    s = seeded(SLO)
+    s.add_request(req("short", 32, max_tokens=64, cls="interactive"))
+    step(s)  # the short prompt, then it decodes
+    s.add_request(req("long", 3000, max_tokens=4, cls="batch", base=5000))
+    out = step(s)
+    chunk = next(len(r.token_ids) for r in out.scheduled if r.request_id == "long")
+    assert out.bound_by == "time_budget"
+    assert 16 <= chunk < 3000
+    shape = StepShape.of(out)
+    assert true_seconds(shape) <= 0.060 * 1.05
+    # Without the target the same step takes the whole prompt (the token budget allows it).
+    plain = seeded({**CLASSES, "scheduler.max_num_batched_tokens": 4096})
+    plain.add_request(req("short", 32, max_tokens=64, cls="interactive"))
+    step(plain)
+    plain.add_request(req("long", 3000, max_tokens=4, cls="batch", base=5000))
+    out = step(plain)
+    assert next(len(r.token_ids) for r in out.scheduled if r.request_id == "long") == 3000
+
+
+def test_a_short_request_behind_a_long_prompt_gets_its_first_token_before_that_prefill_ends() -> (
+    None
+):
+    s = seeded(SLO)
+    s.add_request(req("chat-1", 32, max_tokens=200, cls="interactive"))
+    step(s)
+    s.add_request(req("summary", 3500, max_tokens=4, cls="batch", base=5000))
+    step(s)  # the summary's first chunk, cut by time
+    s.add_request(req("chat-2", 48, max_tokens=8, cls="interactive", base=20000))
+    first_token_step = summary_done_step = None
+    for n in range(1, 200):
+        out = step(s)
+        for r in out.scheduled:
+            if r.request_id == "chat-2" and r.sample and first_token_step is None:
+                first_token_step = n
+            if r.request_id == "summary" and r.sample and summary_done_step is None:
+                summary_done_step = n
+        if first_token_step and summary_done_step:
+            break
+    assert first_token_step is not None and summary_done_step is not None
+    assert first_token_step < summary_done_step
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        ({"priority_classes.interactive.tpot_slo_ms": 0}, "tpot_slo_ms"),
+        ({"priority_classes.batch.ttft_slo_s": -1.0}, "ttft_slo_s"),
+        (
+            {"scheduler.long_prompt_tokens": 512, "scheduler.long_prompt_class": "bulk"},
+            "long_prompt_class",
+        ),
+        (
+            {"scheduler.long_prompt_tokens": 0, "scheduler.long_prompt_class": "batch"},
+            "long_prompt_tokens",
+        ),
+    ],
+)
+def test_bad_slo_and_length_class_settings_name_their_key(overrides: dict, key: str) -> None:
+    with pytest.raises(ConfigError, match=key):
+        load_config(None, overrides)
