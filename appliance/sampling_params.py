@@ -24,7 +24,7 @@ def invalid_field(message: str) -> str | None:
 
 class StructuredOutputs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """A constraint on the output, compiled (and cached by its text) in the engine core by
-    engine/guided.py. The server validates it before the request reaches the engine."""
+    engine/guided.py. Engine.add_request checks it first (engine/request_checks.py)."""
 
     # json: a JSON schema (text); json_object: any JSON object (spec unused); regex; choice: a
     # JSON list of the allowed strings; grammar: EBNF (GBNF dialect, xgrammar's).

@@ -6,6 +6,7 @@ queue timeout."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -141,6 +142,45 @@ def test_400_names_the_field_and_its_limit(
 ) -> None:
     err = assert_error(complete(server, body), 400, param=param, contains=contains)
     assert err["type"] == "invalid_request_error"
+
+
+def test_a_prompt_with_no_room_left_is_a_400_naming_the_requests_field(
+    server: ServerProcess,
+) -> None:
+    # The engine checks the prompt's length (offline too), before max_tokens; the answer names
+    # the request's own field: a chat request's is `messages`.
+    text = "word " * 600
+    err = assert_error(
+        complete(server, {"prompt": text, "max_tokens": 600}),
+        400,
+        param="prompt",
+        code="context_length_exceeded",
+        contains=("maximum context length is 512 tokens, which leaves no room to generate",),
+    )
+    assert err["message"].startswith("prompt: ")
+    messages = [{"role": "user", "content": text}]
+    r = server.post(
+        "/v1/chat/completions", json={"model": MODEL, "messages": messages}, headers=AUTH
+    )
+    err = assert_error(r, 400, param="messages", code="context_length_exceeded")
+    assert err["message"].startswith("messages: ") and "leaves no room" in err["message"]
+    err = assert_error(complete(server, {"prompt": "x", "max_tokens": 0}), 400, param="max_tokens")
+    assert err["message"] == "max_tokens must be at least 1, got 0"
+
+
+def test_a_refused_request_gets_its_request_log_line(server: ServerProcess) -> None:
+    headers = {**AUTH, "x-request-id": "refused-1"}
+    assert_error(complete(server, {"prompt": "x", "temperature": -1}, headers=headers), 400)
+
+    def line() -> dict[str, Any] | None:
+        for text in server.log().splitlines():
+            if text.startswith("{") and '"refused-1"' in text:
+                return json.loads(text)
+        return None
+
+    got = wait_for(line, timeout_s=10)
+    assert (got["event"], got["endpoint"], got["status"]) == ("request", "/v1/completions", 400)
+    assert "temperature" in got["message"]
 
 
 def test_400_bad_json_and_bad_chat(server: ServerProcess) -> None:

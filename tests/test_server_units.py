@@ -1,5 +1,6 @@
 """Server pieces without a server: IPC framing, auth, sd_notify, metrics counters across engine
-rebuilds, error bodies, and the serving benchmark's workload and statistics."""
+rebuilds, error bodies, the routes against /openapi.json, and the serving benchmark's workload
+and statistics."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import multiprocessing as mp
 import os
 import socket
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import msgspec
 import pytest
@@ -316,3 +319,90 @@ def test_bench_serve_max_concurrency_bounds_the_requests_in_flight() -> None:
     assert all(r.status == 200 and r.output_tokens == 1 for r in results)
     # Three waves of 0.2 s: counted from the burst, the last wave would show >= 0.6 s.
     assert max(r.e2e_s for r in results) < 0.4
+
+
+def _served_but_undocumented(app: Any) -> list[str]:
+    """Routes the app serves with include_in_schema (Litestar's default) that /openapi.json
+    does not describe."""
+    from appliance.server.openapi_doc import openapi_document
+
+    paths = openapi_document()["paths"]
+    return [
+        f"{method} {r.path}"
+        for r in app.routes
+        for handler in r.route_handlers
+        if handler.resolve_include_in_schema()
+        for method in sorted(handler.http_methods)
+        if method.lower() not in paths.get(r.path, {})
+    ]
+
+
+def test_every_served_route_is_in_the_openapi_document() -> None:
+    from litestar import Litestar, post
+
+    from appliance.config import ApplianceConfig
+    from appliance.server.app import create_app
+    from appliance.server.routes import ROUTES
+
+    app = create_app(SimpleNamespace(config=ApplianceConfig()))  # type: ignore[arg-type]
+    assert _served_but_undocumented(app) == []
+    served = {(m, r.path) for r in app.routes for h in r.route_handlers for m in h.http_methods}
+    assert {(r.method, r.path) for r in ROUTES} <= served
+
+    # An endpoint registered outside the route table is caught.
+    @post("/v1/embeddings")
+    async def embeddings() -> None: ...
+
+    stray = Litestar(route_handlers=[embeddings], openapi_config=None)
+    assert _served_but_undocumented(stray) == ["POST /v1/embeddings"]
+
+
+def test_the_engines_prompt_checks_name_the_field_and_the_limit() -> None:
+    from appliance.engine.request_checks import InvalidRequest, check_prompt
+
+    cases = [
+        ([], "must contain at least one token", ""),
+        ([1, 9], "token id 9 is outside the vocabulary [0, 8)", ""),
+        (
+            [1] * 16,
+            "16 tokens; this model's maximum context length is 16",
+            "context_length_exceeded",
+        ),
+        ([1] * 12, "12 tokens need 4 KV blocks, the pool has 3", ""),
+    ]
+    for ids, words, code in cases:
+        with pytest.raises(InvalidRequest) as info:
+            check_prompt(ids, vocab_size=8, max_model_len=16, block_size=4, num_blocks=3)
+        assert str(info.value).startswith("prompt: ") and words in str(info.value)
+        assert info.value.code == code
+
+
+def test_an_engine_refusal_becomes_the_400_naming_the_requests_own_field() -> None:
+    from appliance.server.prepare import PreparedRequest
+    from appliance.server.scoring import ResponsePlan
+
+    req = PreparedRequest(
+        chat=True,
+        prompts=[[1]],
+        params=SamplingParams(),
+        n=1,
+        stream=False,
+        priority=None,
+        priority_class="",
+        logprobs=None,
+        include_usage=False,
+        plan=ResponsePlan(),
+        prompt_param="messages",
+        constraint_param="response_format.json_schema.schema",
+    )
+    err = req.refusal("prompt: 600 tokens; this model's ...", "context_length_exceeded")
+    assert (err.status, err.param, err.code) == (400, "messages", "context_length_exceeded")
+    assert err.message == "messages: 600 tokens; this model's ..."
+    err = req.refusal("structured: unsupported JSON schema feature 'not' at /")
+    assert err.param == "response_format.json_schema.schema"
+    assert (
+        err.message
+        == "response_format.json_schema.schema: unsupported JSON schema feature 'not' at /"
+    )
+    err = req.refusal("min_tokens cannot be combined with structured outputs")
+    assert (err.param, err.code, err.message.split()[0]) == ("min_tokens", None, "min_tokens")

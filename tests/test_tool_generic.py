@@ -24,7 +24,7 @@ from transformers import AutoTokenizer
 
 from appliance.models.demo_model import CHAT_TEMPLATE
 from appliance.server.chat_caps import _probe, detect_parser
-from appliance.server.prepare import chat_prompt
+from appliance.server.prompts import chat_prompt
 from appliance.server.schemas import ChatCompletionRequest, ChatMessage
 from appliance.server.tool_calls import ToolPlan, ToolStream, plan_tools
 from appliance.server.tool_generic import parse_generic
@@ -414,3 +414,44 @@ def test_a_schema_the_grammar_cannot_compile_names_the_tool() -> None:
     # A template's own format uses no grammar: the model's own call format is parsed.
     plan = plan_tools(body, "", (TEMPLATES / "qwen2.5_hermes.jinja").read_text())
     assert plan is not None and plan.mode == "auto"
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "words"),
+    [
+        (  # refused as the server reads it into the tools' grammar
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "integer", "multipleOf": 3}},
+                }
+            },
+            "response_format.json_schema.schema",
+            "multipleOf",
+        ),
+        (
+            {"structured_outputs": {"json": "{not json"}},
+            "structured_outputs.json",
+            "not valid JSON",
+        ),
+        (  # refused by the engine's check of the combined grammar, named after its own field
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "nonsense"}},
+                }
+            },
+            "response_format.json_schema.schema",
+            "nonsense",
+        ),
+    ],
+)
+def test_a_bad_answer_schema_beside_tools_is_a_400_naming_its_field(
+    server: ServerProcess, extra: dict[str, Any], param: str, words: str
+) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": TOOLS}
+    r = httpx.post(server.url + "/v1/chat/completions", json={**body, **extra}, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["message"].startswith(param + ": "), err
+    assert words in err["message"], err

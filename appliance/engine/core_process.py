@@ -237,7 +237,7 @@ class _Core:
                 arrival_time=msg.arrival_time,
             )
         except ValueError as exc:
-            return ipc.AddResult(msg.request_id, "invalid", str(exc))
+            return ipc.AddResult(msg.request_id, "invalid", str(exc), getattr(exc, "code", ""))
         if req.is_finished:
             reason = req.finish_reason.value if req.finish_reason else "queue_full"
             return ipc.AddResult(msg.request_id, reason, req.finish_detail)

@@ -5,7 +5,8 @@ xgrammar turns a schema into a grammar and raises on what it cannot read (bad JS
 type, a malformed regex), but it silently ignores some keywords (multipleOf, uniqueItems,
 patternProperties, unknown formats...). Output "valid against its schema" would then be a lie,
 so those are refused here with a message naming the keyword and where it is, as vLLM does
-(`has_xgrammar_unsupported_json_features`). No tokenizer is needed: the API process runs this.
+(`has_xgrammar_unsupported_json_features`). No tokenizer is needed: Engine.add_request runs
+this (engine/request_checks.py), the API process only on the tools' schemas (to name the tool).
 """
 
 from __future__ import annotations

@@ -102,6 +102,8 @@ class AddResult(msgspec.Struct, array_like=True):
     # "" = queued; "queue_full" = refused by admission control; "invalid" = bad input.
     rejected: str = ""
     detail: str = ""
+    # For bad input: OpenAI's error code where one applies (request_checks.InvalidRequest).
+    code: str = ""
 
 
 class Frame(msgspec.Struct, tag="frame", kw_only=True):

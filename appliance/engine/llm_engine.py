@@ -21,7 +21,7 @@ from appliance.core.request import FinishReason, Request
 from appliance.core.scheduler import Scheduler
 from appliance.core.scheduler_output import SchedulerOutput
 from appliance.core.wait_estimate import DepartureRate
-from appliance.engine import guided_check
+from appliance.engine import request_checks
 from appliance.engine.executor import load_model
 from appliance.engine.loader import LoadedModel, StepExecutor
 from appliance.engine.output_processor import OutputProcessor
@@ -128,35 +128,20 @@ class Engine:
         arrival_time: float | None = None,
     ) -> Request:
         """Validate and queue a request. Raises ValueError for bad input (naming the field and
-        the limit); a request refused by admission control comes back already finished."""
+        the limit: engine/request_checks.py); a request refused by admission control comes back
+        already finished. The prompt is checked first: a prompt with no room left is refused
+        as such whatever max_tokens says."""
         params = params or SamplingParams()
-        params.validate()
-        if params.structured is not None:
-            if params.min_tokens:
-                # The grammar decides where the output ends; a ban on EOS could contradict it.
-                raise ValueError("min_tokens cannot be combined with structured outputs")
-            try:
-                params.structured = guided_check.check(params.structured)
-            except guided_check.StructuredError as exc:
-                raise ValueError(f"structured: {exc}") from None
         token_ids = self.tokenize(prompt)
-        if not token_ids:
-            raise ValueError("prompt: must contain at least one token")
-        vocab = self.loaded.args.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt: token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt: {len(token_ids)} tokens leaves no room to generate within "
-                f"max_model_len {self.max_model_len} (the prompt must be shorter)"
-            )
-        blocks_for_prompt = -(-(len(token_ids) + 1) // self.kv.block_size)
-        if blocks_for_prompt > self.kv.num_blocks:
-            raise ValueError(
-                f"prompt: {len(token_ids)} tokens need {blocks_for_prompt} KV blocks, "
-                f"the pool has {self.kv.num_blocks}"
-            )
+        request_checks.check_prompt(
+            token_ids,
+            self.loaded.args.vocab_size,
+            self.max_model_len,
+            self.kv.block_size,
+            self.kv.num_blocks,
+        )
+        params.validate()
+        request_checks.check_structured(params)
         try:
             prio, cls_name = self.config.resolve_priority(priority, len(token_ids))
         except ConfigError as exc:

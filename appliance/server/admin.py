@@ -160,5 +160,8 @@ async def resume(request: Request[Any, Any, Any]) -> Response[bytes]:
 
 def router() -> Router:
     return Router(
-        path="/", route_handlers=[stats, config, reload, abort, pause, resume], guards=[admin_guard]
+        path="/",
+        route_handlers=[stats, config, reload, abort, pause, resume],
+        guards=[admin_guard],
+        include_in_schema=False,  # the console's API: not in /openapi.json
     )

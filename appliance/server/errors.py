@@ -30,6 +30,8 @@ _CODES = {
     405: "method_not_allowed",
     413: "request_too_large",
 }
+# The handler opt that marks an API route (server/routes.py): its errors get a request log line.
+REQUEST_LOG_OPT = "request_log"
 # msgspec names the offending field as "... - at `$.field[0].sub`".
 _PATH = re.compile(r"at `\$\.?([^`]*)`")
 
@@ -118,13 +120,17 @@ def to_api_error(exc: Exception) -> APIError:
 
 def exception_handler(request: Request[Any, Any, Any], exc: Exception) -> Response[bytes]:
     err = to_api_error(exc)
-    logger = getattr(request.app.state, "request_log", None)
+    # A refused API request gets its request log line too: the routes of server/routes.py's
+    # table say so in their handler's opt (a line already written is not repeated).
+    handler = request.scope.get("route_handler")
+    state = getattr(request.app.state, "server", None)
     if (
-        logger is not None
+        state is not None
         and not err.logged
-        and request.url.path.startswith(("/v1/", "/tokenize", "/detokenize"))
+        and handler is not None
+        and handler.opt.get(REQUEST_LOG_OPT)
     ):
-        logger.error_line(request, err)
+        state.request_log.error_line(request, err)
     return Response(
         content=error_body(err),
         status_code=err.status,

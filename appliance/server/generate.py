@@ -18,10 +18,11 @@ import msgspec
 from appliance.engine.client import EngineError
 from appliance.engine.output_processor import RequestState
 from appliance.engine.outputs import RequestOutput
-from appliance.sampling_params import SamplingParams, invalid_field
+from appliance.sampling_params import SamplingParams
 from appliance.server.errors import APIError
 
 if TYPE_CHECKING:
+    from appliance.server.prepare import PreparedRequest
     from appliance.server.state import ServerState
 
 # Engine finish reasons that mean "refused, try later" rather than an answer.
@@ -34,30 +35,22 @@ Choice = RequestState
 
 class Generation:
     def __init__(
-        self,
-        state: ServerState,
-        request_id: str,
-        prompts: list[list[int]],
-        params: SamplingParams,
-        n: int,
-        priority: str | int | None,
-        priority_class: str,
-        arrival: float,
-        stream: bool,
+        self, state: ServerState, request_id: str, req: PreparedRequest, arrival: float
     ) -> None:
         self.state = state
         self.request_id = request_id
-        self.params = params
-        self.priority = priority
-        self.priority_class = priority_class
+        self.req = req
+        self.params = req.params
+        self.priority = req.priority
+        self.priority_class = req.priority_class
         self.arrival = arrival
-        self.stream = stream
+        self.stream = req.stream
+        n = self.n = req.n
         # (index, prompt) per choice; the choices' states exist once submitted.
         self._planned = [
-            (p_idx * n + i, prompt) for p_idx, prompt in enumerate(prompts) for i in range(n)
+            (p_idx * n + i, prompt) for p_idx, prompt in enumerate(req.prompts) for i in range(n)
         ]
         self.choices: list[Choice] = []
-        self.n = n
         self.pending = len(self._planned)
         self.events: asyncio.Queue[tuple[Choice, RequestOutput] | None] = asyncio.Queue()
         self.done = asyncio.Event()
@@ -119,6 +112,8 @@ class Generation:
         if refused is not None:
             self.abort(refused.rejected, count=False)
             self.close()
+            if refused.rejected == "invalid":  # bad input, in the engine's words
+                raise self.req.refusal(refused.detail, refused.code)
             raise self._refusal(refused.rejected, refused.detail)
 
     def _refusal(self, reason: str, detail: str) -> APIError:
@@ -130,8 +125,6 @@ class Generation:
                 code=reason,
                 headers={"Retry-After": retry},
             )
-        if reason == "invalid":
-            return APIError(400, detail, param=invalid_field(detail))
         return APIError(
             503,
             f"engine unavailable: {detail}",

@@ -3,8 +3,9 @@
 - JSON nesting depth, on the raw bytes before decoding: msgspec recurses once per level, and a
   body nested 100,000 deep ends in a RecursionError (it was a 500). The check costs two
   `bytes.count` calls for an ordinary body.
-- Token ids within the vocabulary (prompt ids, stop_token_ids): an id of 2**70 cannot even be
-  encoded for the engine core (msgpack stops at 64 bits).
+- Token ids within the vocabulary: stop_token_ids (the engine checks only the prompt's), and
+  a prompt's ids beyond 64 bits, which cannot even be encoded for the engine core (msgpack);
+  in the engine's words (engine/request_checks.py).
 - Chat roles from OpenAI's set, and `tool_choice` consistent with `tools`.
 
 Every refusal is a 400 naming the field and the limit. Integer ranges that are pure schema
@@ -16,6 +17,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from appliance.engine import request_checks
 from appliance.server.errors import bad_request
 
 # Deepest JSON nesting accepted (objects and arrays). A chat request needs about 4 levels, a
@@ -60,16 +62,10 @@ def check_json_depth(raw: bytes) -> None:
 
 def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
     """Every id in [0, vocab_size); `param` names the field in the error."""
-    for t in ids:
-        if not 0 <= t < vocab_size:
-            raise bad_request(
-                f"{param}: token id {t} is outside the vocabulary [0, {vocab_size})", param=param
-            )
-
-
-def check_prompt_ids(prompts: list[list[int]], vocab_size: int) -> None:
-    for ids in prompts:
-        check_token_ids(ids, vocab_size, "prompt")
+    try:
+        request_checks.check_token_ids(ids, vocab_size, param)
+    except request_checks.InvalidRequest as exc:
+        raise bad_request(str(exc), param=param) from None
 
 
 def check_top_k(top_k: int | None, vocab_size: int) -> None:

@@ -1,9 +1,6 @@
-"""The OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models, and
-vLLM's /tokenize and /detokenize.
-
-Bodies are decoded here with msgspec (not through Litestar's `data:` injection) so that a
-schema error becomes one OpenAI-style 400 naming the field, and so that the body is only read
-after the API key and readiness checks (guards) have passed.
+"""The OpenAI-compatible endpoints: /v1/completions, /v1/chat/completions, /v1/models, and
+vLLM's /tokenize and /detokenize. Each handler takes the request and its decoded body; the
+paths, methods and body types are server/routes.py's table.
 """
 
 from __future__ import annotations
@@ -14,7 +11,7 @@ from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
 import msgspec
-from litestar import Request, Response, Router, get, post
+from litestar import Request, Response
 from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
 from litestar.response import Stream
@@ -22,7 +19,6 @@ from litestar.response import Stream
 from appliance.server import limits
 from appliance.server import prepare as prep
 from appliance.server import schemas as s
-from appliance.server.auth import api_key_guard
 from appliance.server.errors import APIError, ClientGone, bad_request, from_validation
 from appliance.server.format import (
     StreamFormatter,
@@ -32,10 +28,7 @@ from appliance.server.format import (
     error_event,
 )
 from appliance.server.generate import RETRYABLE, Generation
-from appliance.server.scoring import ResponsePlan
 from appliance.server.state import ServerState
-from appliance.server.structured import structured_outputs, validated
-from appliance.server.tool_calls import ToolPlan, plan_tools, with_output_constraint
 
 T = TypeVar("T")
 JSON = "application/json"
@@ -97,77 +90,22 @@ async def race_disconnect(request: Request[Any, Any, Any], aw: Awaitable[T]) -> 
 
 
 # -- generation ----------------------------------------------------------------------------------
-async def _generate(request: Request[Any, Any, Any], chat: bool) -> Response[Any]:
+async def _generate(request: Request[Any, Any, Any], body: prep.Body) -> Response[Any]:
     arrival = time.monotonic()
     state = _state(request)
-    body: prep.Body = await decode_body(
-        request, s.ChatCompletionRequest if chat else s.CompletionRequest
-    )
-    prep.check_model(state, body.model)
-    _check_limits(state, body)
-    prep.refuse_unsupported(body)
-    priority_class = prep.resolve_priority(state, body.priority)
-    prep.check_queue(state, priority_class)  # before tokenizing: shedding load stays cheap
-    prep.check_estimated_wait(state, priority_class)
-    structured = structured_outputs(body)
-    plan = ResponsePlan(prompt_logprobs=body.prompt_logprobs)
-    if isinstance(body, s.ChatCompletionRequest):
-        plan.tools = _tool_plan(state, body)
-        if plan.tools is not None and plan.tools.structured is not None:
-            if structured is not None:
-                plan.tools = with_output_constraint(plan.tools, structured)
-            # (a generic plan, which with_output_constraint returns, constrains its output)
-            assert plan.tools.structured is not None
-            structured = validated(plan.tools.structured, "tools")
-        prompts = [prep.chat_prompt(state, body.messages, body.add_generation_prompt, plan.tools)]
-        name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        asked = (
-            body.max_completion_tokens
-            if body.max_completion_tokens is not None
-            else body.max_tokens
-        )
-        k = (body.top_logprobs or 0) if body.logprobs else None
-        if body.top_logprobs is not None and not body.logprobs:
-            raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
-        prompt_param = "messages"
-    else:
-        prompts = prep.completion_prompts(state, body.prompt)
-        if not isinstance(body.prompt, str):  # ids from the client: within the vocabulary
-            limits.check_prompt_ids(prompts, _vocab_size(state))
-        name, asked, k, prompt_param = "max_tokens", body.max_tokens, body.logprobs, "prompt"
-        plan.echo = body.echo
-        if body.echo and asked == 0:
-            # Scoring only: the prompt's last logits sample one token (same forward), dropped.
-            plan.drop_output, asked = True, 1
-    max_tokens = prep.resolve_max_tokens(state, prompts, asked, name, prompt_param)
-    # Echoed logprobs and vLLM's prompt_logprobs come from one prefill computation.
-    wanted = [x for x in (body.prompt_logprobs, k if plan.echo else None) if x is not None]
-    params = prep.sampling_params(body, max_tokens, k, max(wanted) if wanted else None)
-    params.structured = structured
-    rid = state.next_id("chatcmpl" if chat else "cmpl")
-    gen = Generation(
-        state, rid, prompts, params, body.n, body.priority, priority_class, arrival, body.stream
-    )
+    req = prep.prepare(state, body)
+    rid = state.next_id(req.id_prefix)
+    gen = Generation(state, rid, req, arrival)
     await gen.submit()
-    ctx = _LogContext(state, gen, request.url.path, body.stream)
+    ctx = _LogContext(state, gen, request.url.path, req.stream)
     text_of = _token_text(state)
     created = int(time.time())
-    if body.stream:
-        return await _stream(
-            request,
-            gen,
-            ctx,
-            StreamFormatter(
-                gen,
-                chat,
-                state.model_name,
-                created,
-                k,
-                bool(body.stream_options and body.stream_options.include_usage),
-                text_of,
-                plan,
-            ),
+    k, plan = req.logprobs, req.plan
+    if req.stream:
+        fmt = StreamFormatter(
+            gen, req.chat, state.model_name, created, k, req.include_usage, text_of, plan
         )
+        return await _stream(request, gen, ctx, fmt)
     try:
         await race_disconnect(request, gen.done.wait())
     except ClientGone:
@@ -182,27 +120,8 @@ async def _generate(request: Request[Any, Any, Any], chat: bool) -> Response[Any
         err.logged = True
         raise err
     ctx.finish(200)
-    build = chat_response if chat else completion_response
+    build = chat_response if req.chat else completion_response
     return _json(build(gen, state.model_name, created, k, text_of, plan), {"x-request-id": rid})
-
-
-def _tool_plan(state: ServerState, body: s.ChatCompletionRequest) -> ToolPlan | None:
-    template = getattr(state.tokenizer, "chat_template", None)
-    return plan_tools(body, state.config.model.tool_call_parser, template)
-
-
-def _vocab_size(state: ServerState) -> int:
-    return state.info.vocab_size if state.info else 0
-
-
-def _check_limits(state: ServerState, body: prep.Body) -> None:
-    """The limits a schema cannot state (appliance/server/limits.py), before any work."""
-    vocab = _vocab_size(state)
-    limits.check_top_k(body.top_k, vocab)
-    if body.stop_token_ids:
-        limits.check_token_ids(body.stop_token_ids, vocab, "stop_token_ids")
-    if isinstance(body, s.ChatCompletionRequest):
-        limits.check_roles([m.role for m in body.messages])
 
 
 def _token_text(state: ServerState) -> TokenText:
@@ -303,18 +222,17 @@ class _LogContext:
         )
 
 
-@post("/v1/completions", status_code=200)
-async def completions(request: Request[Any, Any, Any]) -> Response[Any]:
-    return await _generate(request, chat=False)
+async def completions(request: Request[Any, Any, Any], body: s.CompletionRequest) -> Response[Any]:
+    return await _generate(request, body)
 
 
-@post("/v1/chat/completions", status_code=200)
-async def chat_completions(request: Request[Any, Any, Any]) -> Response[Any]:
-    return await _generate(request, chat=True)
+async def chat_completions(
+    request: Request[Any, Any, Any], body: s.ChatCompletionRequest
+) -> Response[Any]:
+    return await _generate(request, body)
 
 
-@get("/v1/models")
-async def models(request: Request[Any, Any, Any]) -> Response[bytes]:
+async def models(request: Request[Any, Any, Any], body: None) -> Response[bytes]:
     state = _state(request)
     info = state.info
     card = s.ModelCard(
@@ -326,10 +244,8 @@ async def models(request: Request[Any, Any, Any]) -> Response[bytes]:
     return _json(s.ModelList([card]))
 
 
-@post("/tokenize", status_code=200)
-async def tokenize(request: Request[Any, Any, Any]) -> Response[bytes]:
+async def tokenize(request: Request[Any, Any, Any], body: s.TokenizeRequest) -> Response[bytes]:
     state = _state(request)
-    body = await decode_body(request, s.TokenizeRequest)
     prep.check_model(state, body.model)
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give exactly one of prompt or messages", param="prompt")
@@ -341,7 +257,7 @@ async def tokenize(request: Request[Any, Any, Any]) -> Response[bytes]:
             tool_choice=body.tool_choice,
             parallel_tool_calls=body.parallel_tool_calls,
         )
-        plan = _tool_plan(state, chat)
+        plan = prep.tool_plan(state, chat)
         ids = prep.chat_prompt(state, body.messages, body.add_generation_prompt, plan)
     else:
         ids = list(state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
@@ -349,10 +265,8 @@ async def tokenize(request: Request[Any, Any, Any]) -> Response[bytes]:
     return _json(s.TokenizeResponse(len(ids), limit, ids))
 
 
-@post("/detokenize", status_code=200)
-async def detokenize(request: Request[Any, Any, Any]) -> Response[bytes]:
+async def detokenize(request: Request[Any, Any, Any], body: s.DetokenizeRequest) -> Response[bytes]:
     state = _state(request)
-    body = await decode_body(request, s.DetokenizeRequest)
     prep.check_model(state, body.model)
     vocab = state.info.vocab_size if state.info else 0
     bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
@@ -361,11 +275,3 @@ async def detokenize(request: Request[Any, Any, Any]) -> Response[bytes]:
             f"tokens: id {bad} is outside the vocabulary [0, {vocab})", param="tokens"
         )
     return _json(s.DetokenizeResponse(state.tokenizer.decode(body.tokens)))
-
-
-def router() -> Router:
-    return Router(
-        path="/",
-        route_handlers=[completions, chat_completions, models, tokenize, detokenize],
-        guards=[api_key_guard, ready_guard],
-    )

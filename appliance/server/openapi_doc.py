@@ -1,6 +1,7 @@
 """GET /openapi.json: the OpenAPI 3.1 description of the OpenAI-compatible API, built from the
-very msgspec Structs the routes decode (so the published schema cannot drift from what is
-enforced: integer bounds, required fields, enums).
+route table (server/routes.py) and the very msgspec Structs the routes decode (so the published
+schema cannot drift from what is served and enforced: paths, integer bounds, required fields,
+enums).
 
 Litestar's own generator is off (app.py): the routes decode their bodies themselves, so it
 would describe no request bodies. The admin API (/admin/*) is the console's and stays out.
@@ -15,25 +16,10 @@ import msgspec
 from litestar import Request, Response, get
 
 from appliance import __version__
-from appliance.server import schemas as s
 from appliance.server.errors import ErrorBody
+from appliance.server.routes import ROUTES
 
 _REF = "#/components/schemas/{name}"
-# (method, path, request body type or None, response type, summary, streams)
-_OPERATIONS: list[tuple[str, str, type | None, type, str, bool]] = [
-    ("post", "/v1/completions", s.CompletionRequest, s.CompletionResponse, "Completions", True),
-    (
-        "post",
-        "/v1/chat/completions",
-        s.ChatCompletionRequest,
-        s.ChatCompletionResponse,
-        "Chat completions",
-        True,
-    ),
-    ("get", "/v1/models", None, s.ModelList, "The served model", False),
-    ("post", "/tokenize", s.TokenizeRequest, s.TokenizeResponse, "Tokenize (vLLM)", False),
-    ("post", "/detokenize", s.DetokenizeRequest, s.DetokenizeResponse, "Detokenize (vLLM)", False),
-]
 
 
 def _ref(schema: dict[str, Any]) -> dict[str, Any]:
@@ -43,8 +29,8 @@ def _ref(schema: dict[str, Any]) -> dict[str, Any]:
 @cache
 def openapi_document() -> dict[str, Any]:
     types: list[Any] = [ErrorBody]
-    for _, _, req, resp, _, _ in _OPERATIONS:
-        types += [t for t in (req, resp) if t is not None]
+    for r in ROUTES:
+        types += [t for t in (r.request, r.response) if t is not None]
     refs, components = msgspec.json.schema_components(types, ref_template=_REF)
     ref_of = dict(zip(map(id, types), refs, strict=True))
     error = {
@@ -52,20 +38,20 @@ def openapi_document() -> dict[str, Any]:
         "content": {"application/json": {"schema": _ref(ref_of[id(ErrorBody)])}},
     }
     paths: dict[str, Any] = {}
-    for method, path, req, resp, summary, streams in _OPERATIONS:
-        ok: dict[str, Any] = {"application/json": {"schema": _ref(ref_of[id(resp)])}}
-        if streams:  # "stream": true answers server-sent events
+    for r in ROUTES:
+        ok: dict[str, Any] = {"application/json": {"schema": _ref(ref_of[id(r.response)])}}
+        if r.streams:  # "stream": true answers server-sent events
             ok["text/event-stream"] = {"schema": {"type": "string"}}
         op: dict[str, Any] = {
-            "summary": summary,
+            "summary": r.summary,
             "responses": {"200": {"description": "OK", "content": ok}, "4XX": error, "5XX": error},
         }
-        if req is not None:
+        if r.request is not None:
             op["requestBody"] = {
                 "required": True,
-                "content": {"application/json": {"schema": _ref(ref_of[id(req)])}},
+                "content": {"application/json": {"schema": _ref(ref_of[id(r.request)])}},
             }
-        paths[path] = {method: op}
+        paths.setdefault(r.path, {})[r.method.lower()] = op
     return {
         "openapi": "3.1.0",
         "info": {"title": "appliance: OpenAI-compatible API", "version": __version__},
@@ -74,6 +60,6 @@ def openapi_document() -> dict[str, Any]:
     }
 
 
-@get("/openapi.json")
+@get("/openapi.json", include_in_schema=False)
 async def openapi_json(request: Request[Any, Any, Any]) -> Response[bytes]:
     return Response(content=msgspec.json.encode(openapi_document()), media_type="application/json")

@@ -28,7 +28,7 @@ def _json(obj: Any, status: int = 200) -> Response[bytes]:
     )
 
 
-@get("/health")
+@get("/health", include_in_schema=False)
 async def health(request: Request[Any, Any, Any]) -> Response[bytes]:
     state = _state(request)
     alive = state.phase != "failed"
@@ -37,14 +37,14 @@ async def health(request: Request[Any, Any, Any]) -> Response[bytes]:
     )
 
 
-@get("/ready")
+@get("/ready", include_in_schema=False)
 async def ready(request: Request[Any, Any, Any]) -> Response[bytes]:
     state = _state(request)
     body = {"ready": state.ready, "phase": state.phase, "detail": state.phase_detail}
     return _json(body, 200 if state.ready else 503)
 
 
-@get("/metrics")
+@get("/metrics", include_in_schema=False)
 async def metrics(request: Request[Any, Any, Any]) -> Response[bytes]:
     state = _state(request)
     client = state.client

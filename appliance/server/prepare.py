@@ -1,32 +1,190 @@
-"""From an OpenAI request body to engine inputs: priority, the cheap queue-full check, prompt
-token ids (chat template included), and validated sampling parameters.
+"""From an OpenAI request body to one prepared request: the engine inputs (prompt token ids,
+sampling parameters, priority) and what the response must carry.
 
-Order matters for an overloaded box: priority and the queue-full check come before any
-tokenization, so a request that would be refused costs almost nothing.
+`prepare` is the one way chat and completion bodies take, and each check has one owner:
+
+- here, what is the API's own and what sheds load before any tokenization: the model name,
+  the fields this server refuses, the limits a schema cannot state (server/limits.py), the
+  priority class and the queue-full and estimated-wait admission (429s that cost almost
+  nothing), the tools (server/tool_calls.py), and OpenAI's rule that prompt and max_tokens
+  fit the context together;
+- in the engine, what it must check for offline use as well (Engine.add_request: the prompt's
+  length and token ids, the sampling parameters, whether an output constraint can be
+  enforced). Its refusal comes back with the field it names, and `PreparedRequest.refusal`
+  makes it the same 400 as if checked here, naming the request's own field.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from appliance.config import ConfigError
-from appliance.sampling_params import SamplingParams
-from appliance.server.chat_caps import adapt_conversation, template_caps
+from appliance.sampling_params import SamplingParams, StructuredOutputs, invalid_field
+from appliance.server import limits
 from appliance.server.errors import APIError, bad_request
-from appliance.server.schemas import (
-    ChatCompletionRequest,
-    ChatMessage,
-    CompletionRequest,
-)
-from appliance.server.tool_calls import template_tool_calls
+from appliance.server.prompts import chat_prompt, completion_prompts, tool_plan
+from appliance.server.schemas import ChatCompletionRequest, CompletionRequest
+from appliance.server.scoring import ResponsePlan
+from appliance.server.structured import structured_outputs
+from appliance.server.tool_calls import with_output_constraint
 
 if TYPE_CHECKING:
     from appliance.server.state import ServerState
-    from appliance.server.tool_calls import ToolPlan
 
 Body = CompletionRequest | ChatCompletionRequest
+# Token ids travel to the engine core as msgpack integers (at most 64 bits).
+WIRE_MAX_TOKEN_ID = 2**64 - 1
 
 
+@dataclass
+class PreparedRequest:
+    """A chat or completion request, ready for the engine (server/generate.py) and for the
+    response's formatting (server/format.py)."""
+
+    chat: bool
+    # One per prompt; the engine runs `n` samples of each.
+    prompts: list[list[int]]
+    params: SamplingParams
+    n: int
+    stream: bool
+    # As the client gave it (the engine resolves it for its queues), and its class.
+    priority: str | int | None
+    priority_class: str
+    # Top logprobs per generated token (None: no logprobs).
+    logprobs: int | None
+    include_usage: bool
+    plan: ResponsePlan
+    # The request's fields behind the engine's "prompt" and "structured".
+    prompt_param: str = "prompt"
+    constraint_param: str | None = None
+
+    @property
+    def id_prefix(self) -> str:
+        return "chatcmpl" if self.chat else "cmpl"
+
+    def refusal(self, detail: str, code: str = "") -> APIError:
+        """The engine's refusal of this request's input (engine/request_checks.py,
+        SamplingParams.validate) as the 400 naming the request's own field: the engine's
+        `prompt` is a chat request's `messages`, its `structured` the field that gave the
+        output constraint."""
+        param = invalid_field(detail)
+        own = {"prompt": self.prompt_param, "structured": self.constraint_param}.get(param or "")
+        if param is not None and own is not None and detail.startswith(param):
+            detail, param = own + detail[len(param) :], own
+        return APIError(400, detail, param=param, code=code or None)
+
+
+@dataclass
+class _Inputs:
+    """What differs between a chat and a completion body, once read."""
+
+    prompts: list[list[int]]
+    prompt_param: str
+    # max_tokens as asked (None: all the room left) and the field that asked it.
+    max_tokens: int | None
+    max_tokens_param: str
+    logprobs: int | None
+
+
+def prepare(state: ServerState, body: Body) -> PreparedRequest:
+    """The one preparation of a generation request; an APIError (400, 404, 429) refuses it."""
+    check_model(state, body.model)
+    check_limits(state, body)
+    refuse_unsupported(body)
+    priority_class = resolve_priority(state, body.priority)
+    check_queue(state, priority_class)  # before tokenizing: shedding load stays cheap
+    check_estimated_wait(state, priority_class)
+    constraint = structured_outputs(body)
+    plan = ResponsePlan(prompt_logprobs=body.prompt_logprobs)
+    if isinstance(body, ChatCompletionRequest):
+        constraint = _with_tools(state, body, plan, constraint)
+        inputs = _chat_inputs(state, body, plan)
+    else:
+        inputs = _completion_inputs(state, body, plan)
+    max_tokens = resolve_max_tokens(state, inputs)
+    # Echoed logprobs and vLLM's prompt_logprobs come from one prefill computation.
+    k = inputs.logprobs
+    wanted = [x for x in (body.prompt_logprobs, k if plan.echo else None) if x is not None]
+    params = sampling_params(body, max_tokens, k, max(wanted) if wanted else None)
+    params.structured = constraint[0] if constraint else None
+    return PreparedRequest(
+        chat=isinstance(body, ChatCompletionRequest),
+        prompts=inputs.prompts,
+        params=params,
+        n=body.n,
+        stream=body.stream,
+        priority=body.priority,
+        priority_class=priority_class,
+        logprobs=k,
+        include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        plan=plan,
+        prompt_param=inputs.prompt_param,
+        constraint_param=constraint[1] if constraint else None,
+    )
+
+
+def _with_tools(
+    state: ServerState,
+    body: ChatCompletionRequest,
+    plan: ResponsePlan,
+    constraint: tuple[StructuredOutputs, str] | None,
+) -> tuple[StructuredOutputs, str] | None:
+    """The tool plan into `plan`; the output constraint then: the tools' grammar (with the
+    request's own constraint folded into its plain answer) where the plan has one."""
+    plan.tools = tool_plan(state, body)
+    if plan.tools is None or plan.tools.structured is None:
+        return constraint
+    param = "tools"
+    if constraint is not None:
+        plan.tools = with_output_constraint(plan.tools, *constraint)
+        # A combined grammar that does not compile: the tools compiled on their own.
+        param = constraint[1]
+    # (a generic plan, which with_output_constraint returns, constrains its output)
+    assert plan.tools.structured is not None
+    return plan.tools.structured, param
+
+
+def _chat_inputs(state: ServerState, body: ChatCompletionRequest, plan: ResponsePlan) -> _Inputs:
+    prompt = chat_prompt(state, body.messages, body.add_generation_prompt, plan.tools)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+    k = (body.top_logprobs or 0) if body.logprobs else None
+    if body.max_completion_tokens is not None:
+        return _Inputs([prompt], "messages", body.max_completion_tokens, "max_completion_tokens", k)
+    return _Inputs([prompt], "messages", body.max_tokens, "max_tokens", k)
+
+
+def _completion_inputs(state: ServerState, body: CompletionRequest, plan: ResponsePlan) -> _Inputs:
+    prompts = completion_prompts(state, body.prompt)
+    if any(max(p) > WIRE_MAX_TOKEN_ID for p in prompts if p):
+        # The engine checks ids against the vocabulary, but these cannot even be sent to it:
+        # refused here, in the same words.
+        for p in prompts:
+            limits.check_token_ids(p, _vocab_size(state), "prompt")
+    asked = body.max_tokens
+    plan.echo = body.echo
+    if body.echo and asked == 0:
+        # Scoring only: the prompt's last logits sample one token (same forward), dropped.
+        plan.drop_output, asked = True, 1
+    return _Inputs(prompts, "prompt", asked, "max_tokens", body.logprobs)
+
+
+def _vocab_size(state: ServerState) -> int:
+    return state.info.vocab_size if state.info else 0
+
+
+def check_limits(state: ServerState, body: Body) -> None:
+    """The limits a schema cannot state (appliance/server/limits.py), before any work."""
+    vocab = _vocab_size(state)
+    limits.check_top_k(body.top_k, vocab)
+    if body.stop_token_ids:
+        limits.check_token_ids(body.stop_token_ids, vocab, "stop_token_ids")
+    if isinstance(body, ChatCompletionRequest):
+        limits.check_roles([m.role for m in body.messages])
+
+
+# -- admission and fields this server refuses ----------------------------------------------------
 def check_model(state: ServerState, model: str | None) -> None:
     if model is not None and model != state.model_name:
         raise APIError(
@@ -103,99 +261,18 @@ def refuse_unsupported(body: Body) -> None:
             raise bad_request(f"{name} is not supported by this server", param=name)
 
 
-# -- prompts -------------------------------------------------------------------------------------
-def _is_ids(value: Any) -> bool:
-    return isinstance(value, list) and all(
-        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value
-    )
-
-
-def completion_prompts(state: ServerState, prompt: str | list[Any]) -> list[list[int]]:
-    tok = state.tokenizer
-    if isinstance(prompt, str):
-        return [list(tok.encode(prompt, add_special_tokens=True))]
-    if not prompt:
-        raise bad_request("prompt: must not be empty", param="prompt")
-    if _is_ids(prompt):
-        return [list(prompt)]
-    if all(isinstance(p, str) for p in prompt):
-        return [list(tok.encode(p, add_special_tokens=True)) for p in prompt]
-    if all(_is_ids(p) and p for p in prompt):
-        return [list(p) for p in prompt]
-    raise bad_request(
-        "prompt: expected a string, a list of strings, a list of token ids (non-negative "
-        "integers) or a list of such lists",
-        param="prompt",
-    )
-
-
-def _message_dict(i: int, msg: ChatMessage) -> dict[str, Any]:
-    content = msg.content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if part.type != "text" or part.text is None:
-                raise bad_request(
-                    f"messages[{i}].content: only text parts are supported, got {part.type!r}",
-                    param=f"messages[{i}].content",
-                )
-            texts.append(part.text)
-        content = "".join(texts)
-    out: dict[str, Any] = {"role": msg.role, "content": content or ""}
-    if msg.name is not None:
-        out["name"] = msg.name
-    if msg.tool_calls:
-        out["tool_calls"] = template_tool_calls(msg.tool_calls, i)
-    if msg.tool_call_id is not None:
-        out["tool_call_id"] = msg.tool_call_id
-    return out
-
-
-def chat_prompt(
-    state: ServerState,
-    messages: list[ChatMessage],
-    add_generation_prompt: bool,
-    plan: ToolPlan | None = None,
-) -> list[int]:
-    """The prompt's token ids: the messages through the chat template, with the tools of
-    `plan` (rendered by the template, or described in the generic format's preamble) and
-    tool turns rewritten for a template that cannot render them (server/chat_caps.py)."""
-    if not messages:
-        raise bad_request("messages: must contain at least one message", param="messages")
-    tok = state.tokenizer
-    convo = [_message_dict(i, m) for i, m in enumerate(messages)]
-    preamble = plan.preamble if plan is not None else ""
-    parallel = plan.parallel if plan is not None else True
-    convo = adapt_conversation(convo, template_caps(tok), preamble, parallel)
-    tools = plan.template_tools if plan is not None else None
-    try:
-        text = tok.apply_chat_template(
-            convo, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
-        )
-    except Exception as exc:  # jinja errors: the template refused these messages
-        raise bad_request(f"messages: the chat template failed: {exc}", param="messages") from None
-    # The template writes the special tokens itself (bos included), as transformers does.
-    return list(tok.encode(text, add_special_tokens=False))
-
-
 # -- sampling ------------------------------------------------------------------------------------
-def resolve_max_tokens(
-    state: ServerState, prompts: list[list[int]], asked: int | None, name: str, prompt_param: str
-) -> int:
+def resolve_max_tokens(state: ServerState, inputs: _Inputs) -> int:
+    """max_tokens for the engine: as asked, or all the room the longest prompt leaves. That the
+    prompt and max_tokens fit the context together is OpenAI's rule, the API's (offline
+    generation stops at the limit instead). A prompt that leaves no room at all, and a
+    max_tokens below 1, are the engine's refusals: not repeated here."""
     limit = state.info.max_model_len if state.info else state.config.model.max_model_len
-    longest = max(len(p) for p in prompts)
-    if longest >= limit:
-        raise bad_request(
-            f"{prompt_param}: {longest} tokens; this model's maximum context length is {limit} "
-            "tokens, which leaves no room to generate",
-            param=prompt_param,
-            code="context_length_exceeded",
-        )
+    longest = max(len(p) for p in inputs.prompts)
+    asked, name = inputs.max_tokens, inputs.max_tokens_param
     if asked is None:
         return limit - longest
-    if asked < 1:
-        raise bad_request(f"{name} must be at least 1, got {asked}", param=name)
-    if longest + asked > limit:
+    if longest < limit < longest + asked:
         raise bad_request(
             f"{name}: {asked} + {longest} prompt tokens exceeds this model's maximum context "
             f"length of {limit} tokens",

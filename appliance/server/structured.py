@@ -1,10 +1,13 @@
-"""From a request body's output constraint to the engine's StructuredOutputs, validated.
+"""From a request body's output constraint to the engine's StructuredOutputs, and the field it
+came from.
 
 Three spellings reach the same thing: OpenAI's `response_format` (json_schema, json_object,
 text), vLLM's `structured_outputs` (json, regex, choice, grammar, json_object) and vLLM's
-older `guided_*` fields. At most one constraint may be given. Everything is checked here, in
-the API process and before any KV is used: a schema that is not valid JSON or uses a keyword
-the grammar cannot enforce, a regex or grammar that does not parse, is a 400 naming the field.
+older `guided_*` fields. At most one constraint may be given (a 400 naming the second). Whether
+the constraint can be enforced (a schema that is valid JSON and uses only keywords the grammar
+enforces, a regex or grammar that parses) is the engine's check, offline too
+(engine/request_checks.py); its refusal comes back as the 400 naming the field recorded here
+(`PreparedRequest.refusal`).
 """
 
 from __future__ import annotations
@@ -12,7 +15,6 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
-from appliance.engine.guided_check import StructuredError, check
 from appliance.sampling_params import StructuredOutputs
 from appliance.server.errors import bad_request
 
@@ -101,21 +103,13 @@ def _candidates(body: Body) -> list[tuple[StructuredOutputs, str]]:
     return found
 
 
-def validated(so: StructuredOutputs, param: str) -> StructuredOutputs:
-    """`so` checked (400 naming `param` when it cannot be enforced), schemas normalised."""
-    try:
-        return check(so)
-    except StructuredError as exc:
-        raise bad_request(f"{param}: {exc}", param=param) from None
-
-
-def structured_outputs(body: Body) -> StructuredOutputs | None:
-    """The request's output constraint (None: unconstrained); 400 for a bad or doubled one."""
+def structured_outputs(body: Body) -> tuple[StructuredOutputs, str] | None:
+    """The request's output constraint and the field that gave it (None: unconstrained); 400
+    for a malformed or doubled one."""
     found = _candidates(body)
     if not found:
         return None
     if len(found) > 1:
         names = ", ".join(p for _, p in found)
         raise bad_request(f"give at most one output constraint, got {names}", param=found[1][1])
-    so, param = found[0]
-    return validated(so, param)
+    return found[0]

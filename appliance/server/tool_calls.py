@@ -164,10 +164,10 @@ def _generic(
     )
 
 
-def with_output_constraint(plan: ToolPlan, so: StructuredOutputs) -> ToolPlan:
-    """`plan` under the request's own output constraint too: the generic format's plain
-    answer follows a JSON schema or object (response_format, as llama.cpp does); anything
-    else cannot be combined with a constrained tool choice (400)."""
+def with_output_constraint(plan: ToolPlan, so: StructuredOutputs, param: str) -> ToolPlan:
+    """`plan` under the request's own output constraint too (given by the field `param`): the
+    generic format's plain answer follows a JSON schema or object (response_format, as
+    llama.cpp does); anything else cannot be combined with a constrained tool choice (400)."""
     if plan.mode != "generic" or plan.required or so.kind not in ("json", "json_object"):
         where = " on a template without a tool format" if plan.mode == "generic" else ""
         raise bad_request(
@@ -175,11 +175,12 @@ def with_output_constraint(plan: ToolPlan, so: StructuredOutputs) -> ToolPlan:
             + (" (only a JSON schema or object can)" if plan.choice == "auto" else ""),
             param="response_format",
         )
-    answer = (
-        json.loads(so.spec)
-        if so.kind == "json"
-        else {"type": "object", "additionalProperties": True}
-    )
+    answer: dict[str, Any] = {"type": "object", "additionalProperties": True}
+    if so.kind == "json":
+        try:  # the schema is read to be embedded; the combined grammar is the engine's check
+            answer = json.loads(check_schema(so.spec))
+        except StructuredError as exc:
+            raise bad_request(f"{param}: {exc}", param=param) from None
     return _generic([t["function"] for t in plan.tools], plan.tools, plan.parallel, False, answer)
 
 
