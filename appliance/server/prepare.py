@@ -102,6 +102,14 @@ def prepare(state: ServerState, body: Body) -> PreparedRequest:
         inputs = _chat_inputs(state, body, plan)
     else:
         inputs = _completion_inputs(state, body, plan)
+    if body.priority is None and inputs.prompts:
+        # Length-aware classes (scheduler.long_prompt_class): known once tokenized; the engine
+        # resolves each prompt the same way. The long class's queue is checked in its turn.
+        longest = max(len(p) for p in inputs.prompts)
+        by_length = state.config.resolve_priority(None, longest)[1]
+        if by_length != priority_class:
+            priority_class = by_length
+            check_queue(state, priority_class)
     max_tokens = resolve_max_tokens(state, inputs)
     # Echoed logprobs and vLLM's prompt_logprobs come from one prefill computation.
     k = inputs.logprobs
