@@ -217,3 +217,20 @@ def test_the_ttft_estimate_counts_only_the_work_queued_ahead() -> None:
     ahead = estimate_ttft_s(s, req("chat-r", 64, cls="realtime", priority=0, base=9000))
     assert behind is not None and ahead is not None
     assert ahead < behind / 5
+
+
+def test_a_chat_behind_a_running_summary_is_estimated_to_share_its_steps() -> None:
+    """A running summary's prefill is not all ahead of a new chat: each step gives the chat a
+    chunk too (at least MIN_CHUNK tokens), so its first token is a few steps away."""
+    from appliance.core.ttft_estimate import estimate_ttft_s
+
+    s = seeded(SLO)
+    s.add_request(req("chat-1", 32, max_tokens=200, cls="interactive"))
+    step(s)
+    s.add_request(req("summary", 3500, max_tokens=4, cls="batch", base=5000))
+    step(s)  # the summary runs, cut by time
+    chat = req("chat-2", 48, max_tokens=8, cls="interactive", base=20000)
+    estimate = estimate_ttft_s(s, chat)
+    whole_summary = true_seconds(StepShape().with_chunk(0, 3500))
+    assert estimate is not None and estimate < whole_summary / 3
+    assert estimate <= 4 * 0.060 * 1.1  # 48 tokens in chunks of >= 16: at most 3-4 steps

@@ -1,10 +1,13 @@
 """When a newly arrived request would get its first token, by the engine's own cost model
-(core/step_cost.py): the prefill work ahead of it in its policy's queue order (running requests
-still prefilling, waiting and swapped ones that are admitted before it) and its own prompt, run
-chunk by chunk in steps that also decode the running requests, each chunk cut as the scheduler
-cuts it (the token budget, the tightest TPOT target among the running classes).
+(core/step_cost.py): the steps are simulated as the step builder makes them. Each step decodes
+the running requests and then spends what its time limit leaves (the tightest TPOT target among
+the running classes; else the token budget) on prefill chunks in serve order: running requests
+still prefilling, then the waiting and swapped requests admitted before the new one (its
+policy's queue order), then the new one; every chunk gets at least MIN_CHUNK tokens, as the
+builder gives it. The estimate is the sum of the simulated steps' costs until the new request's
+prompt is done.
 
-It models the prefill work, which is what a long summary ahead of a short chat costs; a full
+It models the prefill work, which is what long summaries ahead of a short chat cost; a full
 batch of sequence slots is the departure-rate estimate's business (core/wait_estimate.py).
 """
 
@@ -18,9 +21,9 @@ if TYPE_CHECKING:
     from appliance.core.request import Request
     from appliance.core.scheduler import Scheduler
 
-# Chunks simulated per estimate at most (an arrival must stay cheap): beyond, the rest of the
-# work is costed at the last chunk's rate.
-MAX_CHUNKS = 4096
+# Steps simulated per estimate at most (an arrival must stay cheap): a queue needing more is
+# far past any TTFT target already.
+MAX_STEPS = 2000
 
 
 def estimate_ttft_s(sched: Scheduler, req: Request) -> float | None:
@@ -30,18 +33,19 @@ def estimate_ttft_s(sched: Scheduler, req: Request) -> float | None:
         return None
     key = sched.policy.queue_key
     mine = key(req)
-    # (start, remaining prompt tokens) of every prefill that runs before req's own ends.
+    # [start, remaining] of each prefill in the order the steps serve them; req's is last.
     work = [
-        (r.num_computed_tokens, r.num_tokens - r.num_computed_tokens)
+        [r.num_computed_tokens, r.num_tokens - r.num_computed_tokens]
         for r in sched.running
         if r.num_tokens - r.num_computed_tokens > 1
     ]
     work += [
-        (r.num_computed_tokens, r.num_tokens - r.num_computed_tokens)
-        for r in sched.waiting + sched.swapped
+        [r.num_computed_tokens, r.num_tokens - r.num_computed_tokens]
+        for r in sorted(sched.waiting + sched.swapped, key=key)
         if key(r) <= mine
     ]
-    work.append((0, req.num_tokens))
+    own = [0, req.num_tokens]
+    work.append(own)
     decodes = StepShape()
     for r in sched.running:
         if r.num_tokens - r.num_computed_tokens <= 1:
@@ -50,18 +54,22 @@ def estimate_ttft_s(sched: Scheduler, req: Request) -> float | None:
         t for r in sched.running if (t := sched.config.tpot_slo_s(r.priority_class)) is not None
     ]
     limit = min(targets) if targets else None
-    budget = max(1, sched.cfg.max_num_batched_tokens - decodes.decode_rows)
-    total, chunks, last_rate = 0.0, 0, 0.0
-    for start, remaining in work:
-        while remaining > 0:
-            if chunks >= MAX_CHUNKS:
-                total += remaining * last_rate
-                break
-            chunk = min(remaining, budget)
+    total, steps = 0.0, 0
+    while own[1] > 0:
+        shape, budget = decodes, sched.cfg.max_num_batched_tokens - decodes.decode_rows
+        for item in work:
+            if item[1] <= 0 or budget <= 0:
+                continue
+            chunk = min(item[1], budget)
             if limit is not None:
-                chunk = cost.max_chunk(decodes, start, chunk, limit)
-            seconds = cost.estimate(decodes.with_chunk(start, chunk)) or 0.0
-            total += seconds
-            last_rate = seconds / chunk
-            start, remaining, chunks = start + chunk, remaining - chunk, chunks + 1
+                chunk = cost.max_chunk(shape, item[0], chunk, limit)
+            shape = shape.with_chunk(item[0], chunk)
+            budget -= chunk
+            item[0] += chunk
+            item[1] -= chunk
+        total += cost.estimate(shape) or 0.0
+        steps += 1
+        if steps >= MAX_STEPS:
+            # A queue this deep: the rest of req's prompt at the last step's pace.
+            break
     return total
