@@ -167,10 +167,8 @@ class SchedulerConfig(_Section):
     # urgent. Not the most urgent by default: a fast-fail class turns a burst of plain requests
     # into 429s, and unlabelled traffic should not preempt what was marked urgent.
     default_priority_class: str = ""
-    # Length-aware classes: a request that names no priority and whose prompt is longer than
-    # long_prompt_tokens tokens goes to long_prompt_class (a document summary queues and is
-    # preempted as the batch work it is; short chats are admitted ahead of it). Named
-    # priorities are never overridden. 0 / "": off. The router's length routing reads it too.
+    # A request naming no priority whose prompt is longer than long_prompt_tokens goes to
+    # long_prompt_class (named priorities win; 0 / "": off; docs/admission.md).
     long_prompt_tokens: NonNegInt = 0
     long_prompt_class: str = ""
 
@@ -185,10 +183,8 @@ class PriorityClass(_Section):
     # 0 inherits the scheduler-wide value.
     queue_timeout_s: NonNegFloat = 0.0
     max_waiting_requests: NonNegInt = 0
-    # Service-level targets (unset: none). tpot_slo_ms sizes each step's prefill chunks so the
-    # step is expected to finish within the tightest target among the classes it decodes (the
-    # engine's cost model of this box, core/step_cost.py); ttft_slo_s refuses (429) at arrival
-    # a request whose first token the engine expects later than that.
+    # Service-level targets (unset: none): chunks sized to the tightest TPOT target of the
+    # classes a step decodes; arrivals expected past the TTFT target refused (docs/admission.md).
     tpot_slo_ms: PositiveFloat | None = None
     ttft_slo_s: PositiveFloat | None = None
 
@@ -210,8 +206,7 @@ def _default_classes() -> dict[str, PriorityClass]:
     }
 
 
-# The tensor-parallel sizes a box is planned for (`appliance plan`) and suggested at (a model that
-# does not fit one GPU's share).
+# The tensor-parallel sizes `appliance plan` plans for and a too-large model is pointed to.
 TP_SIZES = (1, 2, 4, 8)
 
 
@@ -307,20 +302,16 @@ class ApplianceConfig(_Section):
     def resolve_priority(
         self, value: str | int | None, prompt_tokens: int | None = None
     ) -> tuple[int, str]:
-        """(integer priority, class name) of a request's `priority` (a class name, an integer
-        or None); ConfigError for an unknown class. A request that names none and whose prompt
-        is longer than scheduler.long_prompt_tokens takes scheduler.long_prompt_class (where
-        the prompt's length is known: after tokenizing)."""
-        if value is None and prompt_tokens is not None and self.is_long_prompt(prompt_tokens):
-            value = self.scheduler.long_prompt_class
+        """(integer priority, class name) of a request's `priority` (a class name, an integer or
+        None; with the prompt's length, a long unnamed one takes scheduler.long_prompt_class);
+        ConfigError for an unknown class."""
+        long = self.scheduler.long_prompt_class
+        if value is None and long and (prompt_tokens or 0) > self.scheduler.long_prompt_tokens:
+            value = long
         prio = self.priority_of(value)
         if value is None:
             return prio, self.default_class()
         return prio, value if isinstance(value, str) else self.class_of(prio)
-
-    def is_long_prompt(self, prompt_tokens: int) -> bool:
-        s = self.scheduler
-        return bool(s.long_prompt_class) and prompt_tokens > s.long_prompt_tokens
 
     def tpot_slo_s(self, priority_class: str) -> float | None:
         cls = self.priority_classes.get(priority_class)
