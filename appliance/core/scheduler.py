@@ -166,6 +166,11 @@ class Scheduler:
         assert len(self.running) <= self.cfg.max_num_seqs
         return result
 
+    def time_limit_s(self, decodes: list[Request]) -> float | None:
+        """A step's time limit: the tightest TPOT target among the classes it decodes."""
+        targets = [t for r in decodes if (t := self.config.tpot_slo_s(r.priority_class))]
+        return min(targets) if targets else None
+
     def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
         """A step's wall time, for the cost model that sizes chunks under a TPOT target."""
         self.cost.observe(StepShape.of(out), seconds)

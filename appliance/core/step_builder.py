@@ -88,8 +88,7 @@ class StepBuilder:
         running = s.policy.serve_order(s.running)
         decodes = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
         prefills = [r for r in running if r.num_tokens - r.num_computed_tokens > 1]
-        targets = [t for r in decodes if (t := s.config.tpot_slo_s(r.priority_class)) is not None]
-        self.limit_s = min(targets) if targets else None
+        self.limit_s = s.time_limit_s(decodes)
         for req in decodes + prefills:
             if req not in s.running:
                 continue  # preempted earlier in this step

@@ -129,8 +129,6 @@ class StepCostModel:
         self._since_fit = 0
         self.coef: list[float] | None = None
         self.observations = 0
-        # Mean absolute error of the last fit over its rows, seconds.
-        self.error_s = 0.0
 
     @property
     def ready(self) -> bool:
@@ -154,11 +152,17 @@ class StepCostModel:
         if coef is None:
             return
         self.coef = coef
-        self.error_s = sum(abs(self._dot(x) - y) for x, y in rows) / len(rows)
 
     def _dot(self, features: tuple[float, ...]) -> float:
         assert self.coef is not None
         return sum(c * x for c, x in zip(self.coef, features, strict=True))
+
+    def mean_abs_error_s(self) -> float:
+        """Of the current fit over the steps it was fitted to (for the stats, not the loop)."""
+        rows = [*self._decode_steps, *self._prefill_steps]
+        if self.coef is None or not rows:
+            return 0.0
+        return sum(abs(self._dot(x) - y) for x, y in rows) / len(rows)
 
     def estimate(self, shape: StepShape) -> float | None:
         """Seconds the step is expected to take (None until fitted)."""
@@ -202,5 +206,5 @@ class StepCostModel:
             "decode_context_us_per_token": per[2] * 1e6,
             "prefill_token_ms": per[3] * 1e3,
             "prefill_pair_ns": per[4] * 1e9,
-            "mean_abs_error_ms": self.error_s * 1e3,
+            "mean_abs_error_ms": self.mean_abs_error_s() * 1e3,
         }

@@ -46,14 +46,11 @@ def estimate_ttft_s(sched: Scheduler, req: Request) -> float | None:
     ]
     own = [0, req.num_tokens]
     work.append(own)
+    decoding = [r for r in sched.running if r.num_tokens - r.num_computed_tokens <= 1]
     decodes = StepShape()
-    for r in sched.running:
-        if r.num_tokens - r.num_computed_tokens <= 1:
-            decodes = decodes.with_decode(r.num_computed_tokens)
-    targets = [
-        t for r in sched.running if (t := sched.config.tpot_slo_s(r.priority_class)) is not None
-    ]
-    limit = min(targets) if targets else None
+    for r in decoding:
+        decodes = decodes.with_decode(r.num_computed_tokens)
+    limit = sched.time_limit_s(decoding)
     total, steps = 0.0, 0
     while own[1] > 0:
         shape, budget = decodes, sched.cfg.max_num_batched_tokens - decodes.decode_rows

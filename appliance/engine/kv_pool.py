@@ -60,11 +60,14 @@ class KVCachePool:
             layer(num_blocks, i, lambda s, dt: torch.zeros(s, dtype=dt, device=device))
             for i in range(num_layers)
         ]
-        pin = pin_host_memory
         # Empty, not zeros: a swap block is only read after a whole device block was copied
         # into it, and untouched pages cost nothing (zero-filling took ~1 s per GiB at start).
         self.host_caches = [
-            layer(num_swap_blocks, i, lambda s, dt: torch.empty(s, dtype=dt, pin_memory=pin))
+            layer(
+                num_swap_blocks,
+                i,
+                lambda s, dt: torch.empty(s, dtype=dt, pin_memory=pin_host_memory),
+            )
             for i in (range(num_layers) if num_swap_blocks else [])
         ]
 

@@ -126,17 +126,6 @@ class QuantizedKV:
         cache: LayerCache,
         scale: float,
     ) -> torch.Tensor:
-        return self.attend_heads(q, k, v, meta, cache, scale)
-
-    def attend_heads(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        meta: AttentionMetadata,
-        cache: LayerCache,
-        scale: float,
-    ) -> torch.Tensor:
         spec = self.spec
         if spec.kv_cache_dtype == PER_TOKEN_KIND:
             # The kernels take the scale caches where per-head scales go (k_scale, v_scale).
@@ -191,7 +180,7 @@ class SplitHeadsKV:
     ) -> torch.Tensor:
         split, side = self.split, cache.side
         assert side is not None, "a layer that keeps heads needs its side cache"
-        out_q = self.quantized.attend_heads(
+        out_q = self.quantized.attend(
             q.index_select(1, split.q_quant),
             k.index_select(1, split.kv_quant),
             v.index_select(1, split.kv_quant),
