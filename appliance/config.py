@@ -254,6 +254,9 @@ class ServerConfig(_Section):
     drain_timeout_s: NonNegFloat = 30.0
     # Retry-After (seconds) sent with 429 responses.
     retry_after_s: PositiveInt = 1
+    # Responses API: responses kept in memory for previous_response_id and GET (oldest dropped
+    # first; lost on restart).
+    max_stored_responses: NonNegInt = 1000
 
 
 class ClassLimits(msgspec.Struct, frozen=True):
