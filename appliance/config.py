@@ -84,6 +84,11 @@ class ModelConfig(_Section):
     # {"name", "parameters"}), "mistral" ([TOOL_CALLS][{...}]). Empty: auto tool choice is
     # refused; `required` and named tool choices work without a parser (they are constrained).
     tool_call_parser: Literal["", "hermes", "llama3_json", "mistral"] = ""
+    # "embed": an embedding model (Qwen3-Embedding's shape): /v1/embeddings only, generation
+    # refused. "generate" serves both. `pooling` of the final hidden states for embeddings:
+    # "auto" reads the sentence-transformers Pooling config beside the weights, else "last".
+    task: Literal["generate", "embed"] = "generate"
+    pooling: Literal["auto", "last", "mean"] = "auto"
 
 
 class CacheConfig(_Section):
@@ -257,6 +262,8 @@ class ServerConfig(_Section):
     # Responses API: responses kept in memory for previous_response_id and GET (oldest dropped
     # first; lost on restart).
     max_stored_responses: NonNegInt = 1000
+    # Inputs one /v1/embeddings request may carry (OpenAI's limit).
+    max_embedding_inputs: PositiveInt = 2048
 
 
 class ClassLimits(msgspec.Struct, frozen=True):

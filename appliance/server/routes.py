@@ -23,7 +23,8 @@ from typing import Any, Literal
 from litestar import Request, Response, Router, route
 from litestar.handlers import HTTPRouteHandler
 
-from appliance.server import openai, responses
+from appliance.server import embeddings, openai, responses
+from appliance.server import embeddings_schema as es
 from appliance.server import responses_schema as rs
 from appliance.server import schemas as s
 from appliance.server.auth import api_key_guard
@@ -88,6 +89,14 @@ ROUTES: tuple[Route, ...] = (
         None,
         rs.ResponseDeleted,
         "Delete a stored response",
+    ),
+    Route(
+        "POST",
+        "/v1/embeddings",
+        embeddings.create_embeddings,
+        es.EmbeddingRequest,
+        es.EmbeddingResponse,
+        "Embeddings",
     ),
     Route("GET", "/v1/models", openai.models, None, s.ModelList, "The served model"),
     Route(
