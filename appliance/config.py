@@ -84,9 +84,8 @@ class ModelConfig(_Section):
     # {"name", "parameters"}), "mistral" ([TOOL_CALLS][{...}]). Empty: auto tool choice is
     # refused; `required` and named tool choices work without a parser (they are constrained).
     tool_call_parser: Literal["", "hermes", "llama3_json", "mistral"] = ""
-    # "embed": an embedding model (Qwen3-Embedding's shape): /v1/embeddings only, generation
-    # refused. "generate" serves both. `pooling` of the final hidden states for embeddings:
-    # "auto" reads the sentence-transformers Pooling config beside the weights, else "last".
+    # "embed": an embedding model, /v1/embeddings only. pooling "auto": its sentence-transformers
+    # config, else the last token (docs/api.md, Embeddings).
     task: Literal["generate", "embed"] = "generate"
     pooling: Literal["auto", "last", "mean"] = "auto"
 
@@ -259,10 +258,8 @@ class ServerConfig(_Section):
     drain_timeout_s: NonNegFloat = 30.0
     # Retry-After (seconds) sent with 429 responses.
     retry_after_s: PositiveInt = 1
-    # Responses API: responses kept in memory for previous_response_id and GET (oldest dropped
-    # first; lost on restart).
+    # Responses kept in memory (oldest dropped; lost on restart); inputs per /v1/embeddings.
     max_stored_responses: NonNegInt = 1000
-    # Inputs one /v1/embeddings request may carry (OpenAI's limit).
     max_embedding_inputs: PositiveInt = 2048
 
 

@@ -157,9 +157,17 @@ async def create_embeddings(
     model_dir = state.info.model_dir if state.info else state.config.model.path
     model = embedding_model(model_dir, state.config.model.pooling)
     check_dimensions(model, body.dimensions)
+    # Admission as chat's (server/prepare.py): the class, its queue, the estimated wait; a
+    # long unnamed input's class once tokenized, as the engine resolves it.
     priority_class = prep.resolve_priority(state, body.priority)
     prep.check_queue(state, priority_class)
+    prep.check_estimated_wait(state, priority_class)
     prompts = embedding_inputs(state, body.input)
+    if body.priority is None:
+        by_length = state.config.resolve_priority(None, max(map(len, prompts)))[1]
+        if by_length != priority_class:
+            priority_class = by_length
+            prep.check_queue(state, priority_class)
     req = prep.PreparedRequest(
         chat=False,
         prompts=prompts,
