@@ -158,6 +158,7 @@ def test_function_tool_then_continue_with_its_output(
 ) -> None:
     args: dict[str, Any] = dict(
         model=MODEL,
+        instructions="Call the tool.",  # not carried into the continuation (OpenAI's rule)
         input=[{"role": "user", "content": [{"type": "input_text", "text": "Weather?"}]}],
         tools=[WEATHER],
         tool_choice={"type": "function", "name": "get_weather"},
@@ -199,6 +200,42 @@ def test_function_tool_then_continue_with_its_output(
     ]
     assert second.usage is not None
     assert second.usage.input_tokens == _prompt_len(server, messages)
+
+
+def test_required_tool_choice_streams_the_calls_it_answers(client: openai.OpenAI) -> None:
+    # The tiny model's template has no tool format: `required` takes the generic format,
+    # whose calls are parsed whole at the finish; streamed or not, the same seeded sample.
+    args: dict[str, Any] = dict(
+        model=MODEL,
+        input="Weather in two cities?",
+        tools=[WEATHER, {**WEATHER, "name": "get_time", "description": "Local time"}],
+        tool_choice="required",
+        temperature=1.0,
+        extra_body={"seed": 11},
+        max_output_tokens=120,
+    )
+    whole = client.responses.create(**args)
+    events = list(client.responses.create(stream=True, **args))
+    streamed = events[-1].response  # type: ignore[union-attr]
+    calls = [(i.name, i.arguments) for i in whole.output if i.type == "function_call"]
+    assert calls and calls == [
+        (i.name, i.arguments) for i in streamed.output if i.type == "function_call"
+    ]
+    for name, arguments in calls:
+        assert name in ("get_weather", "get_time")
+        jsonschema.validate(json.loads(arguments), WEATHER_PARAMS)
+    added = [e.item.type for e in events if e.type == "response.output_item.added"]
+    done = [e.item.type for e in events if e.type == "response.output_item.done"]
+    assert added == done == [i.type for i in streamed.output]
+    # Each call's arguments arrive as deltas that add up to the done event's arguments.
+    for e in events:
+        if e.type == "response.function_call_arguments.done":
+            deltas = [
+                d.delta
+                for d in events
+                if d.type == "response.function_call_arguments.delta" and d.item_id == e.item_id
+            ]
+            assert "".join(deltas) == e.arguments
 
 
 def test_stored_responses_get_delete_and_404s(client: openai.OpenAI) -> None:
