@@ -127,7 +127,7 @@ class ResponsesStreamFormatter:
         self.gen, self.skeleton, self.plan, self.on_done = gen, skeleton, plan, on_done
         self.seq = 0
         self.output: list[rs.OutputItem] = []
-        # The open message item's text so far (None: no message open); the open call's index.
+        # The open message item's text so far (None: no message open); the open call.
         self.text: str | None = None
         self.call: rs.FunctionCallItem | None = None
         self.tools = ToolStream(plan.tools) if plan.tools is not None else None
@@ -150,28 +150,26 @@ class ResponsesStreamFormatter:
         content = [] if self.text is None else [rs.OutputText(text=self.text)]
         return rs.OutputMessage(id=self.output[-1].id, status=status, content=content)
 
+    def _open_item(self) -> dict[str, Any]:
+        """The fields that place an event in the open (last) output item's text part."""
+        return {"output_index": len(self.output) - 1, "item_id": self.output[-1].id}
+
     def _text(self, delta: str) -> list[bytes]:
         out = []
-        index = len(self.output)
-        if self.text is None:
+        if self.text is None:  # open a message item (no content yet), then its text part
             out += self._close_call()
             self.output.append(rs.OutputMessage(id=item_id("msg"), status="in_progress"))
-            index = len(self.output)
+            item = self._message("in_progress")
             out.append(
                 self._event(
-                    "response.output_item.added",
-                    output_index=index - 1,
-                    item=self._message("in_progress"),
+                    "response.output_item.added", output_index=len(self.output) - 1, item=item
                 )
             )
             self.text = ""
+            part = rs.OutputText(text="")
             out.append(
                 self._event(
-                    "response.content_part.added",
-                    output_index=index - 1,
-                    item_id=self.output[-1].id,
-                    content_index=0,
-                    part=rs.OutputText(text=""),
+                    "response.content_part.added", **self._open_item(), content_index=0, part=part
                 )
             )
         if delta:
@@ -179,8 +177,7 @@ class ResponsesStreamFormatter:
             out.append(
                 self._event(
                     "response.output_text.delta",
-                    output_index=index - 1,
-                    item_id=self.output[-1].id,
+                    **self._open_item(),
                     content_index=0,
                     delta=delta,
                     logprobs=[],
