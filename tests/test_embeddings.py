@@ -119,6 +119,7 @@ def test_dimensions_shorten_then_normalise(client: openai.OpenAI, reference: Any
         ({"input": ["fine", ""]}, "input[1]", "empty"),
         ({"input": [[5] * 600]}, "input[0]", "maximum context length is 512"),
         ({"input": [[5, 99999]]}, "input[0]", "outside the vocabulary"),
+        ({"input": [5, 99999]}, "input", "outside the vocabulary"),
         ({"input": "x", "dimensions": 100000}, "dimensions", "exceeds"),
         ({"input": "x", "encoding_format": "int8"}, "encoding_format", ""),
         ({"input": "x", "priority": "nonesuch"}, "priority", "unknown class"),

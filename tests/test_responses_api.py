@@ -266,6 +266,10 @@ def test_stored_responses_get_delete_and_404s(client: openai.OpenAI) -> None:
         ({"input": [{"role": "robot", "content": "hi"}]}, "input[0].role"),
         ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
         ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+        (
+            {"input": "hi", "tools": [{**WEATHER, "parameters": {"type": "object", "not": {}}}]},
+            "tools[0].parameters",
+        ),
         ({"input": "hi", "text": {"format": {"type": "yaml"}}}, "text.format.type"),
         ({"input": "hi", "max_output_tokens": 100000}, "max_output_tokens"),
         ({"input": "hi", "background": True}, "background"),

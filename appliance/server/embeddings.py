@@ -65,9 +65,10 @@ def embedding_inputs(state: ServerState, value: str | list[Any]) -> list[list[in
         )
     vocab = state.info.vocab_size if state.info else 0
     context = state.info.max_model_len if state.info else state.config.model.max_model_len
+    single = isinstance(value, str) or items[0] is value  # one string or one id list
     out = []
     for i, item in enumerate(items):
-        where = "input" if len(items) == 1 and not isinstance(value, list) else f"input[{i}]"
+        where = "input" if single else f"input[{i}]"
         if isinstance(item, str):
             if not item:
                 raise bad_request(f"{where}: must not be empty", param=where)

@@ -10,6 +10,7 @@ naming `input[i]...`; a chat-side refusal is renamed to the Responses field it c
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from appliance.server.errors import APIError, bad_request
@@ -194,6 +195,8 @@ def chat_request(
 def rename_field(name: str | None) -> str | None:
     if name is None:
         return None
+    # Chat nests a tool's fields under `function`; a Responses tool holds them itself.
+    name = re.sub(r"^tools\[(\d+)\]\.function\.", r"tools[\1].", name)
     for chat, own in _FIELD_NAMES:
         if name.startswith(chat):
             return own + name[len(chat) :] if chat != "messages" else own
@@ -205,7 +208,7 @@ def renamed(err: APIError) -> APIError:
     own = rename_field(err.param)
     if own == err.param or err.param is None or own is None:
         return err
-    message = err.message.replace(err.param, own, 1)
+    message = err.message.replace(err.param, own, 1).replace(".function.", ".", 1)
     out = APIError(
         err.status, message, param=own, code=err.code, type=err.type, headers=err.headers
     )
