@@ -84,6 +84,10 @@ class ModelConfig(_Section):
     # {"name", "parameters"}), "mistral" ([TOOL_CALLS][{...}]). Empty: auto tool choice is
     # refused; `required` and named tool choices work without a parser (they are constrained).
     tool_call_parser: Literal["", "hermes", "llama3_json", "mistral"] = ""
+    # "embed": an embedding model, /v1/embeddings only. pooling "auto": its sentence-transformers
+    # config, else the last token (docs/api.md, Embeddings).
+    task: Literal["generate", "embed"] = "generate"
+    pooling: Literal["auto", "last", "mean"] = "auto"
 
 
 class CacheConfig(_Section):
@@ -254,6 +258,9 @@ class ServerConfig(_Section):
     drain_timeout_s: NonNegFloat = 30.0
     # Retry-After (seconds) sent with 429 responses.
     retry_after_s: PositiveInt = 1
+    # Responses kept in memory (oldest dropped; lost on restart); inputs per /v1/embeddings.
+    max_stored_responses: NonNegInt = 1000
+    max_embedding_inputs: PositiveInt = 2048
 
 
 class ClassLimits(msgspec.Struct, frozen=True):

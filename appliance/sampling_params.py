@@ -58,6 +58,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # Top logprobs per prompt token, computed in the prefill forward (None: none). The first
     # prompt token has none (nothing predicts it).
     prompt_logprobs: int | None = None
+    # Embedding instead of generation: a prefill-only request whose output is its prompt's
+    # final hidden states pooled (last token or mean; engine/pooling.py), no token sampled.
+    pooling: Literal["", "last", "mean"] = ""
 
     def validate(self, max_logprobs: int = MAX_LOGPROBS) -> None:
         if self.max_tokens < 1:

@@ -244,6 +244,11 @@ class Scheduler:
             self.kv.cache_blocks(req)
             if not sr.sample:
                 continue
+            if sr.sampling_params.pooling:
+                # An embedding is done once its prompt is computed: nothing is generated and
+                # its blocks are freed now.
+                self.finish_request(req.request_id, FinishReason.STOP)
+                continue
             token = sampled[sr.request_id]
             req.token_ids.append(token)
             new_tokens.append((req, token))

@@ -185,8 +185,8 @@ class StepBuilder:
         # A request still owed prompt logprobs computes its whole prompt (as vLLM does): a
         # cached block holds KV, not the hidden states its logprobs come from. Its blocks
         # still enter the cache for others.
-        if req.wants_prompt_logprobs:
-            return []
+        if req.wants_prompt_logprobs or req.sampling_params.pooling:
+            return []  # (an embedding pools hidden states as well: engine/pooling.py)
         return self.kv.get_computed_blocks(req)[0]
 
     def _admit_waiting(self, req: Request) -> bool:

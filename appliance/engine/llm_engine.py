@@ -26,6 +26,7 @@ from appliance.engine.executor import load_model
 from appliance.engine.loader import LoadedModel, StepExecutor
 from appliance.engine.output_processor import OutputProcessor
 from appliance.engine.outputs import CompletionResult, EngineOutput, Logprob
+from appliance.engine.pooling import PoolingSums
 from appliance.engine.stats import StepHistory, snapshot
 from appliance.engine.step_warmup import needs_seed, seed_step_costs
 from appliance.sampling_params import SamplingParams
@@ -82,6 +83,8 @@ class Engine:
         # a request that is being served look queued to the API's queue-timeout timer).
         self.on_started: Callable[[list[str]], None] | None = None
         self.history = StepHistory()
+        # Embedding requests' pooled hidden states, summed over their prefill chunks.
+        self.pooling_sums = PoolingSums()
         # Started requests leaving per busy second: the queue's estimated wait (wait_estimate).
         self.departures = DepartureRate()
         self.step_count = 0
@@ -139,6 +142,7 @@ class Engine:
             self.max_model_len,
             self.kv.block_size,
             self.kv.num_blocks,
+            pooling=bool(params.pooling),
         )
         params.validate()
         request_checks.check_structured(params)
@@ -180,6 +184,7 @@ class Engine:
         if first_scheduled and self.on_started is not None:
             self.on_started(first_scheduled)
         result = self.executor.execute(out)
+        self.pooling_sums.add(result.pooled)
         new_tokens = sched.update_from_output(out, result.sampled)
 
         outputs: dict[str, EngineOutput] = {}
@@ -220,6 +225,9 @@ class Engine:
             if req.first_scheduled_time is not None:
                 eo.queue_time_s = req.first_scheduled_time - req.arrival_time
             eo.num_preemptions = req.num_preemptions
+            if req.sampling_params.pooling:
+                kind, n = req.sampling_params.pooling, req.num_prompt_tokens
+                eo.embedding = self.pooling_sums.finish(rid, kind, n)
             self._count_finish(fin.reason)
         for rid, eo in outputs.items():
             req = touched[rid]
@@ -241,7 +249,8 @@ class Engine:
         usage = self.kv.usage()
         decode_tokens = sum(1 for r in out.scheduled if len(r.token_ids) == 1 and r.output_index)
         prompt_tokens = out.num_scheduled_tokens - decode_tokens
-        gen_tokens = sum(1 for r in out.scheduled if r.sample)
+        # (an embedding's last chunk ends its request without sampling a token)
+        gen_tokens = sum(1 for r in out.scheduled if r.sample and not r.sampling_params.pooling)
         self.prompt_tokens_total += prompt_tokens
         self.generation_tokens_total += gen_tokens
         if usage.used >= self._peak_blocks and usage.slots_allocated:

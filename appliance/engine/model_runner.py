@@ -15,6 +15,7 @@ import torch
 from appliance.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from appliance.engine.guided import GuidedDecoder
 from appliance.engine.kv_pool import KVCachePool
+from appliance.engine.pooling import PooledChunk, pool_chunks
 from appliance.engine.sampler import Sampler, SampleRequest, TokenLogprobs
 from appliance.layers.attention import AttentionMetadata, PagedBatch
 from appliance.models.llama import LlamaForCausalLM
@@ -26,6 +27,8 @@ class RunnerOutput:
     logprobs: dict[str, TokenLogprobs]
     # Per request: (first prompt position, logprobs of the tokens after it, in order).
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+    # Embedding requests: each one's chunk of pooled hidden states (engine/pooling.py).
+    pooled: dict[str, PooledChunk] = field(default_factory=dict)
 
 
 class FusedDecode(Protocol):
@@ -110,7 +113,11 @@ class ModelRunner:
             return RunnerOutput({}, {})
         batch = sorted(out.scheduled, key=lambda r: len(r.token_ids) > 1)
         input_ids, positions, meta, last_rows = self._prepare(batch)
-        sampling = [(i, r) for i, r in enumerate(batch) if r.sample]
+        # Embedding requests are pooled, never sampled (their last chunk finishes them).
+        pooling = [(i, r) for i, r in enumerate(batch) if r.sampling_params.pooling]
+        sampling = [
+            (i, r) for i, r in enumerate(batch) if r.sample and not r.sampling_params.pooling
+        ]
         # Prompt positions whose logprobs are wanted: their rows follow the sampled ones in
         # one compute_logits call (TP ranks compute the same rows: its all-gather needs all).
         scoring = [(i, r) for i, r in enumerate(batch) if r.prompt_logprob_targets]
@@ -122,11 +129,13 @@ class ModelRunner:
         ]
         row_list = [last_rows[i] for i, _ in sampling] + score_rows
         decode = meta.decode
+        pooled: dict[str, PooledChunk] = {}
         if (
             meta.prefill is None
             and decode is not None
             and decode.num_tokens <= self.fused_max_batch
             and not scoring
+            and not pooling
         ):
             assert self.hooks.fused_decode is not None
             logits = self.hooks.fused_decode(
@@ -141,8 +150,9 @@ class ModelRunner:
         else:
             with self.hooks.matmuls(input_ids.shape[0]):
                 hidden = self.model(input_ids, positions, meta, self.kv.device_caches)
+            pooled = pool_chunks(hidden, pooling, last_rows) if pooling and self.samples else {}
             if not sampling and not scoring:
-                return RunnerOutput({}, {})
+                return RunnerOutput({}, {}, pooled=pooled)
             rows = torch.tensor(row_list, device=self.device)
             with self.hooks.matmuls(len(row_list)):
                 logits = self.model.compute_logits(hidden.index_select(0, rows))
@@ -150,7 +160,7 @@ class ModelRunner:
         if not self.samples or (not sampling and not scoring):
             return RunnerOutput({}, {})
         logits = logits.cpu()
-        result = RunnerOutput({}, {})
+        result = RunnerOutput({}, {}, pooled=pooled)
         if scoring:
             result.prompt_logprobs = _prompt_logprobs(logits[len(sampling) :], scoring)
         if not sampling:

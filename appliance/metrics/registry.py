@@ -216,6 +216,17 @@ class Metrics:
             [*m, "finished_reason"],
             registry=reg,
         )
+        # vLLM has no embedding-specific series: these are ours. Each input also finishes as
+        # one request in vllm:request_success and its tokens count in vllm:prompt_tokens.
+        self.embedding_requests = Counter(
+            "appliance_embedding_requests", "Answered /v1/embeddings requests.", m, registry=reg
+        )
+        self.embedding_inputs = Counter(
+            "appliance_embedding_inputs",
+            "Inputs embedded (one engine request each).",
+            m,
+            registry=reg,
+        )
         self.prefix_queries = Counter(
             "vllm:prefix_cache_queries", "Prefix cache queries, in tokens.", m, registry=reg
         )
@@ -353,6 +364,10 @@ class Metrics:
         """One API request finished: the longest of its choices (n > 1)."""
         self.request_max_generation_tokens.labels(self.model_name).observe(tokens)
 
+    def count_embeddings(self, inputs: int) -> None:
+        self.embedding_requests.labels(self.model_name).inc()
+        self.embedding_inputs.labels(self.model_name).inc(inputs)
+
     def count_rejection(self, reason: str, priority_class: str) -> None:
         """Refusals the API decides itself (queue full before tokenization, draining)."""
         self.rejections.labels(self.model_name, reason, priority_class).inc()
@@ -407,6 +422,8 @@ class Metrics:
             self.generation_tokens,
             self.prefix_queries,
             self.prefix_hits,
+            self.embedding_requests,
+            self.embedding_inputs,
         ):
             counter.labels(name)
         for reason in FINISH_REASONS:

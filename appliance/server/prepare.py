@@ -90,6 +90,11 @@ class _Inputs:
 def prepare(state: ServerState, body: Body) -> PreparedRequest:
     """The one preparation of a generation request; an APIError (400, 404, 429) refuses it."""
     check_model(state, body.model)
+    if state.config.model.task == "embed":
+        raise bad_request(
+            'this server serves an embedding model (model.task = "embed"): use /v1/embeddings',
+            param="model",
+        )
     check_limits(state, body)
     refuse_unsupported(body)
     priority_class = resolve_priority(state, body.priority)
