@@ -170,7 +170,7 @@ class Engine:
     def lora_adapters(self) -> list[str]:
         """The LoRA adapters requests may name (loaded on the host; the slots follow demand)."""
         pool = self.runner.lora
-        return sorted(pool.adapters) if pool is not None else []
+        return sorted(set(pool.adapters) - pool.draining) if pool is not None else []
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
         """Finish a request now (its blocks return at once); STOP is how a stop string that the

@@ -21,14 +21,14 @@ from dataclasses import dataclass
 
 import torch
 
-from appliance.config import LoraConfig
+from appliance.config import ConfigError, LoraConfig
 from appliance.core.scheduler_output import ScheduledRequest
 from appliance.layers.linear import MatmulWeight, MergedColumnLinear, RowParallelLinear
 from appliance.layers.lora import LoraBatch, LoraMatmul, ReferenceMatmul
 from appliance.layers.parallel import tp_rank
 from appliance.models.args import ModelArgs
 from appliance.models.llama import LlamaForCausalLM
-from appliance.models.peft_adapter import LoraAdapter, read_adapter
+from appliance.models.peft_adapter import AdapterError, LoraAdapter, read_adapter
 
 # Each merged linear's parts, as PEFT names the projections.
 _PARTS = {
@@ -59,6 +59,8 @@ class LoraSlotPool:
         self.device = device
         self.batch = LoraBatch()
         self.adapters: dict[str, LoraAdapter] = {}
+        # Adapters being unloaded: no new request may name them (engine/lora_admin.py).
+        self.draining: set[str] = set()
         # What each slot holds now (the scheduler's table says what it should hold).
         self.slot_names: list[str | None] = [None] * config.max_loras
         self.targets: list[_Target] = []
@@ -108,18 +110,20 @@ class LoraSlotPool:
         )
 
     # -- adapters on the host --------------------------------------------------------------------
-    def load(self, name: str, path: str) -> LoraAdapter:
-        """Read and check an adapter (AdapterError names the field) and keep it on the host;
-        it reaches a slot when a request needs it. A name already loaded is replaced."""
-        adapter = read_adapter(name, path, self.args, self.max_rank)
-        self.adapters[name] = adapter
+    def read(self, name: str, path: str) -> LoraAdapter:
+        """Read and check an adapter against this model (AdapterError names the field)."""
+        return read_adapter(name, path, self.args, self.max_rank)
+
+    def add(self, adapter: LoraAdapter) -> None:
+        """Keep an adapter on the host; it reaches a slot when a request needs it."""
+        self.adapters[adapter.name] = adapter
         for slot, held in enumerate(self.slot_names):
-            if held == name:  # new factors under the old name: refill on next use
+            if held == adapter.name:  # new factors under the old name: refill on next use
                 self.slot_names[slot] = None
-        return adapter
 
     def unload(self, name: str) -> None:
         self.adapters.pop(name, None)
+        self.draining.discard(name)
         for slot, held in enumerate(self.slot_names):
             if held == name:
                 self.slot_names[slot] = None
@@ -165,5 +169,8 @@ def make_lora_pool(
         return None
     pool = LoraSlotPool(config, model, dtype, device)
     for name, path in config.adapters.items():
-        pool.load(name, path)
+        try:
+            pool.add(pool.read(name, path))
+        except AdapterError as exc:
+            raise ConfigError(f"lora.adapters.{name}: {exc}") from None
     return pool
