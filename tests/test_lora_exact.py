@@ -12,6 +12,7 @@ import pytest
 
 from appliance import Engine, SamplingParams
 from appliance.config import load_config
+from appliance.plan import lora_slot_params
 from appliance.tools.smollm2 import ModelUnavailable, build_smollm2, gguf_file
 from tests.lora_fixtures import peft_greedy, save_random_adapter
 
@@ -178,3 +179,31 @@ def test_smollm2_q4_1_gguf_base_with_16bit_adapters_matches_peft(
     )
     assert engine.loaded.model.model.layers[0].self_attn.qkv_proj.quant is not None
     mixed_batch_matches_peft(engine, smollm2_dir, smollm2_adapters, SMOL_PROMPTS)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_each_rank_holds_its_shard_and_the_plan_counts_it(
+    tiny_model_dir: Path, tiny_adapters: dict[str, Path], tp: int
+) -> None:
+    """At TP 2 (gloo, two processes) each rank's slots hold its shard of the factors (B of a
+    column-parallel part by rows, A of a row-parallel one by columns), the mixed batch still
+    equals peft, and `appliance plan`'s count of the slot pool is the pool's own size."""
+    with lora_engine(
+        tiny_model_dir, tiny_adapters, parallel__tensor_parallel_size=tp, cache__swap_space=0.0
+    ) as engine:
+        args = engine.loaded.args
+        pool = engine.runner.lora
+        assert pool is not None
+        # Per layer: q|k|v, gate|up, o, down (engine/lora_pool.py's order).
+        qkv, gate_up, o, down = pool.targets[:4]
+        assert qkv.a.shape[2] == gate_up.a.shape[2] == o.b.shape[1] == args.hidden_size
+        assert qkv.b.shape[1] == (args.num_heads + 2 * args.num_kv_heads) * args.head_dim // tp
+        assert gate_up.b.shape[1] == 2 * args.intermediate_size // tp
+        assert o.a.shape[2] == args.num_heads * args.head_dim // tp
+        assert down.a.shape[2] == args.intermediate_size // tp
+        assert pool.nbytes == 4 * lora_slot_params(args, tp, 2, 16)
+        if tp > 1:
+            vocab = args.vocab_size
+            rng = random.Random(4)
+            prompts = [[rng.randrange(10, vocab) for _ in range(n)] for n in (6, 30)]
+            mixed_batch_matches_peft(engine, tiny_model_dir, tiny_adapters, prompts)

@@ -72,16 +72,16 @@ class LoraSlotPool:
                     (names[p], merged.offsets[p][0], merged.offsets[p][1], merged.shard_index[p])
                     for p, _, _ in merged.parts
                 ]
-                in_f = merged.weight.shape[1] if merged.weight.numel() else merged.dense_shape[1]
-                shape = (in_f, merged.out_features, slots, rank)
+                # From the model's shape, not the weight's: a backend may have released it.
+                shape = (self.args.hidden_size, merged.out_features, slots, rank)
                 self._add(index, merged, parts, shape, False, dtype)
             for name, row in (
                 ("o_proj", layer.self_attn.o_proj),
                 ("down_proj", layer.mlp.down_proj),
             ):
-                out_f = row.weight.shape[0] if row.weight.numel() else row.dense_shape[0]
-                shape = (row.in_per_rank, out_f, slots, rank)
-                self._add(index, row, [(name, 0, out_f, -1)], shape, True, dtype)
+                hidden = self.args.hidden_size
+                shape = (row.in_per_rank, hidden, slots, rank)
+                self._add(index, row, [(name, 0, hidden, -1)], shape, True, dtype)
 
     def _add(
         self,
