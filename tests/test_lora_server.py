@@ -9,10 +9,12 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
 from tests.lora_fixtures import peft_greedy, save_random_adapter
@@ -74,6 +76,14 @@ def complete(server: ServerProcess, model: str, max_tokens: int = NEW) -> str:
     return out.choices[0].text
 
 
+def lora_info(server: ServerProcess) -> Any:
+    text = server.get("/metrics").text
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    samples = fams["vllm:lora_requests_info"].samples
+    assert len(samples) == 1
+    return samples[0]
+
+
 def expected_text(model_dir: Path, adapter: Path | None) -> str:
     tokens = peft_greedy(model_dir, adapter, [PROMPT], NEW)[0]
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -110,6 +120,10 @@ def test_load_and_unload_while_requests_run(
     r = server.post("/v1/load_lora_adapter", json=body, headers=ADMIN_AUTH)
     assert r.status_code == 409, r.text
     assert "lora.max_loras" in r.json()["error"]["message"]
+    # vLLM's series names the running adapter and the slot count.
+    info = lora_info(server)
+    assert info.labels["running_lora_adapters"] == "a" and info.labels["max_lora"] == "1"
+    assert info.value > 1e9  # stamped with the time, as vLLM's
     long_a.join()
     r = server.post("/v1/load_lora_adapter", json=body, headers=ADMIN_AUTH)
     assert r.status_code == 200, r.text
@@ -119,20 +133,18 @@ def test_load_and_unload_while_requests_run(
     assert complete(server, "a") == expected_text(tiny_model_dir, adapters["a"])
 
     # An unload waits for the adapter's running request, then the name is gone.
-    finished: dict[str, float] = {}
-
-    def long_b() -> None:
-        complete(server, "b", 150)
-        finished["b"] = time.monotonic()
-
-    runner = threading.Thread(target=long_b)
+    texts: list[str] = []
+    runner = threading.Thread(target=lambda: texts.append(complete(server, "b", 150)))
     runner.start()
     time.sleep(0.5)
+    asked = time.monotonic()
     r = server.post("/v1/unload_lora_adapter", json={"lora_name": "b"}, headers=ADMIN_AUTH)
-    unloaded = time.monotonic()
+    waited = time.monotonic() - asked
     runner.join()
     assert r.status_code == 200, r.text
-    assert finished["b"] <= unloaded
+    # 150 steps of >= 20 ms: the unload waited for the running request, which ran to its end.
+    assert waited > 1.5, f"unload answered after {waited:.2f}s, before the request ended"
+    assert len(texts) == 1 and texts[0]
     assert {m.id for m in sdk(server).models.list().data} == {"tiny", "a"}
     with pytest.raises(openai.NotFoundError, match="'b'"):
         complete(server, "b")
@@ -148,3 +160,24 @@ def test_bad_adapter_is_a_400_naming_the_field(server: ServerProcess, tmp_path: 
         timeout=60,
     )
     assert r.status_code == 400 and "adapter_config.json" in r.json()["error"]["message"]
+
+
+async def test_console_shows_adapters_and_their_requests(
+    server: ServerProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The dashboard's batch panel: slots in use, each adapter (* = in a slot) with its
+    running/waiting requests, as /admin/stats reports them."""
+    from appliance.console.app import ConsoleApp
+
+    from tests.test_console import no_nvml, screen_text, until
+
+    no_nvml(monkeypatch)
+    busy = threading.Thread(target=complete, args=(server, "a", 150))
+    busy.start()
+    try:
+        app = ConsoleApp(server.url, ADMIN, poll_s=0.2)
+        async with app.run_test(size=(160, 48)) as pilot:
+            await until(pilot, lambda: "a* 1/0" in screen_text(app), 20, "adapter a running")
+            assert "LoRA 1/1 slots, running/waiting:" in screen_text(app)
+    finally:
+        busy.join()

@@ -196,13 +196,14 @@ class _Core:
             stepped = not self.paused and bool(engine.has_unfinished() or engine.scheduler.finished)
             if stepped:
                 self._step(out)
-            for token, answer in self.lora.finished_unloads():
-                self._lora_reply(token, answer.status, answer.detail)
             if out.added or out.outputs or out.steps:
                 out.waiting_by_class = self._waiting_by_class()
                 out.num_running = len(engine.scheduler.running)
                 out.departure_rate = engine.departures.rate
                 _send(self.conn, out)
+            # After the frame: an unload is answered once its requests' last outputs are out.
+            for token, answer in self.lora.finished_unloads():
+                self._lora_reply(token, answer.status, answer.detail)
             if stepped:  # after the send: a trim never delays a step's tokens
                 self.heap.stepped()
 
