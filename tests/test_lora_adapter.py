@@ -134,3 +134,39 @@ def test_slot_table_evicts_the_least_recently_used_idle_adapter() -> None:
     assert table.resident() == ["a", "d"]
     table.release("a")
     assert table.resident() == ["d"] and table.acquire("e", {"d"})
+
+
+@pytest.mark.parametrize(
+    ("num_slots", "row_slots"),
+    [
+        (4, [0, 0, 0]),  # one adapter for every row: its slices
+        (4, [2, -1, 0, 2, 3, -1]),  # several, small pool: every slot's update, masked
+        (12, [11, -1, 0, 11, 5]),  # several, large pool: the per-slot segment loop
+    ],
+)
+def test_lora_matmul_adds_each_rows_own_update(num_slots: int, row_slots: list[int]) -> None:
+    """Against a per-row torch reference: row i gets x_i A_s^T B_s^T of its slot s (none for
+    -1), whatever path the step takes."""
+    from appliance.layers.lora import LoraBatch, LoraMatmul
+
+    torch.manual_seed(0)
+    width, d_in, d_out = 6, 10, 7
+    weight = torch.randn(d_out, d_in)
+    a = torch.randn(num_slots * width, d_in)
+    b = torch.randn(d_out, num_slots * width)
+    batch = LoraBatch(num_slots)
+    lora = LoraMatmul(
+        lambda x, bias: torch.nn.functional.linear(x, weight, bias), a, b, width, batch
+    )
+    x = torch.randn(len(row_slots), d_in)
+    batch.set_rows(row_slots, torch.device("cpu"))
+    got = lora(x, None)
+    for i, s in enumerate(row_slots):
+        ref = x[i] @ weight.T
+        if s >= 0:
+            ref = (
+                ref + x[i] @ a[s * width : (s + 1) * width].T @ b[:, s * width : (s + 1) * width].T
+            )
+        torch.testing.assert_close(got[i], ref, rtol=1e-5, atol=1e-5)
+    batch.set_rows([-1] * len(row_slots), torch.device("cpu"))
+    torch.testing.assert_close(lora(x, None), x @ weight.T)

@@ -57,7 +57,7 @@ class LoraSlotPool:
         self.args: ModelArgs = model.args
         self.max_rank = config.max_lora_rank
         self.device = device
-        self.batch = LoraBatch()
+        self.batch = LoraBatch(config.max_loras)
         self.adapters: dict[str, LoraAdapter] = {}
         # Adapters being unloaded: no new request may name them (engine/lora_admin.py).
         self.draining: set[str] = set()
@@ -95,10 +95,10 @@ class LoraSlotPool:
         """Wire one linear: `shape` is (in_features, out_features on this rank, slots, rank)."""
         in_f, out_f, slots, rank = shape
         width = rank * len(parts)
-        a = torch.zeros(slots, width, in_f, dtype=dtype, device=self.device)
-        b = torch.zeros(slots, out_f, width, dtype=dtype, device=self.device)
+        a = torch.zeros(slots * width, in_f, dtype=dtype, device=self.device)
+        b = torch.zeros(out_f, slots * width, dtype=dtype, device=self.device)
         inner = linear.matmul if linear.matmul is not None else ReferenceMatmul(linear)
-        linear.wire(LoraMatmul(inner, a, b, self.batch))
+        linear.wire(LoraMatmul(inner, a, b, width, self.batch))
         self.targets.append(_Target(layer, linear, parts, a, b, row_parallel))
 
     @property
@@ -143,21 +143,22 @@ class LoraSlotPool:
     def _fill(self, slot: int, adapter: LoraAdapter) -> None:
         rank = self.max_rank
         for t in self.targets:
-            t.a[slot].zero_()
-            t.b[slot].zero_()
+            base = slot * rank * len(t.parts)
+            t.a[base : base + rank * len(t.parts)].zero_()
+            t.b[:, base : base + rank * len(t.parts)].zero_()
             for i, (name, offset, rows, shard) in enumerate(t.parts):
                 factors = adapter.modules.get((t.layer, name))
                 if factors is None:
                     continue
                 a, b, r = factors.a, factors.b, factors.rank
                 if t.row_parallel:
-                    cols = t.a.shape[2]
+                    cols = t.a.shape[1]
                     a = a.narrow(1, tp_rank() * cols, cols)
                 else:
                     b = b.narrow(0, shard * rows, rows)
-                lo = i * rank
-                t.a[slot, lo : lo + r].copy_(a)
-                t.b[slot, offset : offset + rows, lo : lo + r].copy_(b)
+                lo = base + i * rank
+                t.a[lo : lo + r].copy_(a)
+                t.b[offset : offset + rows, lo : lo + r].copy_(b)
         self.slot_names[slot] = adapter.name
 
 
