@@ -4,6 +4,7 @@ the reference, unmerged (the adapter's extra matmuls) and merged into the weight
 
 from __future__ import annotations
 
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -49,7 +50,20 @@ def peft_greedy(
     new_tokens: int,
     merged: bool = False,
 ) -> list[list[int]]:
-    """transformers (+ peft on `adapter_dir`) greedy continuations in float32, EOS ignored."""
+    """transformers (+ peft on `adapter_dir`) greedy continuations in float32, EOS ignored
+    (computed once per argument set: several tests compare against the same reference)."""
+    key = tuple(tuple(p) for p in prompts)
+    return [list(t) for t in _peft_greedy(base_dir, adapter_dir, key, new_tokens, merged)]
+
+
+@cache
+def _peft_greedy(
+    base_dir: Path,
+    adapter_dir: Path | None,
+    prompts: tuple[tuple[int, ...], ...],
+    new_tokens: int,
+    merged: bool,
+) -> tuple[tuple[int, ...], ...]:
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     if adapter_dir is not None:
         model = PeftModel.from_pretrained(model, adapter_dir)
@@ -60,7 +74,7 @@ def peft_greedy(
     outs = []
     with torch.no_grad():
         for p in prompts:
-            ids = torch.tensor([p])
+            ids = torch.tensor([list(p)])
             gen = model.generate(
                 ids,
                 attention_mask=torch.ones_like(ids),
@@ -68,5 +82,5 @@ def peft_greedy(
                 do_sample=False,
                 pad_token_id=0,
             )
-            outs.append(gen[0, len(p) :].tolist())
-    return outs
+            outs.append(tuple(gen[0, len(p) :].tolist()))
+    return tuple(outs)

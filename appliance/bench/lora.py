@@ -116,6 +116,23 @@ def run(
     )
 
 
+def mean_run(runs: list[LoraRun]) -> LoraRun:
+    """The runs' mean: tok/s over the summed tokens and seconds, TPOT averaged."""
+    first = runs[0]
+    tokens, seconds = sum(r.output_tokens for r in runs), sum(r.seconds for r in runs)
+    return LoraRun(
+        traffic=first.traffic,
+        requests=first.requests,
+        adapters_used=first.adapters_used,
+        output_tokens=tokens // len(runs),
+        seconds=seconds / len(runs),
+        output_tokens_per_s=tokens / seconds,
+        tpot_ms=sum(r.tpot_ms for r in runs) / len(runs),
+        decode_steps=sum(r.decode_steps for r in runs) // len(runs),
+        native_decode_steps=sum(r.native_decode_steps for r in runs) // len(runs),
+    )
+
+
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "lora",
@@ -131,6 +148,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="base-only and mixed runs alternate this many times; the table is their mean "
+        "(a shared box's speed drifts within a minute)",
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=main)
 
@@ -169,12 +193,17 @@ def main(ns: argparse.Namespace) -> int:
         # Warm both paths once (oneDNN primitives, first slot fills), then measure.
         run(Engine(config, loaded=loaded), prompts[:4], [""] * 4, 4, "warm-up")
         run(Engine(config, loaded=loaded), prompts[:4], names[:4], 4, "warm-up")
-        base = run(
-            Engine(config, loaded=loaded), prompts, [""] * len(prompts), ns.output_len, "base only"
-        )
         spread = ["", *names]
         mixed = [spread[i % len(spread)] for i in range(len(prompts))]
-        lora = run(Engine(config, loaded=loaded), prompts, mixed, ns.output_len, "mixed")
+        base_only = [""] * len(prompts)
+        bases: list[LoraRun] = []
+        loras: list[LoraRun] = []
+        for _ in range(max(1, ns.rounds)):
+            for names_of, out in ((base_only, bases), (mixed, loras)):
+                traffic = "mixed" if names_of is mixed else "base only"
+                engine = Engine(config, loaded=loaded)
+                out.append(run(engine, prompts, names_of, ns.output_len, traffic))
+        base, lora = mean_run(bases), mean_run(loras)
     finally:
         loaded.close()
     report = {
@@ -194,7 +223,8 @@ def main(ns: argparse.Namespace) -> int:
     print(
         f"{ns.adapters} adapters of rank {ns.rank} on every projection; slot pool "
         f"{report['slot_pool_mib']:.1f} MiB; {ns.requests} concurrent requests, prompt "
-        f"{ns.prompt_len}, output {ns.output_len} tokens"
+        f"{ns.prompt_len}, output {ns.output_len} tokens; mean of {max(1, ns.rounds)} "
+        "alternating rounds"
     )
     print(
         f"{'traffic':<10} {'requests':>8} {'adapters':>8} {'tok/s':>8} {'TPOT ms':>8} "
