@@ -263,6 +263,23 @@ class ServerConfig(_Section):
     max_embedding_inputs: PositiveInt = 2048
 
 
+class LoraConfig(_Section):
+    """[lora]: fine-tunes of the base model in the PEFT format, chosen per request by `model`."""
+
+    # Adapter name -> directory (adapter_config.json + adapter_model.safetensors), loaded at start.
+    adapters: dict[str, str] = msgspec.field(default_factory=dict)
+    # Serve adapters at all (on when `adapters` names any): the slot pool exists from load on.
+    enabled: bool = False
+    # Adapters resident on the device at once (the slot pool); more may be loaded, LRU-swapped.
+    max_loras: Annotated[int, Meta(ge=1, le=64)] = 4
+    # The largest rank a slot holds; a higher-rank adapter is refused at load.
+    max_lora_rank: Annotated[int, Meta(ge=1, le=256)] = 16
+
+    @property
+    def active(self) -> bool:
+        return self.enabled or bool(self.adapters)
+
+
 class ClassLimits(msgspec.Struct, frozen=True):
     """A priority class's effective admission limits (0: none)."""
 
@@ -278,6 +295,7 @@ class ApplianceConfig(_Section):
     parallel: ParallelConfig = msgspec.field(default_factory=ParallelConfig)
     hardware: HardwareConfig = msgspec.field(default_factory=HardwareConfig)
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
+    lora: LoraConfig = msgspec.field(default_factory=LoraConfig)
     priority_classes: dict[str, PriorityClass] = msgspec.field(default_factory=_default_classes)
 
     def priority_of(self, name_or_value: str | int | None) -> int:

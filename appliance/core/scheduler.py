@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from appliance.config import ApplianceConfig
 from appliance.core.kv_cache_manager import KVCacheManager
+from appliance.core.lora_slots import LoraSlotTable
 from appliance.core.policy import make_policy
 from appliance.core.preemption_log import PreemptionLog
 from appliance.core.request import FinishReason, Request, RequestStatus
@@ -46,6 +47,8 @@ class Scheduler:
         # What a step costs on this box, learnt from the engine's steps (observe_step).
         self.cost = StepCostModel()
         self.preemption_log = PreemptionLog()
+        # Which LoRA adapter holds which device slot (admission asks it).
+        self.lora_slots = LoraSlotTable(config.lora.max_loras)
         self.finished: list[FinishedRequest] = []
         self._pressure_steps = 0
         self._dropped_tables: list[str] = []

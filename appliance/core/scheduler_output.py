@@ -30,6 +30,10 @@ class ScheduledRequest:
     # for p = prompt_logprobs_start .. + len(targets) - 1; targets are those next tokens.
     prompt_logprobs_start: int = 0
     prompt_logprob_targets: list[int] = field(default_factory=list)
+    # The LoRA adapter and the device slot it runs in ("", -1: the base model); the runner
+    # copies the adapter in when the slot holds another (core/lora_slots.py).
+    lora_name: str = ""
+    lora_slot: int = -1
 
 
 @dataclass
@@ -47,7 +51,7 @@ class SchedulerOutput:
     # (a preempted request keeps its matcher; it is not listed here).
     done_request_ids: list[str] = field(default_factory=list)
     # Which limit stopped the step from doing more: none | token_budget | time_budget |
-    # max_num_seqs | kv_blocks
+    # max_num_seqs | kv_blocks | lora_slots
     bound_by: str = "none"
 
     @property

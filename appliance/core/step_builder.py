@@ -34,6 +34,8 @@ class StepBuilder:
         # tightest TPOT target among the classes it decodes (None: tokens alone bound it).
         self.shape = StepShape()
         self.limit_s: float | None = None
+        # Adapters that running requests use: their slots are not given up this step.
+        self.lora_busy = {r.lora_name for r in sched.running if r.lora_name}
 
     def _bound(self, limit: str) -> None:
         # The first limit hit is the one that bound the step.
@@ -137,6 +139,9 @@ class StepBuilder:
             if self.budget <= 0:
                 self._bound("token_budget")
                 break
+            if req.lora_name and not s.lora_slots.acquire(req.lora_name, self.lora_busy):
+                self._bound("lora_slots")
+                continue  # every slot serves running requests; others may still be admitted
             if len(s.running) >= s.cfg.max_num_seqs:
                 if not self._make_room(req, "max_num_seqs"):
                     self._bound("max_num_seqs")
@@ -236,6 +241,8 @@ class StepBuilder:
             s._started.append(req.request_id)
         req.status = RequestStatus.RUNNING
         s.running.append(req)
+        if req.lora_name:
+            self.lora_busy.add(req.lora_name)
         if tokens < req.num_tokens - req.num_computed_tokens:
             self._bound("token_budget")
         self._grant(req, tokens)
@@ -270,6 +277,8 @@ class StepBuilder:
                     stop_token_ids=req.stop_token_ids,
                     prompt_logprobs_start=lp_start,
                     prompt_logprob_targets=targets,
+                    lora_name=req.lora_name,
+                    lora_slot=self.s.lora_slots.slot_of(req.lora_name),
                 )
             )
             total += tokens

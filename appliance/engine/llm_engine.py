@@ -129,6 +129,7 @@ class Engine:
         request_id: str | None = None,
         priority: int | str | None = None,
         arrival_time: float | None = None,
+        lora_name: str = "",
     ) -> Request:
         """Validate and queue a request. Raises ValueError for bad input (naming the field and
         the limit: engine/request_checks.py); a request refused by admission control comes back
@@ -146,6 +147,8 @@ class Engine:
         )
         params.validate()
         request_checks.check_structured(params)
+        if lora_name and lora_name not in self.lora_adapters():
+            raise ValueError(f"model: no LoRA adapter named {lora_name!r} is loaded")
         try:
             prio, cls_name = self.config.resolve_priority(priority, len(token_ids))
         except ConfigError as exc:
@@ -161,11 +164,17 @@ class Engine:
             eos_token_ids=self.eos_token_ids,
             priority=prio,
             priority_class=cls_name,
+            lora_name=lora_name,
             **kwargs,
         )
         if not self.scheduler.add_request(req):
             self._count_finish(req.finish_reason or FinishReason.QUEUE_FULL)
         return req
+
+    def lora_adapters(self) -> list[str]:
+        """The LoRA adapters requests may name (loaded on the host; the slots follow demand)."""
+        pool = self.runner.lora
+        return sorted(set(pool.adapters) - pool.draining) if pool is not None else []
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
         """Finish a request now (its blocks return at once); STOP is how a stop string that the
@@ -283,7 +292,10 @@ class Engine:
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         priority: int | str | None = None,
+        lora_names: Sequence[str] | None = None,
     ) -> list[CompletionResult]:
+        """Run prompts to completion; `lora_names` (one per prompt, "" for the base model)
+        picks each prompt's LoRA adapter."""
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -299,8 +311,11 @@ class Engine:
                 )
         processor = OutputProcessor(self.tokenizer)
         states = []
-        for prompt, sp in zip(prompt_list, param_list, strict=True):
-            req = self.add_request(prompt, sp, priority=priority)
+        loras = list(lora_names) if lora_names is not None else [""] * len(prompt_list)
+        if len(loras) != len(prompt_list):
+            raise ValueError(f"lora_names: {len(loras)} names for {len(prompt_list)} prompts")
+        for prompt, sp, lora in zip(prompt_list, param_list, loras, strict=True):
+            req = self.add_request(prompt, sp, priority=priority, lora_name=lora)
             states.append(
                 processor.add(req.request_id, req.prompt_token_ids, sp, stream_text=False)
             )

@@ -15,6 +15,7 @@ import torch
 from appliance.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from appliance.engine.guided import GuidedDecoder
 from appliance.engine.kv_pool import KVCachePool
+from appliance.engine.lora_pool import LoraSlotPool
 from appliance.engine.pooling import PooledChunk, pool_chunks
 from appliance.engine.sampler import Sampler, SampleRequest, TokenLogprobs
 from appliance.layers.attention import AttentionMetadata, PagedBatch
@@ -84,6 +85,7 @@ class ModelRunner:
         guided: GuidedDecoder | None = None,
         samples: bool = True,
         sampler_seed: int = 0,
+        lora: LoraSlotPool | None = None,
     ) -> None:
         self.model = model
         self.kv = kv
@@ -102,6 +104,8 @@ class ModelRunner:
         self.block_tables: dict[str, list[int]] = {}
         # Grammar matchers of constrained requests (the driver's runner only, which samples).
         self.guided = guided
+        # The LoRA adapters' device slots (None: LoRA off).
+        self.lora = lora
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         self._update_block_tables(out)
@@ -130,12 +134,15 @@ class ModelRunner:
         row_list = [last_rows[i] for i, _ in sampling] + score_rows
         decode = meta.decode
         pooled: dict[str, PooledChunk] = {}
+        # The fused native decode knows no LoRA: a step with adapter rows runs the torch path.
+        adapters = self.lora is not None and self.lora.begin_step(batch)
         if (
             meta.prefill is None
             and decode is not None
             and decode.num_tokens <= self.fused_max_batch
             and not scoring
             and not pooling
+            and not adapters
         ):
             assert self.hooks.fused_decode is not None
             logits = self.hooks.fused_decode(

@@ -169,6 +169,13 @@ class Metrics:
             [*m, "term"],
             registry=reg,
         )
+        # vLLM's labels (no model_name): dashboards written for it read the adapters' names.
+        self.lora_info = Gauge(
+            "vllm:lora_requests_info",
+            "Running stats on lora requests.",
+            ["running_lora_adapters", "max_lora", "waiting_lora_adapters"],
+            registry=reg,
+        )
         self.cache_info = Gauge(
             "vllm:cache_config_info",
             "Information of the cache configuration.",
@@ -482,6 +489,12 @@ class Metrics:
             mir["rejections"].set_total((name, reason, cls), n)
         mir["prefix_queries"].set_total((name,), s.prefix_cache_queries)
         mir["prefix_hits"].set_total((name,), s.prefix_cache_hits)
+        if s.max_loras:
+            # One series, the current one, stamped with the time (as vLLM does).
+            self.lora_info.clear()
+            self.lora_info.labels(
+                ",".join(sorted(s.lora_running)), str(s.max_loras), ",".join(sorted(s.lora_waiting))
+            ).set_to_current_time()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

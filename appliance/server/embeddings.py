@@ -154,7 +154,8 @@ async def create_embeddings(
 ) -> Response[Any]:
     arrival = time.monotonic()
     state: ServerState = request.app.state.server
-    prep.check_model(state, body.model)
+    # An adapter's name embeds with its adapter on (its hidden states are the adapter's).
+    lora_name = prep.check_model(state, body.model)
     model_dir = state.info.model_dir if state.info else state.config.model.path
     model = embedding_model(model_dir, state.config.model.pooling)
     check_dimensions(model, body.dimensions)
@@ -181,5 +182,6 @@ async def create_embeddings(
         include_usage=False,
         plan=ResponsePlan(),
         prompt_param="input",
+        lora_name=lora_name,
     )
     return await serve_generation(request, req, EmbeddingAnswer(state, body), arrival)

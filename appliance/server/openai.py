@@ -274,13 +274,19 @@ async def chat_completions(
 async def models(request: Request[Any, Any, Any], body: None) -> Response[bytes]:
     state = _state(request)
     info = state.info
+    created = int(time.time() - (time.monotonic() - state.started_at))
+    max_len = info.max_model_len if info else 0
     card = s.ModelCard(
         id=state.model_name,
-        created=int(time.time() - (time.monotonic() - state.started_at)),
+        created=created,
         root=info.model_dir if info else "",
-        max_model_len=info.max_model_len if info else 0,
+        max_model_len=max_len,
     )
-    return _json(s.ModelList([card]))
+    adapters = [
+        s.ModelCard(id=name, created=created, root=path, max_model_len=max_len, parent=card.id)
+        for name, path in state.lora_adapters().items()
+    ]
+    return _json(s.ModelList([card, *adapters]))
 
 
 async def tokenize(request: Request[Any, Any, Any], body: s.TokenizeRequest) -> Response[bytes]:

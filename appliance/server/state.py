@@ -110,6 +110,10 @@ class ServerState:
     def model_name(self) -> str:
         return self.info.model_name if self.info else served_model_name(self.config)
 
+    def lora_adapters(self) -> dict[str, str]:
+        """LoRA adapters requests may name as `model` (name -> path), as the core last said."""
+        return (self.info.lora_adapters or {}) if self.info else {}
+
     @property
     def template_path(self) -> str:
         if self.template is None:
