@@ -254,6 +254,10 @@ class ServerConfig(_Section):
     drain_timeout_s: NonNegFloat = 30.0
     # Retry-After (seconds) sent with 429 responses.
     retry_after_s: PositiveInt = 1
+    # The audit log's folder (appliance/server/audit.py); "": systemd's $STATE_DIRECTORY,
+    # else ~/.local/state/appliance. It rotates past audit_max_bytes (three old files kept).
+    state_dir: str = ""
+    audit_max_bytes: Annotated[int, Meta(ge=4096)] = 16 * 1024 * 1024
 
 
 class ClassLimits(msgspec.Struct, frozen=True):
@@ -341,10 +345,7 @@ class ApplianceConfig(_Section):
         return best
 
 
-# ---------------------------------------------------------------------------------------------
-# Loading
-
-
+# -- loading ----------------------------------------------------------------------------------
 def shipped_template_dir() -> Path:
     return Path(str(resources.files("appliance.templates")))
 

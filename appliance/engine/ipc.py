@@ -66,7 +66,24 @@ class SetPaused(msgspec.Struct, tag="pause"):
     paused: bool
 
 
-ToCore = AddRequest | AbortRequests | GetStats | Ping | Shutdown | SetPaused
+class Reconfigure(msgspec.Struct, tag="reconfigure"):
+    """Live knobs (PATCH /admin/config): the whole config, validated by the API process,
+    applied between two steps; answered with `Reconfigured`."""
+
+    token: int
+    config: dict[str, Any]
+
+
+class HoldClass(msgspec.Struct, tag="hold"):
+    """Admit none (or again) of a priority class's queued requests (/admin/classes/.../pause)."""
+
+    priority_class: str
+    held: bool
+
+
+ToCore = (
+    AddRequest | AbortRequests | GetStats | Ping | Shutdown | SetPaused | Reconfigure | HoldClass
+)
 
 
 # -- core -> API ---------------------------------------------------------------------------------
@@ -133,7 +150,15 @@ class Pong(msgspec.Struct, tag="pong"):
     token: int
 
 
-FromCore = Status | CoreInfo | Failed | Frame | StatsReply | Pong
+class Reconfigured(msgspec.Struct, tag="reconfigured"):
+    token: int
+    # Steps run before the change: the step numbered `step + 1` is the first under it.
+    step: int
+    # Why the core refused it ("": applied).
+    error: str = ""
+
+
+FromCore = Status | CoreInfo | Failed | Frame | StatsReply | Pong | Reconfigured
 
 _encoder = msgspec.msgpack.Encoder()
 _to_core = msgspec.msgpack.Decoder(ToCore)

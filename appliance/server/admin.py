@@ -13,6 +13,7 @@ from litestar import Request, Response, Router, get, post
 
 from appliance.config import ConfigError, config_to_toml_dict
 from appliance.engine.client import EngineError
+from appliance.server.admin_live import patch_config
 from appliance.server.admin_schema import AdminStats, ConfigRef, ServerInfo
 from appliance.server.auth import admin_guard
 from appliance.server.errors import APIError, bad_request
@@ -161,7 +162,8 @@ async def resume(request: Request[Any, Any, Any]) -> Response[bytes]:
 def router() -> Router:
     return Router(
         path="/",
-        route_handlers=[stats, config, reload, abort, pause, resume],
+        # PATCH /admin/config beside GET here: one route per path (admin_live.py has the rest).
+        route_handlers=[stats, config, patch_config, reload, abort, pause, resume],
         guards=[admin_guard],
         include_in_schema=False,  # the console's API: not in /openapi.json
     )
