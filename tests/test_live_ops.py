@@ -5,6 +5,7 @@ is served, and every action is in the audit log under its actor."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -237,3 +238,42 @@ def test_audit_log_records_each_action_with_its_actor(
     path = state_dir / "audit.jsonl"
     assert oct(os.stat(path).st_mode & 0o777) == "0o640"
     patch(server, {"scheduler": {"queue_timeout_s": 0}})
+
+
+def test_audit_log_survives_a_restart_and_a_kill_mid_apply_shows(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    state = tmp_path / "state"
+    template = write_template(
+        tmp_path / "t.toml", tiny_model_dir, extra=f'[server]\nstate_dir = "{state}"\n'
+    )
+    apply = {"template": str(template), "overrides": {"scheduler.max_num_seqs": 8}}
+    srv = ServerProcess(template, tmp_path / "log1.txt").start()
+    try:
+        r = srv.post("/admin/reload", json=apply, headers={"X-Appliance-Client": "console"})
+        assert r.status_code == 200, r.text
+        # A second apply, killed (as by the OOM killer) while its new engine starts.
+        with ThreadPoolExecutor(1) as pool:
+            again = {**apply, "overrides": {"scheduler.max_num_seqs": 4}}
+            fut = pool.submit(srv.post, "/admin/reload", json=again)
+            wait_for(lambda: (state / "audit.jsonl").read_text().count("template_apply") == 3)
+            assert srv.proc is not None
+            srv.proc.kill()
+            srv.proc.wait(30)
+            with contextlib.suppress(httpx.HTTPError):
+                fut.result(30)
+    finally:
+        srv.stop()
+    srv = ServerProcess(template, tmp_path / "log2.txt").start()
+    try:
+        records = srv.get("/admin/audit").json()["records"]
+    finally:
+        assert srv.stop() == 0, srv.log()
+    assert [(r["action"], r["actor"], r["outcome"]) for r in records] == [
+        ("template_apply", "console", "ok"),
+        ("template_apply", "local", None),  # started, never ended: the kill
+    ]
+    assert records[0]["diff"] == [{"key": "scheduler.max_num_seqs", "before": 16, "after": 8}]
+    # The stop of the second server is recorded too (its drain, by a signal).
+    lines = (state / "audit.jsonl").read_text().splitlines()
+    assert '"action":"drain"' in lines[-1] and '"event":"ok"' in lines[-1]

@@ -13,7 +13,8 @@ from litestar import Request, Response, Router, get, post
 
 from appliance.config import ConfigError, config_to_toml_dict
 from appliance.engine.client import EngineError
-from appliance.server.admin_live import patch_config
+from appliance.server import audited
+from appliance.server.admin_live import actor_of, patch_config
 from appliance.server.admin_schema import AdminStats, ConfigRef, ServerInfo
 from appliance.server.auth import admin_guard
 from appliance.server.errors import APIError, bad_request
@@ -117,7 +118,9 @@ async def reload(request: Request[Any, Any, Any]) -> Response[bytes]:
         raise APIError(503, f"cannot reload while {state.phase}", code=state.phase)
     template = body.template if body.template is not None else state.template
     try:
-        result = await state.reload(template, {**state.pinned_overrides, **(body.overrides or {})})
+        overrides = {**state.pinned_overrides, **(body.overrides or {})}
+        action = "template_apply" if body.template is not None else "reload"
+        result = await audited.reload(state, template, overrides, actor_of(request), action)
     except ConfigError as exc:
         raise bad_request(f"reload refused, nothing changed: {exc}", param="template") from None
     except EngineError as exc:

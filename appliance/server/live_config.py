@@ -222,3 +222,22 @@ def _lookup(tree: dict[str, Any], dotted: str) -> Any:
     for part in dotted.split("."):
         node = node.get(part) if isinstance(node, dict) else None
     return node
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        out.update(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def config_diff(before: ApplianceConfig, after: ApplianceConfig) -> list[dict[str, Any]]:
+    """Every dotted key whose value differs (a template apply's diff, for the audit log)."""
+    old, new = _flatten(msgspec.to_builtins(before)), _flatten(msgspec.to_builtins(after))
+    return [
+        {"key": key, "before": old.get(key), "after": new.get(key)}
+        for key in sorted(old.keys() | new.keys())
+        if old.get(key) != new.get(key)
+    ]
