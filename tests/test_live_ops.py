@@ -6,7 +6,10 @@ is served, and every action is in the audit log under its actor."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -16,6 +19,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from server_harness import ServerProcess, wait_for, write_template
+
+from appliance.config import load_config
+from appliance.tools.inspection import InspectOptions, Inspector, format_table, inspect_and_record
 
 MODEL = "tiny"
 
@@ -277,3 +283,74 @@ def test_audit_log_survives_a_restart_and_a_kill_mid_apply_shows(
     # The stop of the second server is recorded too (its drain, by a signal).
     lines = (state / "audit.jsonl").read_text().splitlines()
     assert '"action":"drain"' in lines[-1] and '"event":"ok"' in lines[-1]
+
+
+def test_inspect_passes_and_fails_when_a_check_is_broken_on_purpose(
+    server: ServerProcess, state_dir: Path
+) -> None:
+    opts = InspectOptions(url=server.url, probe=4, probe_concurrency=2, max_ttft_s=60.0)
+    results, ok = inspect_and_record(opts, "tester")
+    assert ok, format_table(results)
+    assert {r.name: r.status for r in results} == {
+        "chat": "pass",
+        "kv_usage": "pass",
+        "preemption_rate": "pass",
+        "kv_quantization": "skip",  # a 16-bit cache
+        "ttft_p99": "pass",
+    }
+    # Broken on purpose: the default class paused, so nothing of it is answered.
+    server.post("/admin/classes/interactive/pause")
+    try:
+        results, ok = inspect_and_record(opts, "tester")
+    finally:
+        server.post("/admin/classes/interactive/resume")
+    failed = [r.name for r in results if r.status == "fail"]
+    assert not ok and failed == ["chat", "ttft_p99"]
+    assert "class_paused" in results[0].detail
+    # One limit alone, through the command: a TTFT target no server meets; exit status 1.
+    proc = subprocess.run(
+        [sys.executable, "-m", "appliance.cli", "inspect", "--url", server.url,
+         "--probe", "2", "--max-ttft-s", "0.000001", "--actor", "tester"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    rows = {line.split()[0]: line.split()[1] for line in proc.stdout.splitlines()[2:7]}
+    assert rows == {
+        "chat": "PASS",
+        "kv_usage": "PASS",
+        "preemption_rate": "PASS",
+        "kv_quantization": "SKIP",
+        "ttft_p99": "FAIL",
+    }
+    records = server.get("/admin/audit").json()["records"]
+    inspections = [r for r in records if r["action"] == "inspect"]
+    assert [(r["actor"], r["outcome"]) for r in inspections] == [
+        ("tester", "ok"),
+        ("tester", "failed"),
+        ("tester", "failed"),
+    ]
+    assert inspections[-1]["error"] == "failed: ttft_p99"
+    assert [c["name"] for c in inspections[-1]["what"]["checks"]][-1] == "ttft_p99"
+
+
+@pytest.mark.parametrize(
+    ("stored", "keep", "status"),
+    [
+        ({"kv_cache_dtype": "int8", "top1": 0.97}, [], "pass"),
+        ({"kv_cache_dtype": "int8", "top1": 0.60}, [], "fail"),  # a regression
+        ({"kv_cache_dtype": "fp8_e4m3", "top1": 0.99}, [], "fail"),  # evaluated another format
+        ({"kv_cache_dtype": "int8", "top1": 0.99}, [0], "fail"),  # evaluated another keep-list
+        (None, [], "skip"),
+    ],
+)
+def test_inspect_kv_quantization_reads_the_stored_kv_eval(
+    tmp_path: Path, stored: dict[str, Any] | None, keep: list[int], status: str
+) -> None:
+    if stored is not None:
+        score = {"kl": 1e-3, "top1_agreement": stored["top1"]}
+        report = {"kv_cache_dtype": stored["kv_cache_dtype"], "keep_16bit": [1],
+                  "all_quantized": score, "with_keep_list": score}  # fmt: skip
+        (tmp_path / "kv-eval.json").write_text(json.dumps(report))
+    config = load_config(None, {"cache.kv_cache_dtype": "int8", "cache.kv_cache_keep_16bit": keep})
+    result = Inspector(InspectOptions(url="http://unused")).kv_quantization(config, tmp_path)
+    assert result.status == status, result
