@@ -204,7 +204,7 @@ async def test_snapshot_80x24(
     assert "seqs per step" in text and "oldest/limit" in text
     assert "bound: KV" in text or "no steps in the last minute" in text
     # Every key of the dashboard fits the 80-column footer.
-    assert "d Dashboard  t Templates  r Requests  ? Help  q Quit" in lines[-1]
+    assert "d Dashboard  t Templates  r Requests  l Audit  ? Help  q Quit" in lines[-1]
     assert "Engine" not in text  # the engine panel needs a wide terminal
 
 

@@ -14,7 +14,7 @@ from litestar import Request, Response, Router, get, post
 from appliance.config import ConfigError, config_to_toml_dict
 from appliance.engine.client import EngineError
 from appliance.server import audited
-from appliance.server.admin_live import actor_of, patch_config
+from appliance.server.admin_live import actor_of, class_states, patch_config
 from appliance.server.admin_schema import AdminStats, ConfigRef, ServerInfo
 from appliance.server.auth import admin_guard
 from appliance.server.errors import APIError, bad_request
@@ -90,6 +90,7 @@ async def stats(
             paused=state.paused,
             requests_tracked=len(client.output) if client is not None else 0,
             last_reload=state.last_reload,
+            class_states=class_states(state),
         ),
         engine=snap.engine if snap else None,
         history=snap.history if snap else [],
