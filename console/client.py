@@ -137,9 +137,9 @@ class AdminClient:
         return (await self._request("GET", "/admin/config")).json()
 
     async def reload(
-        self, template: str | None, overrides: dict[str, Any] | None = None
+        self, template: str | None, overrides: dict[str, Any] | None = None, rollback: bool = False
     ) -> dict[str, Any]:
-        body = {"template": template, "overrides": overrides or {}}
+        body = {"template": template, "overrides": overrides or {}, "rollback": rollback}
         return (
             await self._request("POST", "/admin/reload", timeout=RELOAD_TIMEOUT_S, json=body)
         ).json()

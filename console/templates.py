@@ -286,7 +286,7 @@ class TemplatesScreen(Screen[None]):
         self._outcome(Text(f"applying {label}: sent to the server …", WARN))
         t0 = time.monotonic()
         try:
-            result = await app.client.reload(template, overrides)
+            result = await app.client.reload(template, overrides, rollback=rollback)
         except ConsoleError as exc:
             self._outcome(
                 Text.assemble(

@@ -366,6 +366,11 @@ async def test_apply_template_then_roll_back(server: ServerProcess) -> None:
         )
     cfg = admin_config(server)
     assert cfg["template"] == "tiny-a" and cfg["config"]["scheduler"]["max_num_seqs"] == 16
+    audit = server.get("/admin/audit", headers={"Authorization": f"Bearer {TOKEN}"}).json()
+    assert [(r["action"], r["actor"], r["outcome"]) for r in audit["records"][-2:]] == [
+        ("template_apply", "console", "ok"),
+        ("rollback", "console", "ok"),
+    ]
 
 
 async def test_failed_apply_keeps_the_old_template_and_says_why(server: ServerProcess) -> None:

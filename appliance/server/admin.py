@@ -29,6 +29,8 @@ class ReloadRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     template: str | None = None
     # Dotted keys, as `appliance up --set`: {"scheduler.max_num_seqs": 32}.
     overrides: dict[str, Any] | None = None
+    # The console's "roll back" (the template that ran before): recorded as a rollback.
+    rollback: bool = False
 
 
 def _state(request: Request[Any, Any, Any]) -> ServerState:
@@ -120,7 +122,7 @@ async def reload(request: Request[Any, Any, Any]) -> Response[bytes]:
     template = body.template if body.template is not None else state.template
     try:
         overrides = {**state.pinned_overrides, **(body.overrides or {})}
-        action = "template_apply" if body.template is not None else "reload"
+        action = "rollback" if body.rollback else "template_apply" if body.template else "reload"
         result = await audited.reload(state, template, overrides, actor_of(request), action)
     except ConfigError as exc:
         raise bad_request(f"reload refused, nothing changed: {exc}", param="template") from None

@@ -14,6 +14,7 @@ GET /admin/config: Litestar takes one route per path).
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -69,6 +70,20 @@ async def patch_config(request: Request[Any, Any, Any]) -> Response[bytes]:
         raw = msgspec.json.decode(await request.body())
     except msgspec.DecodeError as exc:
         raise bad_request(f"invalid JSON body: {exc}") from None
+    async with _knob_lock(request):  # one change at a time: each plans from the last one's result
+        return await _change_knobs(request, state, raw)
+
+
+def _knob_lock(request: Request[Any, Any, Any]) -> asyncio.Lock:
+    lock: asyncio.Lock | None = request.app.state.get("knob_lock")
+    if lock is None:
+        lock = request.app.state["knob_lock"] = asyncio.Lock()
+    return lock
+
+
+async def _change_knobs(
+    request: Request[Any, Any, Any], state: ServerState, raw: Any
+) -> Response[bytes]:
     _require_engine(state)
     client = state.client
     assert client is not None  # (checked)
@@ -87,6 +102,9 @@ async def patch_config(request: Request[Any, Any, Any]) -> Response[bytes]:
             except (EngineError, TimeoutError) as exc:
                 act.fail("failed", str(exc))
                 raise APIError(503, f"the engine core did not apply it: {exc}") from None
+            if state.client is not client:  # a reload replaced the engine meanwhile
+                act.fail("failed", "a template apply replaced the engine meanwhile")
+                raise APIError(409, "a template apply replaced the engine meanwhile; retry")
             state.config = planned.config
             state.overrides = {**state.overrides, **planned.overrides()}
     return _json({"changed": planned.diff(), "applied_after_step": step})

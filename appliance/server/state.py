@@ -198,6 +198,8 @@ class ServerState:
             # preempted request of the default priority 0 is counted under).
             list(config.priority_classes) or [config.class_of(0)],
         )
+        for name, how in self.class_states.items():
+            self.metrics.set_class_state(name, how)
 
     async def stop_engine(self) -> None:
         client, self.client = self.client, None
