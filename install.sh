@@ -292,7 +292,8 @@ do_install() {
 
   tmp=$(mktemp -d)
   # Units: ours, replaced on every install (operators change them with drop-ins).
-  for f in appliance@.service appliance.target appliance-router.service; do
+  for f in appliance@.service appliance.target appliance-router.service \
+    appliance-inspect@.service appliance-inspect@.timer; do
     sed "s#/opt/appliance#$prefix#g" "systemd/$f" > "$tmp/$f"
     put "$tmp/$f" "$unitdir/$f" 644
     manifest_add file - "$unitdir/$f"
@@ -358,10 +359,12 @@ do_uninstall() {
   local kind sum path f
   if systemd_running; then
     systemctl disable --now appliance.target appliance-router.service >/dev/null 2>&1 || true
-    systemctl stop 'appliance@*.service' >/dev/null 2>&1 || true
+    systemctl stop 'appliance@*.service' 'appliance-inspect@*.timer' >/dev/null 2>&1 || true
   fi
   rm -f "$unitdir"/appliance.target.wants/appliance*.service "$unitdir"/multi-user.target.wants/appliance.target
-  remove_if_empty "$unitdir/appliance.target.wants" "$unitdir/multi-user.target.wants"
+  rm -f "$unitdir"/timers.target.wants/appliance-inspect@*.timer
+  remove_if_empty "$unitdir/appliance.target.wants" "$unitdir/multi-user.target.wants" \
+    "$unitdir/timers.target.wants"
   if [ -f "$manifest" ]; then
     while read -r kind sum path; do
       f=$root$path

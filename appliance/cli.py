@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     from appliance.bench import cpu_kernels, offline, serve
     from appliance.bench import lora as bench_lora
     from appliance.console import cli as console_cli
-    from appliance.tools import kv_eval, quant_eval, router
+    from appliance.tools import inspection, kv_eval, quant_eval, router
     from appliance.tools.demo_model import add_demo_model_parser
 
     parser = argparse.ArgumentParser(prog="appliance", description="LLM inference appliance")
@@ -146,6 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_parser(sub)
     kv_eval.add_parser(sub)
     quant_eval.add_parser(sub)
+    inspection.add_parser(sub)
 
     bench = sub.add_parser("bench", help="benchmarks that print tables")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)

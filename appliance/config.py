@@ -261,6 +261,10 @@ class ServerConfig(_Section):
     # Responses kept in memory (oldest dropped; lost on restart); inputs per /v1/embeddings.
     max_stored_responses: NonNegInt = 1000
     max_embedding_inputs: PositiveInt = 2048
+    # The audit log's folder (appliance/server/audit.py); "": systemd's $STATE_DIRECTORY,
+    # else ~/.local/state/appliance. It rotates past audit_max_bytes (three old files kept).
+    state_dir: str = ""
+    audit_max_bytes: Annotated[int, Meta(ge=4096)] = 16 * 1024 * 1024
 
 
 class LoraConfig(_Section):
@@ -366,10 +370,7 @@ class ApplianceConfig(_Section):
         return best
 
 
-# ---------------------------------------------------------------------------------------------
-# Loading
-
-
+# -- loading ----------------------------------------------------------------------------------
 def shipped_template_dir() -> Path:
     return Path(str(resources.files("appliance.templates")))
 

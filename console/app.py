@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from appliance.console.audit import AuditScreen
 from appliance.console.client import AdminClient, ConsoleError, ServerError
 from appliance.console.dashboard import DashboardScreen
 from appliance.console.dialogs import HelpScreen
@@ -30,7 +31,12 @@ HISTORY_MARGIN_S = 3.0
 
 class ConsoleApp(App[None]):
     TITLE = "appliance console"
-    MODES = {"dashboard": DashboardScreen, "templates": TemplatesScreen, "requests": RequestsScreen}
+    MODES = {
+        "dashboard": DashboardScreen,
+        "templates": TemplatesScreen,
+        "requests": RequestsScreen,
+        "audit": AuditScreen,
+    }
     DEFAULT_MODE = "dashboard"
     # The palette's footer entry would push the screens' own keys off an 80-column footer.
     ENABLE_COMMAND_PALETTE = False
@@ -38,6 +44,7 @@ class ConsoleApp(App[None]):
         Binding("d", "switch_mode('dashboard')", "Dashboard"),
         Binding("t", "switch_mode('templates')", "Templates"),
         Binding("r", "switch_mode('requests')", "Requests"),
+        Binding("l", "switch_mode('audit')", "Audit"),
         Binding("question_mark", "help", "Help", key_display="?"),
         Binding("q", "quit", "Quit"),
     ]
@@ -124,6 +131,10 @@ class ConsoleApp(App[None]):
             snap.latency.add(stats.time, metrics)
         if stats.server.engine_generation != self._config_generation and stats.engine is not None:
             await self._read_config(stats.server.engine_generation)
+
+    async def read_config_now(self) -> None:
+        """After a live knob change: the running config changed without a new engine."""
+        await self._read_config(self._config_generation or 0)
 
     async def _read_config(self, generation: int) -> None:
         try:

@@ -82,7 +82,10 @@ class AdminClient:
         self, url: str, token: str | None = None, transport: httpx.AsyncBaseTransport | None = None
     ) -> None:
         self.url = url.rstrip("/")
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        # The audit log records the console's actions as the console's (or the token's name).
+        headers = {"X-Appliance-Client": "console"}
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
         self.has_token = token is not None
         self._http = httpx.AsyncClient(
             base_url=self.url, headers=headers, timeout=POLL_TIMEOUT_S, transport=transport
@@ -134,12 +137,27 @@ class AdminClient:
         return (await self._request("GET", "/admin/config")).json()
 
     async def reload(
-        self, template: str | None, overrides: dict[str, Any] | None = None
+        self, template: str | None, overrides: dict[str, Any] | None = None, rollback: bool = False
     ) -> dict[str, Any]:
-        body = {"template": template, "overrides": overrides or {}}
+        body = {"template": template, "overrides": overrides or {}, "rollback": rollback}
         return (
             await self._request("POST", "/admin/reload", timeout=RELOAD_TIMEOUT_S, json=body)
         ).json()
+
+    async def patch_config(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Live knobs: {"changed": [{"key", "before", "after"}], ...}; 400/409 ServerError."""
+        return (await self._request("PATCH", "/admin/config", json=body)).json()
+
+    async def pause_class(self, name: str, drain: bool = False) -> dict[str, Any]:
+        params = {"drain": "true"} if drain else {}
+        return (await self._request("POST", f"/admin/classes/{name}/pause", params=params)).json()
+
+    async def resume_class(self, name: str) -> dict[str, Any]:
+        return (await self._request("POST", f"/admin/classes/{name}/resume")).json()
+
+    async def audit(self, since: float = 0.0, limit: int = 200) -> list[dict[str, Any]]:
+        params = {"since": f"{since:.3f}", "limit": str(limit)}
+        return list((await self._request("GET", "/admin/audit", params=params)).json()["records"])
 
     async def abort(self, request_id: str) -> dict[str, Any]:
         return (await self._request("POST", f"/admin/abort/{request_id}")).json()

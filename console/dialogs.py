@@ -6,14 +6,17 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
-from textual.widgets import Button, Static
+from textual.widgets import Button, Input, Static
 
 HELP = """\
 [b]appliance console[/b]: keys (also in the footer)
 
-  d dashboard   t templates   r requests   ? this help   q quit
+  d dashboard   t templates   r requests   l audit   ? this help   q quit
   templates   ↑/↓ choose · a apply (asks first) · b roll back to the
-              template that ran before the last apply
+              template that ran before the last apply · k change a live
+              knob (scheduler.max_num_seqs = 8; shows the diff, asks first)
+  audit       ↑/↓ choose a class · p pause · g drain · u resume (each
+              asks first); below, the audit log: who changed what, when
   requests    ↑/↓ choose · x abort the chosen request (asks first);
               columns: tokens of prompt and output so far, KV blocks held,
               age, times preempted
@@ -64,6 +67,33 @@ class ConfirmScreen(ModalScreen[bool]):
 
     def action_answer(self, yes: bool) -> None:
         self.dismiss(yes)
+
+
+class InputScreen(ModalScreen[str | None]):
+    """One line of text (Enter), or None (Escape)."""
+
+    DEFAULT_CSS = """
+    InputScreen { align: center middle; }
+    InputScreen > Vertical { width: 70; max-width: 95%; height: auto; border: thick $accent;
+                             background: $surface; padding: 1 2; }
+    InputScreen #prompt { height: auto; }
+    """
+    BINDINGS = [Binding("escape", "cancel", "Cancel")]
+
+    def __init__(self, prompt: str, placeholder: str = "") -> None:
+        super().__init__()
+        self.prompt, self.placeholder = prompt, placeholder
+
+    def compose(self) -> ComposeResult:
+        with Vertical():
+            yield Static(self.prompt, id="prompt")
+            yield Input(placeholder=self.placeholder, id="line")
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        self.dismiss(event.value.strip() or None)
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)
 
 
 class HelpScreen(ModalScreen[None]):

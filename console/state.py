@@ -73,7 +73,11 @@ def status_line(snap: Snapshot | None) -> tuple[Text, str]:
         text.append(f" ({stats.server.phase_detail})", colour)
     if stats.server.paused:
         text.append(" · PAUSED (no steps until /admin/resume)", WARN)
+    held = [f"{name} {how}" for name, how in stats.server.class_states.items() if how != "serving"]
+    if held:
+        text.append(" · " + ", ".join(held), WARN)
     template = stats.config.template or "defaults"
     text.append(f" · {template.rsplit('/', 1)[-1]} · {snap.url.removeprefix('http://')}", DIM)
     text.append(f" · up {secs(stats.server.uptime_s)}", DIM)
-    return text + ro, "" if phase == "ready" and not stats.server.paused else "-warn"
+    calm = phase == "ready" and not stats.server.paused and not held
+    return text + ro, "" if calm else "-warn"

@@ -1,5 +1,6 @@
 """The templates screen: shipped and operator templates, the diff of the chosen one against the
-running configuration, applying it through /admin/reload, and rolling back."""
+running configuration, applying it through /admin/reload, and rolling back; and live knobs
+(`k`: PATCH /admin/config, no rebuild) after a confirmation that shows their diff."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from appliance.console.catalog import (
     show_value,
 )
 from appliance.console.client import ConsoleError
-from appliance.console.dialogs import ConfirmScreen
+from appliance.console.dialogs import ConfirmScreen, InputScreen
+from appliance.console.knobs import KNOB_PLACEHOLDER, parse_knobs, patch_body, running_value
 from appliance.console.state import Snapshot, status_line
 from appliance.console.widgets import BAD, DIM, OK, WARN, StatusLine, secs
 from rich.text import Text
@@ -26,6 +28,8 @@ from textual.containers import VerticalScroll
 from textual.coordinate import Coordinate
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, ProgressBar, Static
+
+from appliance.config import ConfigError
 
 MAX_DIFF_LINES = 40
 
@@ -41,6 +45,7 @@ class TemplatesScreen(Screen[None]):
     BINDINGS = [
         Binding("a", "apply", "Apply"),
         Binding("b", "rollback", "Roll back"),
+        Binding("k", "knob", "Knob"),
         Binding("ctrl+l", "rescan", "Rescan", show=False),
     ]
 
@@ -72,7 +77,7 @@ class TemplatesScreen(Screen[None]):
         return bool(getattr(self.app, "readonly", False))
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        if action in ("apply", "rollback"):
+        if action in ("apply", "rollback", "knob"):
             if self.readonly:
                 return False  # hidden: a read-only console offers no way to change the box
             if self.applying is not None:
@@ -208,6 +213,61 @@ class TemplatesScreen(Screen[None]):
 
         self.app.push_screen(ConfirmScreen(question, yes="Roll back"), confirmed)
 
+    def action_knob(self) -> None:
+        if self.readonly or self.applying is not None:
+            return
+
+        def typed(line: str | None) -> None:
+            if not line:
+                return
+            try:
+                knobs = parse_knobs(line)
+            except ConfigError as exc:
+                self._outcome(Text(f"✗ {exc}", BAD))
+                return
+            snap: Snapshot | None = getattr(self.app, "snapshot", None)
+            running = snap.running if snap else None
+            lines = "\n".join(
+                f"  {key}: {show_value(running_value(running, key))} → {show_value(value)}"
+                for key, value in knobs.items()
+            )
+            question = (
+                f"Change live knobs on {getattr(self.app, 'url', 'the server')}?\n\n{lines}\n\n"
+                "The engine takes them at its next step: nothing is drained or restarted."
+            )
+
+            def confirmed(yes: bool | None) -> None:
+                if yes:
+                    self.change_knobs(knobs)
+
+            self.app.push_screen(ConfirmScreen(question, yes="Change"), confirmed)
+
+        prompt = (
+            "Live knob (scheduler limits, preemption, per-class timeouts and SLOs), as\n"
+            "KEY = VALUE[, KEY = VALUE]; Enter to review, Escape to cancel"
+        )
+        self.app.push_screen(InputScreen(prompt, KNOB_PLACEHOLDER), typed)
+
+    @work(exclusive=True, group="knob")
+    async def change_knobs(self, knobs: dict[str, Any]) -> None:
+        app: Any = self.app
+        try:
+            result = await app.client.patch_config(patch_body(knobs))
+        except ConsoleError as exc:
+            self._outcome(Text.assemble(("✗ nothing changed: ", BAD), str(exc)))
+            return
+        changed = ", ".join(
+            f"{c['key']} {show_value(c['before'])} → {show_value(c['after'])}"
+            for c in result["changed"]
+        )
+        step = result.get("applied_after_step")
+        when = f" from engine step {step + 1}" if step is not None else ""
+        self._outcome(
+            Text.assemble(("✓ ", OK), changed or "already so: nothing changed", (when, DIM))
+        )
+        await app.read_config_now()
+        self.show(app.snapshot)
+
     @work(exclusive=True, group="apply")
     async def apply(
         self, template: str | None, overrides: dict[str, Any] | None, rollback: bool
@@ -226,7 +286,7 @@ class TemplatesScreen(Screen[None]):
         self._outcome(Text(f"applying {label}: sent to the server …", WARN))
         t0 = time.monotonic()
         try:
-            result = await app.client.reload(template, overrides)
+            result = await app.client.reload(template, overrides, rollback=rollback)
         except ConsoleError as exc:
             self._outcome(
                 Text.assemble(

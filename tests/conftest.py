@@ -12,6 +12,14 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _audit_logs_out_of_home(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Servers the tests start write their audit log (server.state_dir's default, under
+    XDG_STATE_HOME) into the session's temporary directory, not the user's home."""
+    if not os.environ.get("STATE_DIRECTORY"):
+        os.environ["XDG_STATE_HOME"] = str(tmp_path_factory.mktemp("state-home"))
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Tiny Llama (4 layers, hidden 256, GQA 4, vocab 4096), float32."""

@@ -204,7 +204,7 @@ async def test_snapshot_80x24(
     assert "seqs per step" in text and "oldest/limit" in text
     assert "bound: KV" in text or "no steps in the last minute" in text
     # Every key of the dashboard fits the 80-column footer.
-    assert "d Dashboard  t Templates  r Requests  ? Help  q Quit" in lines[-1]
+    assert "d Dashboard  t Templates  r Requests  l Audit  ? Help  q Quit" in lines[-1]
     assert "Engine" not in text  # the engine panel needs a wide terminal
 
 
@@ -366,6 +366,11 @@ async def test_apply_template_then_roll_back(server: ServerProcess) -> None:
         )
     cfg = admin_config(server)
     assert cfg["template"] == "tiny-a" and cfg["config"]["scheduler"]["max_num_seqs"] == 16
+    audit = server.get("/admin/audit", headers={"Authorization": f"Bearer {TOKEN}"}).json()
+    assert [(r["action"], r["actor"], r["outcome"]) for r in audit["records"][-2:]] == [
+        ("template_apply", "console", "ok"),
+        ("rollback", "console", "ok"),
+    ]
 
 
 async def test_failed_apply_keeps_the_old_template_and_says_why(server: ServerProcess) -> None:

@@ -18,7 +18,13 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 INSTALL = REPO / "install.sh"
-UNITS = ["appliance@.service", "appliance.target", "appliance-router.service"]
+UNITS = [
+    "appliance@.service",
+    "appliance.target",
+    "appliance-router.service",
+    "appliance-inspect@.service",
+    "appliance-inspect@.timer",
+]
 KEY_RE = re.compile(r"^sk-[0-9a-f]{64}\n$")
 
 

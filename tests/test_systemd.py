@@ -51,7 +51,13 @@ def units(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @needs_analyze
 def test_units_pass_systemd_analyze_verify_with_empty_stderr(units: Path) -> None:
-    names = ["appliance@test.service", "appliance.target", "appliance-router.service"]
+    names = [
+        "appliance@test.service",
+        "appliance.target",
+        "appliance-router.service",
+        "appliance-inspect@test.service",
+        "appliance-inspect@test.timer",
+    ]
     proc = subprocess.run(
         [ANALYZE, "verify", "--man=no", *names],
         cwd=units,  # type: ignore[list-item]
@@ -63,7 +69,9 @@ def test_units_pass_systemd_analyze_verify_with_empty_stderr(units: Path) -> Non
 
 
 @needs_analyze
-@pytest.mark.parametrize("unit", ["appliance@test.service", "appliance-router.service"])
+@pytest.mark.parametrize(
+    "unit", ["appliance@test.service", "appliance-router.service", "appliance-inspect@test.service"]
+)
 def test_units_score_3_or_better_in_systemd_analyze_security(units: Path, unit: str) -> None:
     proc = subprocess.run(
         [ANALYZE, "security", "--offline=true", "--no-pager", str(units / unit)],  # type: ignore[list-item]

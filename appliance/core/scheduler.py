@@ -56,6 +56,22 @@ class Scheduler:
         # Requests scheduled for the first time since the last take_started() (the API stops
         # their queue-timeout timers: from here on they are being served).
         self._started: list[str] = []
+        # Priority classes paused by the operator: their queued requests are not admitted.
+        self.held_classes: set[str] = set()
+
+    def reconfigure(self, config: ApplianceConfig) -> None:
+        """Live knobs, between two steps: the next step reads them. Running requests above a
+        lowered max_num_seqs run on to their end (none is preempted for it); admissions wait
+        until the running count is under the new limit."""
+        self.config, self.cfg = config, config.scheduler
+        self.policy = make_policy(self.cfg)
+
+    def hold_class(self, priority_class: str, held: bool) -> None:
+        """Pause (or resume) admitting a class's waiting and swapped requests."""
+        if held:
+            self.held_classes.add(priority_class)
+        else:
+            self.held_classes.discard(priority_class)
 
     # -- queues ----------------------------------------------------------------------------------
     def _insert(self, queue: list[Request], req: Request) -> None:
@@ -160,13 +176,15 @@ class Scheduler:
     # -- one step --------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = StepBuilder(self)
+        # A lowered max_num_seqs (live knobs) binds admissions; it never evicts running work.
+        seq_limit = max(self.cfg.max_num_seqs, len(self.running))
         self._expire_timeouts()
         self._update_pressure()
         out.schedule_running()
         out.admit()
         result = out.build()
         assert result.num_scheduled_tokens <= self.cfg.max_num_batched_tokens
-        assert len(self.running) <= self.cfg.max_num_seqs
+        assert len(self.running) <= seq_limit
         return result
 
     def time_limit_s(self, decodes: list[Request]) -> float | None:

@@ -134,7 +134,7 @@ class StepBuilder:
             return  # a static batch runs until all of its members finish
         candidates = sorted(s.waiting + s.swapped, key=s.policy.queue_key)
         for req in candidates:
-            if req.status is RequestStatus.FINISHED:
+            if req.status is RequestStatus.FINISHED or req.priority_class in s.held_classes:
                 continue
             if self.budget <= 0:
                 self._bound("token_budget")

@@ -50,6 +50,8 @@ class EngineClient:
         on_death: Callable[[str], None] | None = None,
     ) -> None:
         self.config = config
+        # The config the core was built with (live knobs change `config`, never this).
+        self.built_config = config
         # The core's scheduler builds its policy from the same config with the same factory:
         # the API's queue checks ask this one instead of keeping a copy of the rule.
         self.policy: SchedulingPolicy = make_policy(config.scheduler)
@@ -172,7 +174,7 @@ class EngineClient:
                     break
                 if isinstance(msg, ipc.Frame):
                     self._dispatch(msg)
-                elif isinstance(msg, ipc.StatsReply | ipc.Pong | ipc.LoraReply):
+                elif isinstance(msg, ipc.StatsReply | ipc.Pong | ipc.LoraReply | ipc.Reconfigured):
                     fut = self._replies.pop(msg.token, None)
                     if fut is not None and not fut.done():
                         fut.set_result(msg)
@@ -311,6 +313,20 @@ class EngineClient:
 
     def set_paused(self, paused: bool) -> None:
         self._send(ipc.SetPaused(paused))
+
+    def hold_class(self, priority_class: str, held: bool) -> None:
+        self._send(ipc.HoldClass(priority_class, held))
+
+    async def reconfigure(self, config: ApplianceConfig, timeout_s: float = 10.0) -> int:
+        """Live knobs: the core applies `config` between two steps; returns the steps run
+        before it (EngineError if the core refused it). The API's own checks follow it."""
+        reply: ipc.Reconfigured = await self._ask(
+            lambda t: ipc.Reconfigure(t, msgspec.to_builtins(config)), timeout_s
+        )
+        if reply.error:
+            raise EngineError(reply.error)
+        self.config, self.policy = config, make_policy(config.scheduler)
+        return reply.step
 
     @property
     def num_live(self) -> int:

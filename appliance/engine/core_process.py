@@ -233,6 +233,10 @@ class _Core:
             _send(self.conn, ipc.Pong(msg.token))
         elif isinstance(msg, ipc.SetPaused):
             self.paused = msg.paused
+        elif isinstance(msg, ipc.Reconfigure):
+            _send(self.conn, self._reconfigure(msg))
+        elif isinstance(msg, ipc.HoldClass):
+            self.engine.scheduler.hold_class(msg.priority_class, msg.held)
         elif isinstance(msg, ipc.Shutdown):
             self.running = False
         elif isinstance(msg, ipc.LoadLora):
@@ -248,6 +252,15 @@ class _Core:
         _send(
             self.conn, ipc.LoraReply(token=token, status=status, detail=detail, adapters=adapters)
         )
+
+    def _reconfigure(self, msg: ipc.Reconfigure) -> ipc.Reconfigured:
+        from appliance.config import ConfigError, config_from_dict
+
+        try:
+            self.engine.reconfigure(config_from_dict(msg.config, "live config"))
+        except ConfigError as exc:
+            return ipc.Reconfigured(msg.token, self.engine.step_count, str(exc))
+        return ipc.Reconfigured(msg.token, self.engine.step_count)
 
     def _add(self, msg: ipc.AddRequest) -> ipc.AddResult:
         try:

@@ -83,7 +83,33 @@ class UnloadLora(msgspec.Struct, tag="unload_lora"):
     name: str
 
 
-ToCore = AddRequest | AbortRequests | GetStats | Ping | Shutdown | SetPaused | LoadLora | UnloadLora
+class Reconfigure(msgspec.Struct, tag="reconfigure"):
+    """Live knobs (PATCH /admin/config): the whole config, validated by the API process,
+    applied between two steps; answered with `Reconfigured`."""
+
+    token: int
+    config: dict[str, Any]
+
+
+class HoldClass(msgspec.Struct, tag="hold"):
+    """Admit none (or again) of a priority class's queued requests (/admin/classes/.../pause)."""
+
+    priority_class: str
+    held: bool
+
+
+ToCore = (
+    AddRequest
+    | AbortRequests
+    | GetStats
+    | Ping
+    | Shutdown
+    | SetPaused
+    | LoadLora
+    | UnloadLora
+    | Reconfigure
+    | HoldClass
+)
 
 
 # -- core -> API ---------------------------------------------------------------------------------
@@ -161,7 +187,15 @@ class LoraReply(msgspec.Struct, tag="lora_reply", kw_only=True):
     adapters: dict[str, str] = {}
 
 
-FromCore = Status | CoreInfo | Failed | Frame | StatsReply | Pong | LoraReply
+class Reconfigured(msgspec.Struct, tag="reconfigured"):
+    token: int
+    # Steps run before the change: the step numbered `step + 1` is the first under it.
+    step: int
+    # Why the core refused it ("": applied).
+    error: str = ""
+
+
+FromCore = Status | CoreInfo | Failed | Frame | StatsReply | Pong | LoraReply | Reconfigured
 
 _encoder = msgspec.msgpack.Encoder()
 _to_core = msgspec.msgpack.Decoder(ToCore)

@@ -105,6 +105,11 @@ class Engine:
     ) -> Engine:
         return cls(load_config(name_or_path, overrides))
 
+    def reconfigure(self, config: ApplianceConfig) -> None:
+        """Live knobs (appliance/server/live_config.py), between two steps."""
+        self.config = config
+        self.scheduler.reconfigure(config)
+
     def close(self) -> None:
         """Stop the tensor-parallel workers of a model this engine loaded. Idempotent."""
         if self._owns_model:

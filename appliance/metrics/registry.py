@@ -104,7 +104,8 @@ FINISH_REASONS = ("stop", "length", "abort", "error", "queue_full", "queue_timeo
 PREEMPTION_MODES = ("recompute", "swap")  # swap falls back to recompute: both under either mode
 # The core refuses on queue_full, queue_timeout and ttft_slo, the API on queue_full and
 # estimated_wait.
-REJECTION_REASONS = ("queue_full", "queue_timeout", "ttft_slo", "estimated_wait")
+CLASS_PAUSE_MODES = ("paused", "draining")
+REJECTION_REASONS = ("queue_full", "queue_timeout", "ttft_slo", "estimated_wait", "class_paused")
 DRAIN_OUTCOMES = ("drained", "cut")
 KV_BLOCK_STATES = ("used", "cached", "free", "swapped")
 
@@ -174,6 +175,14 @@ class Metrics:
             "vllm:lora_requests_info",
             "Running stats on lora requests.",
             ["running_lora_adapters", "max_lora", "waiting_lora_adapters"],
+            registry=reg,
+        )
+        # Operator pauses per priority class (POST /admin/classes/{name}/pause): vLLM has none.
+        self.class_paused = Gauge(
+            "appliance_class_paused",
+            "1 while the priority class refuses new requests (paused: its queue held; "
+            "draining: its queue served), else 0.",
+            [*m, "class", "mode"],
             registry=reg,
         )
         self.cache_info = Gauge(
@@ -387,6 +396,12 @@ class Metrics:
         if cut:
             self.drain.labels(self.model_name, "cut").inc(cut)
 
+    def set_class_state(self, priority_class: str, state: str) -> None:
+        """serving | paused | draining: 1 on the mode the class is in, 0 on the other."""
+        for mode in CLASS_PAUSE_MODES:
+            value = 1 if state == mode else 0
+            self.class_paused.labels(self.model_name, priority_class, mode).set(value)
+
     def observe_steps(self, steps: list[tuple[int, int]]) -> None:
         it = self.iteration_tokens.labels(self.model_name)
         bs = self.batch_size.labels(self.model_name)
@@ -438,6 +453,8 @@ class Metrics:
         for outcome in DRAIN_OUTCOMES:
             self.drain.labels(name, outcome)
         for cls in classes:
+            for pause in CLASS_PAUSE_MODES:
+                self.class_paused.labels(name, cls, pause)
             for mode in PREEMPTION_MODES:
                 self.preemptions_by.labels(name, mode, cls)
             for reason in REJECTION_REASONS:

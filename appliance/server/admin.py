@@ -13,6 +13,8 @@ from litestar import Request, Response, Router, get, post
 
 from appliance.config import ConfigError, config_to_toml_dict
 from appliance.engine.client import EngineError
+from appliance.server import audited
+from appliance.server.admin_live import actor_of, class_states, patch_config
 from appliance.server.admin_schema import AdminStats, ConfigRef, ServerInfo
 from appliance.server.auth import admin_guard
 from appliance.server.errors import APIError, bad_request
@@ -27,6 +29,8 @@ class ReloadRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     template: str | None = None
     # Dotted keys, as `appliance up --set`: {"scheduler.max_num_seqs": 32}.
     overrides: dict[str, Any] | None = None
+    # The console's "roll back" (the template that ran before): recorded as a rollback.
+    rollback: bool = False
 
 
 def _state(request: Request[Any, Any, Any]) -> ServerState:
@@ -88,6 +92,7 @@ async def stats(
             paused=state.paused,
             requests_tracked=len(client.output) if client is not None else 0,
             last_reload=state.last_reload,
+            class_states=class_states(state),
         ),
         engine=snap.engine if snap else None,
         history=snap.history if snap else [],
@@ -116,7 +121,9 @@ async def reload(request: Request[Any, Any, Any]) -> Response[bytes]:
         raise APIError(503, f"cannot reload while {state.phase}", code=state.phase)
     template = body.template if body.template is not None else state.template
     try:
-        result = await state.reload(template, {**state.pinned_overrides, **(body.overrides or {})})
+        overrides = {**state.pinned_overrides, **(body.overrides or {})}
+        action = "rollback" if body.rollback else "template_apply" if body.template else "reload"
+        result = await audited.reload(state, template, overrides, actor_of(request), action)
     except ConfigError as exc:
         raise bad_request(f"reload refused, nothing changed: {exc}", param="template") from None
     except EngineError as exc:
@@ -161,7 +168,8 @@ async def resume(request: Request[Any, Any, Any]) -> Response[bytes]:
 def router() -> Router:
     return Router(
         path="/",
-        route_handlers=[stats, config, reload, abort, pause, resume],
+        # PATCH /admin/config beside GET here: one route per path (admin_live.py has the rest).
+        route_handlers=[stats, config, patch_config, reload, abort, pause, resume],
         guards=[admin_guard],
         include_in_schema=False,  # the console's API: not in /openapi.json
     )

@@ -61,6 +61,9 @@ class ServerInfo(msgspec.Struct, kw_only=True):
     requests_tracked: int = 0
     # The last /admin/reload or SIGHUP: {"ok", "time", "seconds" | "error", ...}; {} if none.
     last_reload: dict[str, Any]
+    # Each priority class: serving | paused (queue held) | draining (queue served); both of
+    # the latter refuse new requests (POST /admin/classes/{name}/pause).
+    class_states: dict[str, str] = {}
 
 
 class AdminStats(msgspec.Struct, kw_only=True):

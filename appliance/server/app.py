@@ -5,7 +5,7 @@ from __future__ import annotations
 from litestar import Litestar
 from litestar.datastructures import State
 
-from appliance.server import admin, lora_routes, ops, routes
+from appliance.server import admin, admin_live, lora_routes, ops, routes
 from appliance.server.errors import exception_handler
 from appliance.server.openapi_doc import openapi_json
 from appliance.server.state import ServerState
@@ -17,6 +17,7 @@ def create_app(state: ServerState) -> Litestar:
             routes.router(),
             admin.router(),
             lora_routes.router(),
+            admin_live.router(),
             *ops.route_handlers,
             openapi_json,
         ],

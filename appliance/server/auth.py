@@ -1,13 +1,16 @@
 """Bearer API keys for the OpenAI routes and a separate admin token for /admin/*.
 
 Secrets come from a file (one per line, `#` comments) or an environment variable (comma
-separated) named in the template, never from the template itself. Every configured secret is
+separated) named in the template, never from the template itself. In the admin token file a
+comment line `# name: alice` names the token on the next line: the audit log records actions
+under that name (an unnamed token as `token-` and the first 8 hex digits of its SHA-256). Every configured secret is
 compared with hmac.compare_digest, without stopping at the first match, so timing does not
 reveal which (or whether a prefix) matched.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import ipaddress
 import os
@@ -21,9 +24,12 @@ from litestar.handlers.base import BaseRouteHandler
 from appliance.config import ConfigError, ServerConfig
 from appliance.server.errors import APIError
 
+NAME_COMMENT = "# name:"
 
-def _read_secrets(file: str, env: str, what: str) -> list[str]:
-    secrets: list[str] = []
+
+def _read_named_secrets(file: str, env: str, what: str) -> list[tuple[str, str]]:
+    """(secret, name) pairs; name "" where no `# name:` line precedes the secret."""
+    secrets: list[tuple[str, str]] = []
     if file:
         path = Path(os.path.expanduser(file))
         try:
@@ -32,28 +38,41 @@ def _read_secrets(file: str, env: str, what: str) -> list[str]:
             raise ConfigError(
                 f"server.{what}_file: cannot read {str(path)!r}: {exc.strerror}"
             ) from None
-        secrets += [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
+        name = ""
+        for line in (ln.strip() for ln in text.splitlines()):
+            if line.lower().startswith(NAME_COMMENT):
+                name = line[len(NAME_COMMENT) :].strip()
+            elif line and not line.startswith("#"):
+                secrets.append((line, name))
+                name = ""
     if env:
         value = os.environ.get(env, "")
-        secrets += [s.strip() for s in value.split(",") if s.strip()]
+        secrets += [(s.strip(), "") for s in value.split(",") if s.strip()]
     return secrets
+
+
+def _read_secrets(file: str, env: str, what: str) -> list[str]:
+    return [secret for secret, _ in _read_named_secrets(file, env, what)]
+
+
+def token_name(secret: bytes, name: str) -> str:
+    return name or f"token-{hashlib.sha256(secret).hexdigest()[:8]}"
 
 
 @dataclass
 class AuthKeys:
     api_keys: list[bytes] = field(default_factory=list)
     admin_tokens: list[bytes] = field(default_factory=list)
+    # Each admin token's name for the audit log (token_name), in the same order.
+    admin_names: list[str] = field(default_factory=list)
 
     @classmethod
     def from_config(cls, server: ServerConfig) -> AuthKeys:
+        admin = _read_named_secrets(server.admin_token_file, server.admin_token_env, "admin_token")
         return cls(
             [s.encode() for s in _read_secrets(server.api_key_file, server.api_key_env, "api_key")],
-            [
-                s.encode()
-                for s in _read_secrets(
-                    server.admin_token_file, server.admin_token_env, "admin_token"
-                )
-            ],
+            [s.encode() for s, _ in admin],
+            [token_name(s.encode(), name) for s, name in admin],
         )
 
     @staticmethod
@@ -73,6 +92,17 @@ class AuthKeys:
             # No admin token configured: the admin API answers the local machine only.
             return is_loopback(client_host)
         return presented is not None and self._matches(presented, self.admin_tokens)
+
+    def admin_name(self, presented: bytes | None) -> str:
+        """The name of the admin token presented ("local" when none is configured: the guard
+        let a loopback caller in; "" when it matches none)."""
+        if not self.admin_tokens:
+            return "local"
+        found = ""
+        for i, secret in enumerate(self.admin_tokens):
+            if presented is not None and hmac.compare_digest(presented, secret):
+                found = self.admin_names[i] if i < len(self.admin_names) else token_name(secret, "")
+        return found
 
 
 def is_loopback(host: str | None) -> bool:

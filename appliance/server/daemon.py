@@ -22,7 +22,7 @@ import uvicorn
 
 from appliance.config import ConfigError, load_config
 from appliance.engine.client import EngineError
-from appliance.server import sdnotify
+from appliance.server import audited, sdnotify
 from appliance.server.app import create_app
 from appliance.server.auth import check_bind
 from appliance.server.edge import OpenAIErrorH11Protocol
@@ -166,7 +166,7 @@ def _install_signals(state: ServerState) -> None:
                     f"the server is stopping ({signame} during the drain)", code="server_stopping"
                 )
             return
-        asyncio.ensure_future(state.drain_and_stop())
+        asyncio.ensure_future(audited.drain_and_stop(state, audited.signal_actor()))
 
     def on_hup() -> None:
         if state.phase != "ready":
@@ -182,7 +182,9 @@ def _install_signals(state: ServerState) -> None:
 async def _reload_same(state: ServerState) -> None:
     log.info("SIGHUP: reloading %s", state.template)
     try:
-        result = await state.reload(state.template, state.overrides)
+        result = await audited.reload(
+            state, state.template, state.overrides, audited.signal_actor(), "reload"
+        )
         log.info("reloaded in %.2fs", result["seconds"])
     except (ConfigError, EngineError) as exc:
         log.error("reload failed: %s", exc)

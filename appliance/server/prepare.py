@@ -100,6 +100,7 @@ def prepare(state: ServerState, body: Body) -> PreparedRequest:
     check_limits(state, body)
     refuse_unsupported(body)
     priority_class = resolve_priority(state, body.priority)
+    check_class_open(state, priority_class)
     check_queue(state, priority_class)  # before tokenizing: shedding load stays cheap
     check_estimated_wait(state, priority_class)
     constraint = structured_outputs(body)
@@ -116,6 +117,7 @@ def prepare(state: ServerState, body: Body) -> PreparedRequest:
         by_length = state.config.resolve_priority(None, longest)[1]
         if by_length != priority_class:
             priority_class = by_length
+            check_class_open(state, priority_class)
             check_queue(state, priority_class)
     max_tokens = resolve_max_tokens(state, inputs)
     # Echoed logprobs and vLLM's prompt_logprobs come from one prefill computation.
@@ -223,6 +225,19 @@ def resolve_priority(state: ServerState, value: str | int | None) -> str:
         return state.config.resolve_priority(value)[1]
     except ConfigError as exc:
         raise bad_request(str(exc), param="priority") from None
+
+
+def check_class_open(state: ServerState, priority_class: str) -> None:
+    """503 while the operator has paused the class (POST /admin/classes/{name}/pause)."""
+    how = state.class_states.get(priority_class)
+    if how is not None:
+        state.metrics.count_rejection("class_paused", priority_class)
+        raise APIError(
+            503,
+            f"priority class {priority_class!r} is {how} by the operator; retry later",
+            code="class_paused",
+            headers={"Retry-After": str(state.config.server.retry_after_s)},
+        )
 
 
 def check_queue(state: ServerState, priority_class: str) -> None:

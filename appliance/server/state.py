@@ -28,6 +28,7 @@ from appliance.engine import ipc
 from appliance.engine.client import EngineClient, EngineError
 from appliance.metrics import Metrics
 from appliance.server import sdnotify
+from appliance.server.audit import AuditLog, state_dir
 from appliance.server.auth import AuthKeys
 from appliance.server.reqlog import RequestLog
 from appliance.server.response_store import ResponseStore
@@ -75,6 +76,10 @@ class ServerState:
     engine_generation: int = 0
     # Scheduling paused by the operator; a rebuilt engine starts unpaused.
     paused: bool = False
+    # Priority classes paused by the operator (admin_live.py): name -> "paused" (queued requests
+    # held) or "draining" (queued requests served); both refuse new ones. Kept across reloads.
+    class_states: dict[str, str] = field(default_factory=dict)
+    audit: AuditLog = field(default_factory=lambda: AuditLog(state_dir("")))
     start_task: asyncio.Task[None] | None = None
     # Set when the engine dies or a stop is requested; the daemon waits on it.
     stop_event: asyncio.Event = field(default_factory=asyncio.Event)
@@ -99,6 +104,7 @@ class ServerState:
             log_level,
         )
         state.pinned_overrides = {k: v for k, v in overrides.items() if k.startswith("server.")}
+        state.audit = AuditLog(state_dir(config.server.state_dir), config.server.audit_max_bytes)
         return state
 
     # -- identity --------------------------------------------------------------------------------
@@ -180,6 +186,8 @@ class ServerState:
         self.client, self.info, self.tokenizer, self.config = client, info, tokenizer, config
         self.engine_generation += 1
         self.paused = False
+        for name, how in self.class_states.items():
+            client.hold_class(name, how == "paused")
         if old is not None:
             await old.shutdown()
         cache = config.cache
@@ -197,6 +205,8 @@ class ServerState:
             # preempted request of the default priority 0 is counted under).
             list(config.priority_classes) or [config.class_of(0)],
         )
+        for name, how in self.class_states.items():
+            self.metrics.set_class_state(name, how)
 
     async def stop_engine(self) -> None:
         client, self.client = self.client, None

@@ -6,7 +6,9 @@ Starts `appliance up` on a free loopback port with the tiny demo model and a 16-
 (built in a temporary directory unless --model is given), drives it with concurrent long
 requests of three priority classes so the pool runs full and requests get preempted, and
 saves the dashboard (160x48 and 80x24) and the templates screen under that load as SVG, plus
-PNG where `rsvg-convert` (Debian: librsvg2-bin) is installed. About a minute on 2 CPU cores.
+PNG where `rsvg-convert` (Debian: librsvg2-bin) is installed. Then, as an operator would in
+tmux: a live knob change on the templates screen (its confirmation with the diff) and a pause
+of the batch class on the audit screen, which shows both. About a minute on 2 CPU cores.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ batch = {{ priority = 10, queue_timeout_s = 120.0 }}
 device = "cpu"
 [server]
 admin_token_file = "{token}"
+state_dir = "{state}"
 """
 
 
@@ -112,6 +115,41 @@ async def capture(
         await pilot.pause(0.3)
         app.save_screenshot(path.name, str(path.parent))
     return svg_text(path.read_text())
+
+
+async def capture_operator(url: str, token: str, out: Path) -> list[Path]:
+    """`k` on the templates screen: max_num_seqs 8 -> 4 (the confirmation is saved), then `p`
+    on the audit screen's batch row; the audit screen is saved once both are logged."""
+    app = ConsoleApp(url, token)
+    saved = []
+    async with app.run_test(size=(100, 30)) as pilot:
+        await wait_polls(app, pilot, 1)
+        await app.switch_mode("templates")
+        await wait_polls(app, pilot, 2)
+        await pilot.press("k")
+        await pilot.pause(0.2)
+        for key in "scheduler.max_num_seqs = 4":
+            await pilot.press("space" if key == " " else key)
+        await pilot.press("enter")
+        await pilot.pause(0.3)
+        saved.append(Path(app.save_screenshot("console-knob-confirm.svg", str(out))))
+        await pilot.press("y")
+        await wait_polls(app, pilot, 2)
+        await app.switch_mode("audit")
+        await wait_polls(app, pilot, 2)
+        await pilot.press("down", "down")  # the batch class: the last row
+        await pilot.press("p")
+        await pilot.pause(0.2)
+        await pilot.press("y")
+        await wait_polls(app, pilot, 4)
+        await pilot.pause(2.5)  # the audit log's own refresh
+        await wait_polls(app, pilot, 1)
+        saved.append(Path(app.save_screenshot("console-audit.svg", str(out))))
+        await pilot.press("u")  # leave the box as it was: batch serving again
+        await pilot.pause(0.2)
+        await pilot.press("y")
+        await wait_polls(app, pilot, 1)
+    return saved
 
 
 def to_png(svg: Path) -> Path | None:
@@ -181,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         # and a variant whose diff the templates screen shows.
         tdir = Path(tmp) / "templates"
         tdir.mkdir()
-        text = TEMPLATE.format(model=model, token=Path(tmp) / "admin")
+        text = TEMPLATE.format(model=model, token=Path(tmp) / "admin", state=Path(tmp) / "state")
         (tdir / "console-demo.toml").write_text(text)
         (tdir / "console-demo-swap.toml").write_text(
             text.replace(
@@ -220,12 +258,14 @@ def main(argv: list[str] | None = None) -> int:
                 ("dashboard", (80, 24), "console-dashboard-80x24.svg", None),
                 ("templates", (100, 30), "console-templates.svg", "console-demo-swap"),
             ]
+            paths = []
             for mode, size, name, select in shots:
                 asyncio.run(capture(url, token, mode, size, out / name, select=select))
-                png = to_png(out / name)
-                print(
-                    f"wrote {out / name}" + (f" and {png}" if png else " (no rsvg-convert: no PNG)")
-                )
+                paths.append(out / name)
+            paths += asyncio.run(capture_operator(url, token, out))
+            for path in paths:
+                png = to_png(path)
+                print(f"wrote {path}" + (f" and {png}" if png else " (no rsvg-convert: no PNG)"))
         finally:
             stop.set()
             proc.terminate()
