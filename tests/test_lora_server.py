@@ -151,6 +151,20 @@ def test_load_and_unload_while_requests_run(
     r = server.post("/v1/unload_lora_adapter", json={"lora_name": "b"}, headers=ADMIN_AUTH)
     assert r.status_code == 404
 
+    # Each load and unload is in the audit log, with its outcome (the 409 and 404 refused).
+    records = server.get("/admin/audit", headers=ADMIN_AUTH).json()["records"]
+    outcomes = [
+        (r["action"], r["what"]["lora_name"], r["outcome"])
+        for r in records
+        if r["action"].startswith("lora_")
+    ]
+    assert outcomes == [
+        ("lora_load", "b", "refused"),
+        ("lora_load", "b", "ok"),
+        ("lora_unload", "b", "ok"),
+        ("lora_unload", "b", "refused"),
+    ], outcomes
+
 
 def test_bad_adapter_is_a_400_naming_the_field(server: ServerProcess, tmp_path: Path) -> None:
     r = httpx.post(

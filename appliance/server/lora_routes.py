@@ -3,7 +3,8 @@ bodies (lora_name, lora_path), guarded by the admin token (loopback only when no
 
 A load reads and checks the adapter in the engine core and takes a slot (400 naming the field
 for a bad adapter, 409 when every slot serves running requests); an unload answers once the
-adapter's requests have finished, and new requests naming it get a 404 from then on."""
+adapter's requests have finished, and new requests naming it get a 404 from then on. Both are
+recorded in the audit log (lora_load, lora_unload: who, which adapter, the outcome)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 import msgspec
 from litestar import Request, Response, Router, post
 
+from appliance.server.admin_live import actor_of
 from appliance.server.auth import admin_guard
 from appliance.server.errors import APIError
 from appliance.server.openai import decode_body
@@ -56,7 +58,11 @@ def _answer(
 async def load_lora_adapter(request: Request[Any, Any, Any]) -> Response[str]:
     state = _state(request)
     body = await decode_body(request, LoadLoraAdapterRequest)
-    reply = await _client(state).load_lora(body.lora_name, body.lora_path)
+    what = {"lora_name": body.lora_name, "lora_path": body.lora_path}
+    with state.audit.action(actor_of(request), "lora_load", what) as act:
+        reply = await _client(state).load_lora(body.lora_name, body.lora_path)
+        if reply.status != 200:
+            act.fail("refused", reply.detail)
     return _answer(state, reply.status, reply.detail, reply.adapters)
 
 
@@ -64,7 +70,10 @@ async def load_lora_adapter(request: Request[Any, Any, Any]) -> Response[str]:
 async def unload_lora_adapter(request: Request[Any, Any, Any]) -> Response[str]:
     state = _state(request)
     body = await decode_body(request, UnloadLoraAdapterRequest)
-    reply = await _client(state).unload_lora(body.lora_name)
+    with state.audit.action(actor_of(request), "lora_unload", {"lora_name": body.lora_name}) as act:
+        reply = await _client(state).unload_lora(body.lora_name)
+        if reply.status != 200:
+            act.fail("refused", reply.detail)
     return _answer(state, reply.status, reply.detail, reply.adapters)
 
 
