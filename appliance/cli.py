@@ -108,6 +108,7 @@ def _command_of(argv: list[str]) -> str | None:
 def build_parser() -> argparse.ArgumentParser:
     from appliance import plan
     from appliance.bench import cpu_kernels, offline, serve
+    from appliance.cluster import cli as cluster_cli
     from appliance.console import cli as console_cli
     from appliance.tools import kv_eval, quant_eval, router
     from appliance.tools.demo_model import add_demo_model_parser
@@ -143,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_parser(sub)
     console_cli.add_parser(sub)
     router.add_parser(sub)
+    cluster_cli.add_parser(sub)
     kv_eval.add_parser(sub)
     quant_eval.add_parser(sub)
 
