@@ -278,8 +278,10 @@ class ClusterIngress:
         finally:
             for task in (pumping, watching):
                 task.cancel()
-            await asyncio.gather(pumping, watching, return_exceptions=True)
+            results = await asyncio.gather(pumping, watching, return_exceptions=True)
             await response.aclose()
+        if isinstance(results[0], Exception) and not isinstance(results[0], asyncio.CancelledError):
+            raise results[0]
 
     async def _metrics(self, send: Send) -> None:
         assert self.client is not None
