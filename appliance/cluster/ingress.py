@@ -174,7 +174,15 @@ class ClusterIngress:
         if path == "/metrics":
             return await self._metrics(send)
         if path == "/cluster/replicas":
-            return await reply(send, 200, msgspec.json.encode(self.replicas))
+            # As this ingress sees them: one it could not reach is "unreachable" here before
+            # its last report goes stale in the directory.
+            view = [
+                msgspec.structs.replace(r, phase="unreachable")
+                if r.replica_id in self.unreachable
+                else r
+                for r in self.replicas
+            ]
+            return await reply(send, 200, msgspec.json.encode(view))
         received = await read_body(receive, MAX_BODY_BYTES)
         if received is None:
             err = router_error(413, f"request body over {MAX_BODY_BYTES} bytes", "invalid_request")

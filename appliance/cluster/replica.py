@@ -49,6 +49,8 @@ class ApplianceReplica:
         self.report_interval_s = report_interval_s
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.state: Any = None
+        # The template and overrides of the last reconfigure, as Ray Serve gave them.
+        self.applied: tuple[str, dict[str, Any]] | None = None
         self.serving: asyncio.Task[int] | None = None
         self.reporting: asyncio.Task[None] | None = None
         self.url = ""
@@ -61,11 +63,11 @@ class ApplianceReplica:
         overrides = dict(user_config.get("overrides") or {})
         if self.state is None:
             await self._start(template, overrides)
-            return
-        if (template, overrides) == (self.state.template, self.state.overrides):
-            return
-        log.info("replica %s: reloading %s", self.replica_id, template)
-        await self.state.reload(template, overrides)
+        elif (template, overrides) != self.applied:
+            log.info("replica %s: reloading %s", self.replica_id, template)
+            # The server's own port (a start-up override) stays: reload keeps server.* pins.
+            await self.state.reload(template, overrides)
+        self.applied = (template, overrides)
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         load = self.load()
