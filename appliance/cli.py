@@ -108,6 +108,7 @@ def _command_of(argv: list[str]) -> str | None:
 def build_parser() -> argparse.ArgumentParser:
     from appliance import plan
     from appliance.bench import cpu_kernels, offline, serve
+    from appliance.cluster import bench as cluster_bench
     from appliance.cluster import cli as cluster_cli
     from appliance.console import cli as console_cli
     from appliance.tools import kv_eval, quant_eval, router
@@ -153,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     offline.add_parser(bench_sub)
     serve.add_parser(bench_sub)
     cpu_kernels.add_parser(bench_sub)
+    cluster_bench.add_parser(bench_sub)
     return parser
 
 

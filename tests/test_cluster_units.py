@@ -231,3 +231,40 @@ async def test_ingress_moves_429_503_and_dead_replicas_to_the_next() -> None:
         assert seen == ["full", "draining"]
         assert got.status_code == 503 and got.json()["error"]["message"] == "draining"
     await ingress.close()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--replicas", "0"], "replicas 0: a cluster needs at least 1 replica"),
+        (["--replicas", "2", "--max-replicas", "1"], "max_replicas 1 is below min_replicas 2"),
+        (["--set", "scheduler.max_num_seqs=0"], "max_num_seqs"),
+    ],
+)
+def test_cluster_up_refuses_bad_input_before_ray_starts(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import sys
+
+    from appliance.cli import main
+
+    assert main(["cluster", "up", "--template", "cpu-demo", *args]) == 2
+    assert message in capsys.readouterr().err
+    assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
+
+
+def test_long_prompts_go_to_the_long_pool_by_the_routers_rule() -> None:
+    """`appliance route`'s length rule (its prompt_tokens, longer than the threshold) as the
+    ingress's pool choice; the default pool stays a fallback when the long one cannot take it."""
+    replicas = [load("d1"), load("l1", pool="long")]
+
+    async def snapshot() -> list[ReplicaLoad]:
+        return replicas
+
+    cfg = ClusterConfig(long_prompt_tokens=10, chars_per_token=1.0, routing="queue")
+    ingress = ClusterIngress(snapshot, cfg)
+    ingress.replicas = replicas
+    assert [r.replica_id for r in ingress.candidates({"prompt": "x" * 10})] == ["d1"]
+    assert [r.replica_id for r in ingress.candidates({"prompt": "x" * 11})] == ["l1", "d1"]
+    chat = {"messages": [{"role": "user", "content": "y" * 11}]}
+    assert [r.replica_id for r in ingress.candidates(chat)][0] == "l1"
