@@ -214,7 +214,7 @@ install_venv() {
   [ ! -f README.md ] || cp README.md "$build/"
   # On the CPU keep the triton that lies on disk; a CUDA torch has already pulled its pairing.
   spec=$build
-  [ "$cluster" = 0 ] || spec="$build[cluster]"
+  [ "$cluster" = 0 ] || spec="${build}[cluster]"
   if [ "$flavour" = cuda ]; then
     "$venv/bin/python" -m pip install --quiet --no-compile "$spec"
   else
