@@ -31,6 +31,7 @@ log = logging.getLogger("appliance.cluster")
 # Stats the engine core must answer (KV usage, prefix hits) are asked every this many reports;
 # the queue figures come from the engine client's own view of each frame, for free.
 STATS_EVERY = 4
+LEAVE_TIMEOUT_S = 1.0
 
 
 def _free_port(host: str) -> int:
@@ -86,8 +87,10 @@ class ApplianceReplica:
     async def __del__(self) -> None:
         if self.reporting is not None:
             self.reporting.cancel()
+        # Bounded: when the whole application is deleted the directory stops too, and a call
+        # to a deployment without replicas would wait out Ray Serve's graceful stop.
         with contextlib.suppress(Exception):
-            await self.directory.leave.remote(self.replica_id)
+            await asyncio.wait_for(self.directory.leave.remote(self.replica_id), LEAVE_TIMEOUT_S)
         if self.state is not None:
             await self.state.drain_and_stop()
             if self.serving is not None:
