@@ -254,11 +254,14 @@ async def test_a_rolling_template_apply_answers_every_request(cluster: Cluster) 
             answers.append(out.usage.completion_tokens)
             i += 1
 
+    before = {r.replica_id for r in cluster.wait_replicas(2, 60, "before the apply")}
     workers = [asyncio.create_task(keep_asking(w)) for w in range(3)]
     await asyncio.sleep(1.0)
     new_cfg = msgspec.structs.replace(cluster.cfg, template=str(other))
     await asyncio.to_thread(cluster.deploy, new_cfg)
-    await asyncio.to_thread(cluster.wait_replicas, 2, 120, "apply", template=str(other))
+    after = await asyncio.to_thread(cluster.wait_replicas, 2, 120, "apply", template=str(other))
+    # Reconfigured in place (Ray Serve's reconfigure, one at a time), not replaced.
+    assert {r.replica_id for r in after} == before
     count_at_apply = len(answers)
     await asyncio.sleep(1.0)
     applied.set()

@@ -210,9 +210,8 @@ async def test_ingress_moves_429_503_and_dead_replicas_to_the_next() -> None:
     async def snapshot() -> list[ReplicaLoad]:
         return replicas
 
-    ingress = ClusterIngress(
-        snapshot, ClusterConfig(routing="queue"), httpx.MockTransport(upstream)
-    )
+    cfg = ClusterConfig(routing="queue", wait_for_replica_s=0.6, report_interval_s=0.25)
+    ingress = ClusterIngress(snapshot, cfg, httpx.MockTransport(upstream))
     transport = httpx.ASGITransport(app=ingress)
     async with httpx.AsyncClient(transport=transport, base_url="http://ingress") as client:
         got = await client.post(
@@ -221,15 +220,24 @@ async def test_ingress_moves_429_503_and_dead_replicas_to_the_next() -> None:
         assert got.status_code == 200 and got.json() == {"ok": "good"}
         assert got.headers["x-appliance-replica"] == "good"
         assert seen == ["full", "draining", "dead", "good"]
-        # The dead replica is skipped from now on; with every other one refusing, the client
-        # gets the last refusal with its own headers.
+        # The dead replica is skipped from now on. With the others refusing and one of them
+        # not ready (503), rounds repeat on fresh views until wait_for_replica_s, then the
+        # client gets the last refusal with its own headers.
         replicas.remove(replicas[3])
         seen.clear()
         got = await client.post(
             "/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer k"}
         )
-        assert seen == ["full", "draining"]
         assert got.status_code == 503 and got.json()["error"]["message"] == "draining"
+        assert seen[:2] == ["full", "draining"] and len(seen) >= 4 and len(seen) % 2 == 0
+        # Every queue full (429 only): answered at once, Retry-After passed on.
+        replicas.remove(replicas[1])
+        seen.clear()
+        got = await client.post(
+            "/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer k"}
+        )
+        assert seen == ["full"]
+        assert got.status_code == 429 and got.headers["retry-after"] == "2"
     await ingress.close()
 
 

@@ -4,6 +4,8 @@ import path of the config file `appliance cluster config` writes)."""
 
 from __future__ import annotations
 
+import hashlib
+import logging
 from typing import Any
 
 import msgspec
@@ -18,6 +20,8 @@ from appliance.cluster.settings import (
     cluster_config,
     gpus_per_replica,
 )
+
+log = logging.getLogger("appliance.cluster")
 
 # Headroom over the template's drain for Ray Serve's graceful stop of a replica.
 STOP_HEADROOM_S = 30.0
@@ -93,6 +97,28 @@ def replica_options(cfg: ClusterConfig, cluster_gpus: float, long: bool = False)
     return options
 
 
+def stable_version(deployment: Any, *identity: Any) -> Any:
+    """The deployment under a version derived from what identifies its code and arguments.
+
+    `serve.run` gives every deployment a random version on each call, so a second run (a
+    template `apply`) would replace every replica and the ingress rather than reconfigure them.
+    With the same version Ray Serve compares the rest: a changed user_config goes through the
+    replicas' reconfigure, one at a time; changed resources still restart them (rolling).
+    Ray 2.60 keeps `version` for its own use (`_internal`): without it, replacement it is."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        package = version("appliance")
+    except PackageNotFoundError:
+        package = "source"
+    digest = hashlib.blake2b(msgspec.json.encode([package, *identity]), digest_size=8).hexdigest()
+    try:
+        return deployment.options(version=digest, _internal=True)
+    except (TypeError, ValueError) as exc:
+        log.warning("Ray Serve refused a deployment version (%s): apply will replace", exc)
+        return deployment
+
+
 def cluster_gpus() -> float:
     import ray
 
@@ -112,25 +138,32 @@ def build_app(cfg: ClusterConfig) -> Any:
         "max_ongoing_requests": 100_000,
         "logging_config": {"enable_access_log": False},
     }
-    directory = serve.deployment(Directory, name="directory", num_replicas=1, **small).bind()
-    pools = [
-        serve.deployment(ApplianceReplica, **options).bind(
-            directory, "default", cfg.report_interval_s
+    directory = stable_version(
+        serve.deployment(Directory, name="directory", num_replicas=1, **small), "directory"
+    ).bind()
+
+    def pool(name: str, opts: dict[str, Any]) -> Any:
+        deployment = serve.deployment(ApplianceReplica, **opts)
+        # Autoscaling on or off is part of the identity: a replica sets up the push of its
+        # autoscaling figures when it starts, so switching it on replaces the replicas.
+        autoscaled = "autoscaling_config" in opts
+        return stable_version(deployment, name, cfg.report_interval_s, autoscaled).bind(
+            directory, name, cfg.report_interval_s
         )
-    ]
+
+    pools = [pool("default", options)]
     if cfg.long_prompt_tokens:
-        long_options = replica_options(cfg, gpus, long=True)
-        pools.append(
-            serve.deployment(ApplianceReplica, **long_options).bind(
-                directory, "long", cfg.report_interval_s
-            )
-        )
-    ingress = serve.deployment(
-        serve.ingress()(IngressDeployment), name="ingress", num_replicas=1, **small
-    )
+        pools.append(pool("long", replica_options(cfg, gpus, long=True)))
     # The ingress's arguments leave out the template: `cluster apply` changes only the
     # replicas' user_config, so Ray Serve rolls the replicas and keeps the ingress running.
     routing = msgspec.to_builtins(msgspec.structs.replace(cfg, template="", overrides={}))
+    ingress = stable_version(
+        serve.deployment(
+            serve.ingress()(IngressDeployment), name="ingress", num_replicas=1, **small
+        ),
+        "ingress",
+        routing,
+    )
     return ingress.bind(directory, routing, *pools)
 
 

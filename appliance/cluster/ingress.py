@@ -45,11 +45,11 @@ from appliance.tools.router import (
 log = logging.getLogger("appliance.cluster")
 
 Snapshot = Callable[[], Awaitable[list[ReplicaLoad]]]
+# A refusal to answer if no replica takes the request: status, headers, body.
+Refusal = tuple[int, list[tuple[bytes, bytes]], bytes]
 # Statuses a replica answers when another may serve the request: its class queue is full
 # (429) or it is not ready (503: draining, reloading, starting).
 RETRY_ELSEWHERE = (429, 503)
-# How long a request waits for a ready replica (one restarting, or the cluster just started).
-WAIT_FOR_REPLICA_S = 10.0
 MAX_BODY_BYTES = 16 * 1024 * 1024
 
 
@@ -194,22 +194,47 @@ class ClusterIngress:
                 parsed = msgspec.json.decode(body)
             except msgspec.DecodeError:
                 parsed = None  # a replica answers the 400
-        deadline = time.monotonic() + WAIT_FOR_REPLICA_S
-        order = self.candidates(parsed)
-        while not order and time.monotonic() < deadline:
+        await self._route(scope, receive, send, body, parsed)
+
+    async def _route(
+        self, scope: Scope, receive: Receive, send: Send, body: bytes, parsed: object
+    ) -> None:
+        """Rounds over the replicas in routing order. A round where every replica refused
+        because it was not ready (503: reloading, draining, starting) or unreachable is tried
+        again on a fresh view, for up to wait_for_replica_s: during a rolling apply the view
+        can be a report behind (the replica that just reloaded still looks busy while the next
+        one has begun). A round of 429s only (every queue full) is answered at once: admission
+        refuses fast, with Retry-After."""
+        deadline = time.monotonic() + self.cfg.wait_for_replica_s
+        refusal: Refusal | None = None
+        while True:
+            order = self.candidates(parsed)
+            if order:
+                outcome = await self._forward(scope, receive, send, body, order)
+                if outcome is None:
+                    return
+                refusal, not_ready = outcome
+                if not not_ready:
+                    break
+            if time.monotonic() >= deadline:
+                break
             await asyncio.sleep(self.cfg.report_interval_s)
             await self.refresh()
-            order = self.candidates(parsed)
-        if not order:
+        if refusal is None:
             err = router_error(503, "no replica is ready", "service_unavailable")
-            return await reply(send, 503, err, extra=[(b"retry-after", b"1")])
-        await self._forward(scope, receive, send, body, order)
+            refusal = (503, [(b"content-type", b"application/json"), (b"retry-after", b"1")], err)
+        status, out_headers, content = refusal
+        self.routed.labels("", str(status)).inc()
+        await reply(send, status, content, headers=out_headers)
 
     async def _forward(
         self, scope: Scope, receive: Receive, send: Send, body: bytes, order: list[ReplicaLoad]
-    ) -> None:
+    ) -> tuple[Refusal, bool] | None:
+        """Try the replicas in order; None once one answered (relayed to the client), else the
+        last refusal and whether any replica was not ready or unreachable (worth a new round)."""
         assert self.client is not None
-        refusal: tuple[int, list[tuple[bytes, bytes]], bytes] | None = None
+        refusal: Refusal | None = None
+        not_ready = False
         target = scope.get("raw_path", scope["path"].encode()).decode()
         if scope.get("query_string"):
             target += "?" + scope["query_string"].decode()
@@ -230,24 +255,24 @@ class ClusterIngress:
                     self._mark_unreachable(rid)
                     self.retried.labels("unreachable").inc()
                     refusal = (502, [], router_error(502, f"replica {rid} unreachable", "upstream"))
+                    not_ready = True
                     continue
                 if response.status_code in RETRY_ELSEWHERE:
                     content = await response.aread()
                     await response.aclose()
                     refusal = (response.status_code, proxied_response_headers(response), content)
+                    not_ready = not_ready or response.status_code == 503
                     self.retried.labels(str(response.status_code)).inc()
                     continue
                 await self._relay(response, receive, send, rid)
                 self.routed.labels(rid, str(response.status_code)).inc()
-                return
+                return None
             finally:
                 self.inflight[rid] -= 1
                 if self.inflight[rid] <= 0:
                     del self.inflight[rid]
         assert refusal is not None
-        status, out_headers, content = refusal
-        self.routed.labels("", str(status)).inc()
-        await reply(send, status, content, headers=out_headers)
+        return refusal, not_ready
 
     def _mark_unreachable(self, rid: str) -> None:
         self.unreachable[rid] = time.monotonic() + STALE_AFTER_S + 1.0

@@ -55,6 +55,7 @@ class ApplianceReplica:
         self.serving: asyncio.Task[int] | None = None
         self.reporting: asyncio.Task[None] | None = None
         self.url = ""
+        self.port = 0
         self._kv_usage = 0.0
         self._prefix = (0, 0)
 
@@ -66,8 +67,8 @@ class ApplianceReplica:
             await self._start(template, overrides)
         elif (template, overrides) != self.applied:
             log.info("replica %s: reloading %s", self.replica_id, template)
-            # The server's own port (a start-up override) stays: reload keeps server.* pins.
-            await self.state.reload(template, overrides)
+            # The server keeps listening where it started (its port: a start-up override).
+            await self.state.reload(template, {**overrides, "server.port": self.port})
         self.applied = (template, overrides)
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
@@ -131,7 +132,8 @@ class ApplianceReplica:
         from appliance.server.state import ServerState
 
         host = str(overrides.get("server.host") or load_config(template, overrides).server.host)
-        overrides = {**overrides, "server.port": _free_port(host)}
+        self.port = _free_port(host)
+        overrides = {**overrides, "server.port": self.port}
         config = load_config(template, overrides)
         state = ServerState.create(config, template, overrides)
         check_bind(config.server.host, state.auth)

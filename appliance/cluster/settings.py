@@ -52,6 +52,9 @@ class ClusterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     downscale_delay_s: Annotated[float, Meta(ge=0.0)] = 60.0
     # The window Ray Serve averages the replicas' reports over before each decision.
     look_back_period_s: PositiveFloat = 5.0
+    # How long the ingress keeps a request while no replica is ready to take it (one reloading
+    # or restarting, the cluster just started) before it answers 503.
+    wait_for_replica_s: Annotated[float, Meta(ge=0.0)] = 10.0
     # How often each replica reports its load to the directory the ingress reads.
     report_interval_s: PositiveFloat = 0.25
 
