@@ -276,3 +276,27 @@ def test_long_prompts_go_to_the_long_pool_by_the_routers_rule() -> None:
     assert [r.replica_id for r in ingress.candidates({"prompt": "x" * 11})] == ["l1", "d1"]
     chat = {"messages": [{"role": "user", "content": "y" * 11}]}
     assert [r.replica_id for r in ingress.candidates(chat)][0] == "l1"
+
+
+def test_the_serve_config_file_rebuilds_the_same_settings() -> None:
+    """`appliance cluster config` writes what `serve deploy` needs: the builder's import path
+    and the settings as its args, which validate back to the same ClusterConfig."""
+    import importlib
+
+    from appliance.cluster.app import app_builder, serve_config
+
+    cfg = cluster_config(
+        {
+            "template": "cpu-demo",
+            "replicas": 2,
+            "max_replicas": 4,
+            "port": 8123,
+            "overrides": {"scheduler.max_num_seqs": 8},
+        }
+    )
+    doc = serve_config(cfg)
+    assert doc["http_options"] == {"host": "127.0.0.1", "port": 8123}
+    (app,) = doc["applications"]
+    module, _, attr = app["import_path"].partition(":")
+    assert getattr(importlib.import_module(module), attr) is app_builder
+    assert cluster_config(msgspec.json.decode(msgspec.json.encode(app["args"]))) == cfg

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import threading
@@ -20,6 +21,8 @@ from typing import Any
 
 from appliance.cluster.settings import ClusterConfig, cluster_config
 from appliance.config import ConfigError, parse_sets
+
+PUSH_INTERVAL_ENV = "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S"
 
 
 def _settings(ns: argparse.Namespace) -> ClusterConfig:
@@ -57,6 +60,10 @@ def _connect(address: str | None) -> None:
     if address:
         ray.init(address=address, include_dashboard=False, log_to_driver=False)
     else:
+        # The local Ray's replicas push their autoscaling figures every second, not every 10 s
+        # (Ray's default): the policy then sees a step of load within seconds. On a cluster
+        # of your own, set it in the environment `ray start` runs in.
+        os.environ.setdefault(PUSH_INTERVAL_ENV, "1.0")
         ray.init(include_dashboard=False)
 
 
