@@ -300,3 +300,30 @@ def test_the_serve_config_file_rebuilds_the_same_settings() -> None:
     module, _, attr = app["import_path"].partition(":")
     assert getattr(importlib.import_module(module), attr) is app_builder
     assert cluster_config(msgspec.json.decode(msgspec.json.encode(app["args"]))) == cfg
+
+
+async def test_admin_reads_one_steady_replica_and_refuses_levers() -> None:
+    seen: list[str] = []
+
+    def upstream(request: httpx.Request) -> httpx.Response:
+        seen.append(request.url.host)
+        return _answer(200, {"replica": request.url.host})
+
+    replicas = [load("b"), load("a"), load("c", phase="reloading")]
+
+    async def snapshot() -> list[ReplicaLoad]:
+        return replicas
+
+    ingress = ClusterIngress(snapshot, ClusterConfig(), httpx.MockTransport(upstream))
+    transport = httpx.ASGITransport(app=ingress)
+    async with httpx.AsyncClient(transport=transport, base_url="http://ingress") as client:
+        for _ in range(3):
+            assert (await client.get("/admin/stats")).json() == {"replica": "a"}
+        named = await client.get("/admin/stats", headers={"x-appliance-replica": "b"})
+        assert named.json() == {"replica": "b"}
+        gone = await client.get("/admin/stats", headers={"x-appliance-replica": "c"})
+        assert gone.status_code == 503 and "'c' is not ready" in gone.text
+        lever = await client.post("/admin/reload", json={"template": "x"})
+        assert lever.status_code == 405 and "appliance cluster apply" in lever.text
+    assert seen == ["a", "a", "a", "b"]
+    await ingress.close()

@@ -183,6 +183,8 @@ class ClusterIngress:
                 for r in self.replicas
             ]
             return await reply(send, 200, msgspec.json.encode(view))
+        if path.startswith("/admin"):
+            return await self._admin(scope, receive, send)
         received = await read_body(receive, MAX_BODY_BYTES)
         if received is None:
             err = router_error(413, f"request body over {MAX_BODY_BYTES} bytes", "invalid_request")
@@ -273,6 +275,39 @@ class ClusterIngress:
                     del self.inflight[rid]
         assert refusal is not None
         return refusal, not_ready
+
+    async def _admin(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """/admin/* reads one replica's view, the console's: the replica the
+        `x-appliance-replica` header names, else the first ready one by id (a steady choice, so
+        a console polling the cluster watches one replica). The levers (reload, pause, abort)
+        act on one replica only, which through the cluster's address would look like acting on
+        all: they are refused here, naming `appliance cluster apply` and the replicas' own URLs."""
+        if scope["method"] != "GET":
+            urls = ", ".join(f"{r.replica_id} {r.url}" for r in self.replicas)
+            err = router_error(
+                405,
+                "admin actions act on one replica: use `appliance cluster apply` for the "
+                f"template, or a replica's own address ({urls})",
+                "invalid_request_error",
+            )
+            return await reply(send, 405, err)
+        wanted = dict(scope["headers"]).get(b"x-appliance-replica", b"").decode()
+        ready = sorted(
+            (
+                r
+                for r in self.replicas
+                if r.phase == "ready" and r.replica_id not in self.unreachable
+            ),
+            key=lambda r: r.replica_id,
+        )
+        chosen = [r for r in ready if r.replica_id == wanted] if wanted else ready[:1]
+        if not chosen:
+            what = f"replica {wanted!r} is not ready" if wanted else "no replica is ready"
+            return await reply(send, 503, router_error(503, what, "service_unavailable"))
+        outcome = await self._forward(scope, receive, send, b"", chosen)
+        if outcome is not None:
+            status, headers, content = outcome[0]
+            await reply(send, status, content, headers=headers)
 
     def _mark_unreachable(self, rid: str) -> None:
         self.unreachable[rid] = time.monotonic() + STALE_AFTER_S + 1.0
