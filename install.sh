@@ -2,7 +2,10 @@
 # Install the appliance.
 #
 # Development / CI:  ./install.sh [--dev] [--venv DIR]
-#   A venv (default .venv) with the package installed editable; --dev adds the test tools.
+#   A venv (default .venv) with the package installed editable; --dev adds the test tools
+#   and Ray Serve (the cluster tests run in CI).
+#   --cluster            add Ray Serve for `appliance cluster` (the `cluster` extra); with
+#                        --system too
 #
 # A box (as root):   ./install.sh --system [OPTIONS]   (any option below implies --system)
 #   --prefix DIR         venv and shared files (default /opt/appliance)
@@ -22,13 +25,14 @@ set -euo pipefail
 caller=$PWD
 cd "$(dirname "$0")"
 
-usage() { sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; }
 die() { echo "install.sh: $*" >&2; exit 2; }
 say() { echo "install.sh: $*"; }
 
 mode=dev
 venv=".venv"
 extras=""
+cluster=0
 prefix=/opt/appliance
 destdir=""
 torch=auto
@@ -42,7 +46,8 @@ purge=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --venv) venv="$2"; shift 2 ;;
-    --dev) extras="[test]"; shift ;;
+    --dev) extras="[test,cluster]"; shift ;;
+    --cluster) cluster=1; shift ;;
     --system) mode=system; shift ;;
     --prefix) prefix="$2"; mode=system; shift 2 ;;
     --destdir) destdir="$2"; mode=system; shift 2 ;;
@@ -84,6 +89,7 @@ fetch_default_model() {
 # disk is taken because pyproject pins torch>=2.6,<2.14 (a range admitting 2.14 pulls
 # gigabytes of CUDA wheels).
 if [ "$mode" = dev ]; then
+  [ "$cluster" = 0 ] || [ -n "$extras" ] || extras="[cluster]"
   python3 -m venv "$venv"
   "$venv/bin/python" -m pip install --quiet --upgrade pip >/dev/null 2>&1 || true
   # triton 3.6.0 lies on disk (the CPU path only runs its interpreter); CUDA torch brings its own.
@@ -207,10 +213,12 @@ install_venv() {
   cp -r pyproject.toml appliance kernels console templates "$build/"
   [ ! -f README.md ] || cp README.md "$build/"
   # On the CPU keep the triton that lies on disk; a CUDA torch has already pulled its pairing.
+  spec=$build
+  [ "$cluster" = 0 ] || spec="${build}[cluster]"
   if [ "$flavour" = cuda ]; then
-    "$venv/bin/python" -m pip install --quiet --no-compile "$build"
+    "$venv/bin/python" -m pip install --quiet --no-compile "$spec"
   else
-    "$venv/bin/python" -m pip install --quiet --no-compile "$build" "triton==3.6.0"
+    "$venv/bin/python" -m pip install --quiet --no-compile "$spec" "triton==3.6.0"
   fi
   rm -rf "$build"
   # The service cannot write into its venv (ProtectSystem): what it imports is compiled here.

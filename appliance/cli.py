@@ -109,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     from appliance import plan
     from appliance.bench import cpu_kernels, offline, serve
     from appliance.bench import lora as bench_lora
+    from appliance.cluster import bench as cluster_bench
+    from appliance.cluster import cli as cluster_cli
     from appliance.console import cli as console_cli
     from appliance.tools import inspection, kv_eval, quant_eval, router
     from appliance.tools.demo_model import add_demo_model_parser
@@ -144,6 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_parser(sub)
     console_cli.add_parser(sub)
     router.add_parser(sub)
+    cluster_cli.add_parser(sub)
     kv_eval.add_parser(sub)
     quant_eval.add_parser(sub)
     inspection.add_parser(sub)
@@ -154,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_parser(bench_sub)
     cpu_kernels.add_parser(bench_sub)
     bench_lora.add_parser(bench_sub)
+    cluster_bench.add_parser(bench_sub)
     return parser
 
 

@@ -204,7 +204,7 @@ def choose_pool(cfg: RouterConfig, body: Any, counter: TokenCounter) -> tuple[st
 # The ASGI app
 
 
-def _error(status: int, message: str, kind: str) -> bytes:
+def router_error(status: int, message: str, kind: str) -> bytes:
     return msgspec.json.encode(
         {"error": {"message": message, "type": kind, "param": None, "code": status}}
     )
@@ -263,26 +263,30 @@ class Router:
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         path, method = scope["path"], scope["method"]
         if path == "/health":
-            return await _reply(send, 200, b'{"status":"ok"}')
+            return await reply(send, 200, b'{"status":"ok"}')
         if path == "/ready":
             return await self._ready(send)
         if path == "/metrics":
             from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-            return await _reply(
+            return await reply(
                 send, 200, generate_latest(self.registry), CONTENT_TYPE_LATEST.encode()
             )
         if path.startswith("/admin"):
-            return await _reply(
+            return await reply(
                 send,
                 404,
-                _error(404, "admin endpoints are per instance: ask the pool's port", "not_found"),
+                router_error(
+                    404, "admin endpoints are per instance: ask the pool's port", "not_found"
+                ),
             )
-        body = await _read_body(receive, self.cfg.max_request_body_bytes)
+        body = await read_body(receive, self.cfg.max_request_body_bytes)
         if body is None:
             limit = self.cfg.max_request_body_bytes
-            return await _reply(
-                send, 413, _error(413, f"request body over {limit} bytes", "invalid_request_error")
+            return await reply(
+                send,
+                413,
+                router_error(413, f"request body over {limit} bytes", "invalid_request_error"),
             )
         pool, why = self.cfg.default_pool, "default"
         if method == "POST" and path in GENERATE_PATHS:
@@ -305,23 +309,22 @@ class Router:
         )
         if scope.get("query_string"):
             url += "?" + scope["query_string"].decode()
-        headers = [(k, v) for k, v in scope["headers"] if k.lower() not in _DROP_REQUEST]
-        client_addr = scope.get("client")
-        if client_addr:
-            headers.append((b"x-forwarded-for", client_addr[0].encode()))
+        headers = proxied_request_headers(scope)
         request = self.client.build_request(scope["method"], url, headers=headers, content=body)
         try:
             response = await self.client.send(request, stream=True)
         except httpx.HTTPError as exc:
             log.warning("pool %s (%s) unreachable: %s", pool, url, exc)
-            await _reply(
+            await reply(
                 send,
                 502,
-                _error(502, f"pool {pool!r} unreachable: {type(exc).__name__}", "upstream_error"),
+                router_error(
+                    502, f"pool {pool!r} unreachable: {type(exc).__name__}", "upstream_error"
+                ),
             )
             return 502
         try:
-            out = [(k, v) for k, v in response.headers.raw if k.lower() not in _DROP_RESPONSE]
+            out = proxied_response_headers(response)
             out.append((b"x-appliance-pool", pool.encode()))
             await send(
                 {"type": "http.response.start", "status": response.status_code, "headers": out}
@@ -346,10 +349,23 @@ class Router:
         results = await asyncio.gather(*(probe(self.cfg.pools[n]) for n in names))
         pools = dict(zip(names, results, strict=True))
         ok = pools[self.cfg.default_pool]
-        await _reply(send, 200 if ok else 503, msgspec.json.encode({"ready": ok, "pools": pools}))
+        await reply(send, 200 if ok else 503, msgspec.json.encode({"ready": ok, "pools": pools}))
 
 
-async def _read_body(receive: Receive, limit: int) -> bytes | None:
+def proxied_request_headers(scope: Scope) -> list[tuple[bytes, bytes]]:
+    """The client's headers as a proxy passes them on (hop-by-hop ones dropped)."""
+    headers = [(k, v) for k, v in scope["headers"] if k.lower() not in _DROP_REQUEST]
+    client_addr = scope.get("client")
+    if client_addr:
+        headers.append((b"x-forwarded-for", client_addr[0].encode()))
+    return headers
+
+
+def proxied_response_headers(response: httpx.Response) -> list[tuple[bytes, bytes]]:
+    return [(k, v) for k, v in response.headers.raw if k.lower() not in _DROP_RESPONSE]
+
+
+async def read_body(receive: Receive, limit: int) -> bytes | None:
     chunks: list[bytes] = []
     size = 0
     while True:
@@ -393,8 +409,20 @@ async def _relay(response: httpx.Response, receive: Receive, send: Send) -> None
         raise results[0]
 
 
-async def _reply(send: Send, status: int, body: bytes, ctype: bytes = b"application/json") -> None:
-    headers = [(b"content-type", ctype), (b"content-length", str(len(body)).encode())]
+async def reply(
+    send: Send,
+    status: int,
+    body: bytes,
+    ctype: bytes = b"application/json",
+    headers: list[tuple[bytes, bytes]] | None = None,
+    extra: list[tuple[bytes, bytes]] | None = None,
+) -> None:
+    """A whole response: `headers` replaces the default ones (a relayed answer's own), `extra`
+    adds to them."""
+    if headers is None:
+        headers = [(b"content-type", ctype)]
+    headers = [(k, v) for k, v in headers if k.lower() != b"content-length"]
+    headers += [(b"content-length", str(len(body)).encode()), *(extra or [])]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
