@@ -174,3 +174,26 @@ class StatsSnapshot(msgspec.Struct, kw_only=True):
     requests: list[LiveRequest] = []
     # One entry per priority class, most urgent first.
     queues: list[QueueInfo] = []
+
+
+class ReplicaLoad(msgspec.Struct, kw_only=True):
+    """What a cluster replica reports to the directory, several times a second, and what a
+    cluster ingress lists at GET /cluster/replicas (the console reads it there)."""
+
+    replica_id: str
+    url: str
+    # The appliance server's phase: only "ready" takes new requests.
+    phase: str
+    template: str
+    num_waiting: int = 0
+    num_running: int = 0
+    # How long a request arriving now would wait to be scheduled (None: not measured yet).
+    estimated_wait_s: float | None = None
+    kv_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    # Which deployment (pool) the replica belongs to: "default" or "long".
+    pool: str = "default"
+    pid: int = 0
+    node: str = ""
+    reported_at: float = 0.0

@@ -24,6 +24,8 @@ from textual.app import App
 from textual.binding import Binding
 from textual.reactive import reactive
 
+from appliance.stats import ReplicaLoad
+
 POLL_S = 1.0
 # History asked for on each poll beyond the time since the last good one: covers a late poll.
 HISTORY_MARGIN_S = 3.0
@@ -67,6 +69,7 @@ class ConsoleApp(App[None]):
         self._snap = Snapshot(url=self.url, poll_s=poll_s, readonly=readonly)
         self._polling = False
         self._config_generation: int | None = None
+        self._single_box = False
         self.polls = 0  # completed polls, for tests and screenshots
 
     def on_mount(self) -> None:
@@ -103,12 +106,14 @@ class ConsoleApp(App[None]):
         snap = self._snap
         since = snap.age_s
         history_s = 60.0 if since is None else min(60.0, since + HISTORY_MARGIN_S)
-        stats, metrics, host = await asyncio.gather(
+        stats, metrics, host, replicas = await asyncio.gather(
             self.client.stats(history_s),
             self.client.metrics(),
             asyncio.to_thread(read_host),
+            self._cluster_replicas(),
             return_exceptions=True,
         )
+        snap.replicas = None if isinstance(replicas, BaseException) else replicas
         if isinstance(host, BaseException):
             snap.host = None
         else:
@@ -131,6 +136,14 @@ class ConsoleApp(App[None]):
             snap.latency.add(stats.time, metrics)
         if stats.server.engine_generation != self._config_generation and stats.engine is not None:
             await self._read_config(stats.server.engine_generation)
+
+    async def _cluster_replicas(self) -> list[ReplicaLoad] | None:
+        """Asked until a 404 says this is a single box (then never again)."""
+        if self._single_box:
+            return None
+        replicas = await self.client.cluster_replicas()
+        self._single_box = replicas is None
+        return replicas
 
     async def read_config_now(self) -> None:
         """After a live knob change: the running config changed without a new engine."""

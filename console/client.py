@@ -14,6 +14,7 @@ import httpx
 import msgspec
 
 from appliance.server.admin_schema import AdminStats
+from appliance.stats import ReplicaLoad
 
 # The admin token when no --admin-token-file is given (scripts, CI).
 TOKEN_ENV = "APPLIANCE_ADMIN_TOKEN"
@@ -129,6 +130,20 @@ class AdminClient:
         except msgspec.DecodeError as exc:
             # A server of another version: say so rather than crash.
             raise ConsoleError(f"/admin/stats: unexpected response ({exc})") from None
+
+    async def cluster_replicas(self) -> list[ReplicaLoad] | None:
+        """The replicas behind a cluster's ingress (`appliance cluster up`: GET
+        /cluster/replicas); None from a single box, which has no such route (404)."""
+        try:
+            resp = await self._request("GET", "/cluster/replicas")
+        except ServerError as exc:
+            if exc.status == 404:
+                return None
+            raise
+        try:
+            return msgspec.json.decode(resp.content, type=list[ReplicaLoad])
+        except msgspec.DecodeError as exc:
+            raise ConsoleError(f"/cluster/replicas: unexpected response ({exc})") from None
 
     async def metrics(self) -> str:
         return (await self._request("GET", "/metrics")).text

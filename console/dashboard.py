@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 from appliance.console import panels
 from appliance.console.blockmap import BlockMap
+from appliance.console.replicas import HOST_TITLE, REPLICAS_TITLE, host_or_replicas_text
 from appliance.console.state import Snapshot, status_line
 from appliance.console.widgets import StatusLine
 from rich.text import Text
@@ -93,7 +94,7 @@ class DashboardScreen(Screen[None]):
             yield Panel("Preemptions", panels.preemption_text, id="preempt")
             yield Panel("Throughput · latency", panels.throughput_text, id="throughput")
             yield Panel("Why slow (last 60 s)", panels.slow_text, id="slow")
-            yield Panel("GPU · host", panels.host_text, id="host")
+            yield Panel(HOST_TITLE, host_or_replicas_text, id="host")
             yield Panel("Engine", panels.engine_text, id="engine")
         yield Footer()
 
@@ -139,5 +140,8 @@ class DashboardScreen(Screen[None]):
             return
         self._layout()
         self.query_one(KVPanel).show(snap)
+        self.query_one("#host", Panel).border_title = (
+            REPLICAS_TITLE if snap.replicas is not None else HOST_TITLE
+        )
         for panel in self.query(Panel):
             panel.show(snap)

@@ -13,6 +13,7 @@ from appliance.console.widgets import BAD, DIM, OK, WARN, secs
 from rich.text import Text
 
 from appliance.server.admin_schema import AdminStats, StepRecord
+from appliance.stats import ReplicaLoad
 
 
 @dataclass
@@ -35,6 +36,9 @@ class Snapshot:
     window: StepWindow = field(default_factory=StepWindow)
     # GET /admin/config of the running engine (re-read when engine_generation changes).
     running: dict[str, Any] | None = None
+    # The replicas behind a cluster's ingress, as it last listed them; None on a single box
+    # (the stats above are then the one replica the ingress reads /admin/* from).
+    replicas: list[ReplicaLoad] | None = None
 
     @property
     def config_max_num_seqs(self) -> int | None:
@@ -76,6 +80,12 @@ def status_line(snap: Snapshot | None) -> tuple[Text, str]:
     held = [f"{name} {how}" for name, how in stats.server.class_states.items() if how != "serving"]
     if held:
         text.append(" · " + ", ".join(held), WARN)
+    if snap.replicas is not None:
+        ready = sum(r.phase == "ready" for r in snap.replicas)
+        text.append(
+            f" · cluster: {ready} of {len(snap.replicas)} replicas ready",
+            OK if ready == len(snap.replicas) and ready else WARN,
+        )
     template = stats.config.template or "defaults"
     text.append(f" · {template.rsplit('/', 1)[-1]} · {snap.url.removeprefix('http://')}", DIM)
     text.append(f" · up {secs(stats.server.uptime_s)}", DIM)

@@ -27,6 +27,7 @@ from server_harness import free_port, write_template
 pytest.importorskip("ray.serve", reason="Ray Serve is the optional cluster extra")
 
 # The SDK checks of a single `appliance up`, collected here against the cluster's fixtures.
+from appliance.console.app import ConsoleApp  # noqa: E402
 from test_server_openai import (  # noqa: E402, F401
     test_async_sdk_concurrent_streams,
     test_chat_logprobs_and_priority,
@@ -44,6 +45,7 @@ from test_server_openai import (  # noqa: E402, F401
 from appliance.cluster.app import build_app  # noqa: E402
 from appliance.cluster.routing import ReplicaLoad  # noqa: E402
 from appliance.cluster.settings import ClusterConfig  # noqa: E402
+from appliance.tools.screenshots import svg_text  # noqa: E402
 
 MODEL = "tiny"
 KEY = "sk-cluster-test"
@@ -167,6 +169,24 @@ def test_a_shared_system_prompt_stays_on_one_replica_and_hits_its_cache(
     time.sleep(1.5)  # a few reports
     home = next(r for r in cluster.replicas() if r.replica_id == served[0])
     assert home.prefix_cache_hits > 0
+
+
+async def test_the_console_pointed_at_the_ingress_lists_its_replicas(cluster: Cluster) -> None:
+    ids = {r.replica_id for r in cluster.wait_replicas(2, 60, "before the console")}
+    app = ConsoleApp(cluster.url, None, poll_s=0.5)
+    async with app.run_test(size=(120, 40)) as pilot:
+        deadline = time.monotonic() + 30
+        text = ""
+        while time.monotonic() < deadline:
+            await pilot.pause(0.2)
+            snap = getattr(app, "snapshot", None)
+            if snap is not None and snap.stats is not None and snap.replicas is not None:
+                text = "\n".join(svg_text(app.export_screenshot()))
+                if "Replicas" in text and all(rid[:10] in text for rid in ids):
+                    break
+        assert "cluster: 2 of 2 replicas ready" in text, text
+        assert "Replicas" in text and all(rid[:10] in text for rid in ids), text
+        assert {r.replica_id for r in app.snapshot.replicas} == ids
 
 
 async def test_a_replica_killed_mid_load(cluster: Cluster) -> None:
