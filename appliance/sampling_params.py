@@ -58,6 +58,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # Top logprobs per prompt token, computed in the prefill forward (None: none). The first
     # prompt token has none (nothing predicts it).
     prompt_logprobs: int | None = None
+    # False: never draft tokens for this request, whatever the template's [speculative] says.
+    speculative: bool = True
 
     def validate(self, max_logprobs: int = MAX_LOGPROBS) -> None:
         if self.max_tokens < 1:

@@ -34,6 +34,8 @@ class StepBuilder:
         # tightest TPOT target among the classes it decodes (None: tokens alone bound it).
         self.shape = StepShape()
         self.limit_s: float | None = None
+        # Speculative drafts granted this step, per request id (verified with its decode).
+        self.drafts: dict[str, list[int]] = {}
 
     def _bound(self, limit: str) -> None:
         # The first limit hit is the one that bound the step.
@@ -69,6 +71,7 @@ class StepBuilder:
 
     def _ungrant(self, req: Request) -> None:
         tokens = self.granted.pop(req.request_id, None)
+        self.drafts.pop(req.request_id, None)
         if tokens is not None:
             self.order.remove(req)
             self.budget += tokens
@@ -89,6 +92,7 @@ class StepBuilder:
         decodes = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
         prefills = [r for r in running if r.num_tokens - r.num_computed_tokens > 1]
         self.limit_s = s.time_limit_s(decodes)
+        drafts = s.spec.plan(decodes, s.cost) if s.spec.enabled else {}
         for req in decodes + prefills:
             if req not in s.running:
                 continue  # preempted earlier in this step
@@ -96,11 +100,24 @@ class StepBuilder:
             if self.budget <= 0:
                 self._bound("token_budget")
                 break
+            if req.request_id in drafts and self._grant_drafts(req, drafts[req.request_id]):
+                continue
             tokens = self._chunk(req, remaining)
             if tokens < remaining:
                 self._bound("token_budget")
             if self._allocate_or_preempt(req, tokens):
                 self._grant(req, tokens)
+
+    def _grant_drafts(self, req: Request, drafts: list[int]) -> bool:
+        """A decode and its drafts, as one chunk of 1 + n tokens under the token budget; False
+        (decode it plainly) when the budget or free blocks do not cover the drafts: drafting
+        never preempts anyone."""
+        n = min(len(drafts), self.budget - 1)
+        if n <= 0 or not self.kv.allocate_slots(req, 1 + n):
+            return False
+        self.drafts[req.request_id] = drafts[:n]
+        self._grant(req, 1 + n)
+        return True
 
     def _allocate_or_preempt(self, req: Request, tokens: int) -> bool:
         s = self.s
@@ -246,7 +263,9 @@ class StepBuilder:
         context = 0
         for req in self.order:
             tokens = self.granted[req.request_id]
+            drafts = self.drafts.get(req.request_id, [])
             start = req.num_computed_tokens
+            known = tokens - len(drafts)  # of the request's own tokens (the rest are drafts)
             # Only what changed: the blocks added since the runner last saw the request.
             new_table = not req.table_sent
             block_ids = self.kv.block_ids(req, start=0 if new_table else req.num_block_ids_sent)
@@ -260,16 +279,17 @@ class StepBuilder:
             scheduled.append(
                 ScheduledRequest(
                     request_id=req.request_id,
-                    token_ids=req.token_ids[start : start + tokens],
+                    token_ids=req.token_ids[start : start + known] + drafts,
                     start_pos=start,
                     block_ids=block_ids,
-                    sample=start + tokens == req.num_tokens,
+                    sample=start + known == req.num_tokens,
                     sampling_params=req.sampling_params,
                     output_index=req.num_output_tokens,
                     new_table=new_table,
                     stop_token_ids=req.stop_token_ids,
                     prompt_logprobs_start=lp_start,
                     prompt_logprob_targets=targets,
+                    draft_token_ids=drafts,
                 )
             )
             total += tokens

@@ -16,6 +16,7 @@ from appliance.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from appliance.engine.guided import GuidedDecoder
 from appliance.engine.kv_pool import KVCachePool
 from appliance.engine.sampler import Sampler, SampleRequest, TokenLogprobs
+from appliance.engine.spec_verify import sample_verified
 from appliance.layers.attention import AttentionMetadata, PagedBatch
 from appliance.models.llama import LlamaForCausalLM
 
@@ -26,6 +27,10 @@ class RunnerOutput:
     logprobs: dict[str, TokenLogprobs]
     # Per request: (first prompt position, logprobs of the tokens after it, in order).
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+    # Speculative decoding: per drafting request, the drafts accepted before its sampled token
+    # (a prefix of its draft_token_ids, possibly empty) and their logprobs.
+    accepted: dict[str, list[int]] = field(default_factory=dict)
+    accepted_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 class FusedDecode(Protocol):
@@ -120,8 +125,16 @@ class ModelRunner:
             for i, r in scoring
             for j in range(len(r.prompt_logprob_targets))
         ]
-        row_list = [last_rows[i] for i, _ in sampling] + score_rows
+        # A drafting request samples at its last token and at each draft (spec_verify.py).
+        sample_rows = [
+            row
+            for i, r in sampling
+            for row in range(last_rows[i] - len(r.draft_token_ids), last_rows[i] + 1)
+        ]
+        row_list = sample_rows + score_rows
         decode = meta.decode
+        # A drafting request's 1 + n query tokens run as a chunk (the prefill group): the fused
+        # CPU decode takes one query token a row, so a step with drafts takes the torch path.
         if (
             meta.prefill is None
             and decode is not None
@@ -152,10 +165,16 @@ class ModelRunner:
         logits = logits.cpu()
         result = RunnerOutput({}, {})
         if scoring:
-            result.prompt_logprobs = _prompt_logprobs(logits[len(sampling) :], scoring)
+            result.prompt_logprobs = _prompt_logprobs(logits[len(sample_rows) :], scoring)
         if not sampling:
             return result
-        logits = logits[: len(sampling)]
+        logits = logits[: len(sample_rows)]
+        if len(sample_rows) > len(sampling):
+            verified = sample_verified(self.sampler, self.guided, logits, [r for _, r in sampling])
+            result.sampled, result.logprobs = verified.sampled, verified.logprobs
+            result.accepted = verified.accepted
+            result.accepted_logprobs = verified.accepted_logprobs
+            return result
         requests = [self._sample_request(r) for _, r in sampling]
         constrained = [
             (r.request_id, r.sampling_params.structured, r.output_index)
