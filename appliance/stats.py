@@ -144,6 +144,8 @@ class EngineStats(msgspec.Struct, kw_only=True):
     # Per block id: U used, C cached (free, hit-able), F free; only when asked for (detail).
     block_states: str | None = None
     step_cost: StepCostStats | None = None
+    # Speculative decoding's totals and current decision (None: an engine that reports none).
+    spec_decode: SpecDecodeStats | None = None
 
 
 class LiveRequest(msgspec.Struct, kw_only=True):

@@ -19,8 +19,11 @@ from appliance.core.kv_cache_manager import KVCacheManager
 from appliance.core.ngram_proposer import NgramIndex, propose
 from appliance.core.request import Request
 from appliance.core.scheduler import Scheduler
+from appliance.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from appliance.core.spec_decode import SpecDecoder
 from appliance.core.step_cost import SCALES, StepCostModel
+from appliance.engine.spec_verify import trim_forbidden_drafts
+from appliance.sampling_params import StructuredOutputs
 from appliance.speculative_config import SpeculativeConfig
 
 # -- the template ------------------------------------------------------------------------------
@@ -250,3 +253,33 @@ def test_drafting_turns_off_when_the_step_is_compute_bound_and_on_again() -> Non
     assert "r0" not in plan and len(plan) == 31
     # Requests whose drafts are all accepted draft all four tokens.
     assert all(d == [7, 8, 9, 5] for d in plan.values())
+
+
+def test_drafts_the_grammar_forbids_are_dropped_before_the_forward(tiny_model_dir: Path) -> None:
+    with engine_for(tiny_model_dir, True) as engine:
+        guided = engine.runner.guided
+        assert guided is not None
+        tok = engine.tokenizer
+        a, b, c, z = (tok.convert_tokens_to_ids(t) for t in "abcz")
+        so = StructuredOutputs(kind="regex", spec="(ab)+c")
+        sr = ScheduledRequest(
+            request_id="r",
+            token_ids=[a, b, a, z, c],  # the last known token, then four drafts
+            start_pos=10,
+            block_ids=[0],
+            sample=True,
+            sampling_params=SamplingParams(structured=so),
+            output_index=1,  # "a" is out and accepted by the matcher
+            draft_token_ids=[b, a, z, c],
+        )
+        guided.bitmask([("r", so, 0)])
+        guided.accept("r", a)
+        trim_forbidden_drafts(SchedulerOutput(scheduled=[sr]), guided)
+        # "a b a" continue (ab)+; "z" is outside the grammar, so it and what follows go.
+        assert sr.draft_token_ids == [b, a] and sr.token_ids == [a, b, a]
+        # The matcher is where it was: after "a", "b" is allowed and "c" is not.
+        mask = guided.bitmask([("r", so, 1)])
+        assert mask is not None
+        bits = mask[0][0]
+        allowed = {t for t in (b, c) if (int(bits[t // 32]) >> (t % 32)) & 1}
+        assert allowed == {b}

@@ -80,6 +80,7 @@ def _engine_stats(engine: Engine, detail: bool) -> EngineStats:
         last_step=engine.history.records[-1] if engine.history.records else None,
         block_states=kv.pool.state_string() if detail else None,
         step_cost=StepCostStats(**sched.cost.describe()),
+        spec_decode=sched.spec.stats,
     )
 
 
