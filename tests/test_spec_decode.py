@@ -122,6 +122,8 @@ SHORT = (190, 190, 190, 190)
 MODES = {
     "plain": {},
     "chunked": {"scheduler__max_num_batched_tokens": 96},
+    # One request at a time: its decode and drafts (up to 6 rows) take the fused CPU decode.
+    "alone": {"scheduler__max_num_seqs": 1},
     "recompute": {
         "cache__num_blocks": 48,
         "model__max_model_len": 512,
@@ -155,6 +157,8 @@ def test_greedy_output_is_the_same_with_and_without_drafts(tiny_model_dir: Path,
                 assert stats.num_draft_tokens > 10
                 if mode in ("recompute", "swap"):
                     assert engine.scheduler.counters.preemptions > 0
+                if mode == "alone" and engine.runner.fused_max_batch >= 6:
+                    assert engine.runner.native_decode_steps > 0
     for off, on in zip(results[False], results[True], strict=True):
         assert on.token_ids == off.token_ids
         assert len(on.logprobs or []) == len(off.logprobs or [])

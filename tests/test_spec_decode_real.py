@@ -89,6 +89,25 @@ def test_greedy_output_is_unchanged_and_drafts_are_accepted(loaded: LoadedModel)
     assert "ledger" in results[True][0].text
 
 
+def test_one_request_drafts_through_the_fused_decode(loaded: LoadedModel) -> None:
+    """Alone, a request and its 4 drafts are 5 decode rows of one sequence: the fused CPU
+    decode takes them (each row reads the K/V the rows before it stored in the same call)."""
+    doc = passage("The old lighthouse keeper", 400)
+    results = {}
+    for spec in (False, True):
+        e = engine(loaded, spec)
+        native_before = e.runner.native_decode_steps
+        prompt = chat(e, f"Repeat this text exactly:\n\n{doc}")
+        (results[spec],) = e.generate([prompt], SamplingParams(max_tokens=60, temperature=0.0))
+        if spec:
+            stats = e.scheduler.spec.stats
+            assert stats.num_accepted_tokens > 30
+            # Fewer steps than tokens, and they were fused decode steps.
+            assert e.runner.native_decode_steps - native_before < 60 - 30
+            assert e.runner.native_decode_steps - native_before > 5
+    assert results[True].token_ids == results[False].token_ids
+
+
 def test_seeded_sampling_draws_the_same_tokens_with_drafts(loaded: LoadedModel) -> None:
     doc = passage("The old lighthouse keeper", 200)
     results = {}

@@ -2,8 +2,8 @@
 and how many tokens (prompt lookup, core/ngram_proposer.py), and what a verified step leaves
 behind (accepted tokens appended, the rejected tokens' KV blocks freed).
 
-Adaptive: a decode row with n drafts is a chunk of 1 + n query tokens to the model, which the
-step cost model (core/step_cost.py) prices like any prefill chunk. A request drafts only while
+Adaptive: a decode with n drafts is 1 + n decode rows of one sequence to the model, which the
+step cost model (core/step_cost.py) prices like any decode rows. A request drafts only while
 its expected gain (accepted tokens, from its own acceptance rate) per second of extra step time
 beats the batch's tokens per second without drafting: drafting turns itself off where a step is
 bound by arithmetic (large batches) or a request's drafts keep failing, and on again when the
@@ -113,13 +113,16 @@ class SpecDecoder:
         for req, drafts in candidates:
             rate = self.state(req).acceptance_rate
             start = req.num_computed_tokens
-            decode_s = cost.estimate(StepShape().with_decode(start)) or 0.0
+            # Each draft is one more decode row (the runner feeds a drafting request's tokens
+            # as decode rows of one sequence): its cost beyond the step's fixed part.
+            empty_s = cost.estimate(StepShape()) or 0.0
+            rows = StepShape()
             best: tuple[float, float, int] | None = None
             best_net = 0.0
             for n in range(1, len(drafts) + 1):
                 gain = expected_accepted(rate, n)
-                chunk_s = cost.estimate(StepShape().with_chunk(start, 1 + n)) or 0.0
-                extra_s = max(chunk_s - decode_s, 0.0)
+                rows = rows.with_decode(start + n)
+                extra_s = max((cost.estimate(rows) or 0.0) - empty_s, 0.0)
                 # Worth it when it adds tokens faster than the batch makes them without drafts.
                 net = gain * seconds - tokens * extra_s
                 if net > best_net:

@@ -61,12 +61,14 @@ class StepBuilder:
         self.budget -= tokens
         self.shape = self._add(self.shape, req, tokens)
 
-    @staticmethod
-    def _add(shape: StepShape, req: Request, tokens: int) -> StepShape:
-        # One token is a decode row to the model (StepShape.of reads a step the same way).
+    def _add(self, shape: StepShape, req: Request, tokens: int) -> StepShape:
+        # One token is a decode row to the model, and so is each of a drafting request's
+        # (the runner feeds them as decode rows); StepShape.of reads a step the same way.
         start = req.num_computed_tokens
-        if tokens == 1:
-            return shape.with_decode(start)
+        if tokens == 1 or req.request_id in self.drafts:
+            for j in range(tokens):
+                shape = shape.with_decode(start + j)
+            return shape
         return shape.with_chunk(start, tokens)
 
     def _ungrant(self, req: Request) -> None:

@@ -16,7 +16,7 @@ from appliance.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from appliance.engine.guided import GuidedDecoder
 from appliance.engine.kv_pool import KVCachePool
 from appliance.engine.sampler import Sampler, SampleRequest, TokenLogprobs
-from appliance.engine.spec_verify import sample_verified
+from appliance.engine.spec_verify import as_decode_rows, sample_verified
 from appliance.layers.attention import AttentionMetadata, PagedBatch
 from appliance.models.llama import LlamaForCausalLM
 
@@ -113,7 +113,7 @@ class ModelRunner:
         self.kv.swap_in(out.blocks_to_swap_in)
         if not out.scheduled:
             return RunnerOutput({}, {})
-        batch = sorted(out.scheduled, key=lambda r: len(r.token_ids) > 1)
+        batch = sorted(as_decode_rows(out.scheduled), key=lambda r: len(r.token_ids) > 1)
         input_ids, positions, meta, last_rows = self._prepare(batch)
         sampling = [(i, r) for i, r in enumerate(batch) if r.sample]
         # Prompt positions whose logprobs are wanted: their rows follow the sampled ones in
@@ -133,8 +133,8 @@ class ModelRunner:
         ]
         row_list = sample_rows + score_rows
         decode = meta.decode
-        # A drafting request's 1 + n query tokens run as a chunk (the prefill group): the fused
-        # CPU decode takes one query token a row, so a step with drafts takes the torch path.
+        # A drafting request is 1 + n decode rows here (as_decode_rows): a step of drafts is
+        # still a decode step, on the fused CPU decode when its rows fit.
         if (
             meta.prefill is None
             and decode is not None

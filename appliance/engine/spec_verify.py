@@ -16,7 +16,7 @@ matcher's state after the tokens accepted before it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -49,6 +49,37 @@ def trim_forbidden_drafts(out: SchedulerOutput, guided: GuidedDecoder | None) ->
         if cut:
             del r.token_ids[-cut:]
             r.draft_token_ids = r.draft_token_ids[:keep]
+
+
+def as_decode_rows(scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
+    """Each drafting request as 1 + n decode rows of one sequence, in order: its last token,
+    then each draft, each at its own position and length. The attention writes every row's
+    K/V before any row reads (the torch path writes the step's K/V first; the fused CPU decode
+    stores first when rows share a sequence), so row j sees rows 0 .. j - 1 as a chunked
+    prefill would, and takes the same decode path (and arithmetic) as a plain decode step. The
+    last row carries the drafts; the runner samples all 1 + n rows."""
+    rows: list[ScheduledRequest] = []
+    for r in scheduled:
+        n = len(r.draft_token_ids)
+        if not n:
+            rows.append(r)
+            continue
+        first = len(r.token_ids) - n - 1
+        assert first == 0, "drafts follow a decode's one known token"
+        for j in range(first, len(r.token_ids)):
+            last = j == len(r.token_ids) - 1
+            rows.append(
+                replace(
+                    r,
+                    token_ids=[r.token_ids[j]],
+                    start_pos=r.start_pos + j,
+                    sample=last,
+                    draft_token_ids=r.draft_token_ids if last else [],
+                    new_table=False,
+                    block_ids=[],
+                )
+            )
+    return rows
 
 
 def _row_request(r: ScheduledRequest, offset: int) -> SampleRequest:
