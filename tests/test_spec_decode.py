@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import msgspec
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
@@ -287,3 +288,40 @@ def test_drafts_the_grammar_forbids_are_dropped_before_the_forward(tiny_model_di
         bits = mask[0][0]
         allowed = {t for t in (b, c) if (int(bits[t // 32]) >> (t % 32)) & 1}
         assert allowed == {b}
+
+
+@pytest.mark.parametrize("schema", ["completion", "chat"])
+def test_the_request_body_opts_out_with_speculative_false(schema: str) -> None:
+    from appliance.server.prepare import sampling_params
+    from appliance.server.schemas import ChatCompletionRequest, CompletionRequest
+
+    body_type = CompletionRequest if schema == "completion" else ChatCompletionRequest
+    base = (
+        {"prompt": "hi"}
+        if schema == "completion"
+        else {"messages": [{"role": "user", "content": "hi"}]}
+    )
+    for asked, expected in ((None, True), (True, True), (False, False)):
+        raw = base if asked is None else {**base, "speculative": asked}
+        body = msgspec.convert(raw, body_type)
+        assert sampling_params(body, 8, None).speculative is expected
+    with pytest.raises(msgspec.ValidationError, match="speculative"):
+        msgspec.convert({**base, "speculative": "no"}, body_type)
+
+
+def test_drafts_keep_a_step_within_the_fused_decode_rows() -> None:
+    spec = SpecDecoder(SpeculativeConfig(method="ngram", num_speculative_tokens=4), 4096, 6)
+    decodes = []
+    for i in range(2):
+        req = Request(f"r{i}", [5, 6, 7, 8, 9] * 4 + [5, 6], SamplingParams(max_tokens=100))
+        req.num_computed_tokens = req.num_tokens - 1
+        decodes.append(req)
+        for _ in range(10):
+            spec.record(req, 4, 4)
+    cheap = synthetic_cost(step_s=0.030, row_s=0.0002, token_s=0.0002)
+    plan = spec.plan(decodes, cheap)
+    # 2 decode rows + drafts <= 6 rows: the step stays on the fused decode.
+    assert 0 < sum(len(d) for d in plan.values()) <= 4
+    # A step over the limit already pays the general path: no cap.
+    spec.fused_decode_rows = 1
+    assert sum(len(d) for d in spec.plan(decodes, cheap).values()) == 8

@@ -31,7 +31,13 @@ class FinishedRequest:
 
 
 class Scheduler:
-    def __init__(self, config: ApplianceConfig, kv: KVCacheManager, max_model_len: int) -> None:
+    def __init__(
+        self,
+        config: ApplianceConfig,
+        kv: KVCacheManager,
+        max_model_len: int,
+        fused_decode_rows: int = 0,
+    ) -> None:
         self.config = config
         self.cfg = config.scheduler
         self.kv = kv
@@ -47,7 +53,9 @@ class Scheduler:
         # What a step costs on this box, learnt from the engine's steps (observe_step).
         self.cost = StepCostModel()
         # Prompt-lookup drafts for decodes, and whether they pay this step (config [speculative]).
-        self.spec = SpecDecoder(config.speculative, max_model_len)
+        # `fused_decode_rows`: the device's fused decode takes steps of up to this many decode
+        # rows (0: none); drafts do not push a step that fits over it.
+        self.spec = SpecDecoder(config.speculative, max_model_len, fused_decode_rows)
         self.preemption_log = PreemptionLog()
         self.finished: list[FinishedRequest] = []
         self._pressure_steps = 0

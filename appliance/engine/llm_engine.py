@@ -73,8 +73,10 @@ class Engine:
             config.cache.enable_prefix_caching,
             self.loaded.num_swap_blocks,
         )
-        self.scheduler = Scheduler(config, self.kv, self.max_model_len)
         self.runner = self.loaded.runner
+        self.scheduler = Scheduler(
+            config, self.kv, self.max_model_len, fused_decode_rows=self.runner.fused_max_batch
+        )
         # runner.execute at TP 1; at TP > 1 it also drives the worker ranks (engine/tp.py).
         self.executor: StepExecutor = self.loaded.executor or self.loaded.runner
         self._ids = itertools.count()
