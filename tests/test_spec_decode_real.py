@@ -23,6 +23,9 @@ from appliance.metrics.registry import Metrics
 from appliance.models.demo_spec import corpus_text
 from appliance.sampling_params import SamplingParams, StructuredOutputs
 
+# End to end on the real model: a few minutes on a loaded 2-core box.
+pytestmark = pytest.mark.slow
+
 BASE = {
     "cache.kv_cache_memory": 0.1,
     "cache.swap_space": 0.0,
@@ -114,7 +117,7 @@ def test_seeded_sampling_draws_the_same_tokens_with_drafts(loaded: LoadedModel) 
     for spec in (False, True):
         e = engine(loaded, spec)
         prompt = chat(e, f"Repeat this text exactly:\n\n{doc}")
-        params = [SamplingParams(max_tokens=20, temperature=0.8, seed=s) for s in range(12)]
+        params = [SamplingParams(max_tokens=20, temperature=0.8, seed=s) for s in range(8)]
         results[spec] = [
             r.token_ids for r in e.generate([prompt] * len(params), params, priority="batch")
         ]
@@ -144,7 +147,7 @@ def chi_square_p(a: Counter[int], b: Counter[int]) -> float:
 
 
 def test_unseeded_sampling_follows_the_same_distribution(loaded: LoadedModel) -> None:
-    """The token at output position 6 (after several verified drafts) over 240 unseeded
+    """The token at output position 5 (after several verified drafts) over 160 unseeded
     samples with and without drafts. Both come from the model's distribution when the
     verification is right, so the test fails by chance with probability 1e-3 (its threshold);
     a verifier that kept drafts too often (or too rarely) shifts it far past that."""
@@ -153,11 +156,11 @@ def test_unseeded_sampling_follows_the_same_distribution(loaded: LoadedModel) ->
     for spec in (False, True):
         e = engine(loaded, spec)
         prompt = chat(e, f"Repeat this text exactly:\n\n{doc}")
-        params = SamplingParams(max_tokens=7, temperature=1.0, ignore_eos=True)
-        results = e.generate([prompt] * 240, params, priority="batch")
-        samples[spec] = Counter(r.token_ids[6] for r in results)
+        params = SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True)
+        results = e.generate([prompt] * 160, params, priority="batch")
+        samples[spec] = Counter(r.token_ids[5] for r in results)
         if spec:
-            assert e.scheduler.spec.stats.num_accepted_tokens > 100
+            assert e.scheduler.spec.stats.num_accepted_tokens > 60
     assert chi_square_p(samples[False], samples[True]) > 1e-3, samples
 
 
