@@ -108,6 +108,7 @@ def _command_of(argv: list[str]) -> str | None:
 def build_parser() -> argparse.ArgumentParser:
     from appliance import plan
     from appliance.bench import cpu_kernels, offline, serve, spec
+    from appliance.bench import lora as bench_lora
     from appliance.console import cli as console_cli
     from appliance.tools import kv_eval, quant_eval, router
     from appliance.tools.demo_model import add_demo_model_parser
@@ -152,6 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_parser(bench_sub)
     cpu_kernels.add_parser(bench_sub)
     spec.add_parser(bench_sub)
+    bench_lora.add_parser(bench_sub)
     return parser
 
 

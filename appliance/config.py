@@ -86,6 +86,10 @@ class ModelConfig(_Section):
     # {"name", "parameters"}), "mistral" ([TOOL_CALLS][{...}]). Empty: auto tool choice is
     # refused; `required` and named tool choices work without a parser (they are constrained).
     tool_call_parser: Literal["", "hermes", "llama3_json", "mistral"] = ""
+    # "embed": an embedding model, /v1/embeddings only. pooling "auto": its sentence-transformers
+    # config, else the last token (docs/api.md, Embeddings).
+    task: Literal["generate", "embed"] = "generate"
+    pooling: Literal["auto", "last", "mean"] = "auto"
 
 
 class CacheConfig(_Section):
@@ -256,6 +260,26 @@ class ServerConfig(_Section):
     drain_timeout_s: NonNegFloat = 30.0
     # Retry-After (seconds) sent with 429 responses.
     retry_after_s: PositiveInt = 1
+    # Responses kept in memory (oldest dropped; lost on restart); inputs per /v1/embeddings.
+    max_stored_responses: NonNegInt = 1000
+    max_embedding_inputs: PositiveInt = 2048
+
+
+class LoraConfig(_Section):
+    """[lora]: fine-tunes of the base model in the PEFT format, chosen per request by `model`."""
+
+    # Adapter name -> directory (adapter_config.json + adapter_model.safetensors), loaded at start.
+    adapters: dict[str, str] = msgspec.field(default_factory=dict)
+    # Serve adapters at all (on when `adapters` names any): the slot pool exists from load on.
+    enabled: bool = False
+    # Adapters resident on the device at once (the slot pool); more may be loaded, LRU-swapped.
+    max_loras: Annotated[int, Meta(ge=1, le=64)] = 4
+    # The largest rank a slot holds; a higher-rank adapter is refused at load.
+    max_lora_rank: Annotated[int, Meta(ge=1, le=256)] = 16
+
+    @property
+    def active(self) -> bool:
+        return self.enabled or bool(self.adapters)
 
 
 class ClassLimits(msgspec.Struct, frozen=True):
@@ -274,6 +298,7 @@ class ApplianceConfig(_Section):
     hardware: HardwareConfig = msgspec.field(default_factory=HardwareConfig)
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     speculative: SpeculativeConfig = msgspec.field(default_factory=SpeculativeConfig)
+    lora: LoraConfig = msgspec.field(default_factory=LoraConfig)
     priority_classes: dict[str, PriorityClass] = msgspec.field(default_factory=_default_classes)
 
     def priority_of(self, name_or_value: str | int | None) -> int:

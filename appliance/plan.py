@@ -75,6 +75,8 @@ class TPPlan:
     # backend would pick on this machine.
     matmul_copy_bytes: int = 0
     cpu_path: str = ""
+    # [lora]: the device slot pool of adapter factors (lora.max_loras x max_lora_rank).
+    lora_slot_bytes: int = 0
 
 
 @dataclass
@@ -231,6 +233,13 @@ def cpu_quant_copy_bytes(spec: ModelArgs, config: ApplianceConfig, tp: int) -> t
     )
 
 
+def _lora_elem_bytes(spec: ModelArgs, config: ApplianceConfig) -> int:
+    """The CPU's compute dtype, which the slot pool's factors are stored in."""
+    from appliance.cpu.choice import BYTES
+
+    return BYTES[_cpu_choice(spec, config).compute]
+
+
 def cpu_weight_bytes(spec: ModelArgs, config: ApplianceConfig, tp: int) -> tuple[int, int, str]:
     """(stored weight bytes, matmul copy bytes, the path) of a CPU rank, as the CPU backend
     would lay them out on this machine (appliance.cpu.backend): the matmuls read a prepacked
@@ -252,6 +261,19 @@ def cpu_weight_bytes(spec: ModelArgs, config: ApplianceConfig, tp: int) -> tuple
         copy,
         f"weights {cpu.weight}, compute {cpu.compute}, matmuls {layout} {cpu.compute}",
     )
+
+
+def lora_slot_params(spec: ModelArgs, tp: int, slots: int, rank: int) -> int:
+    """Elements of one rank's LoRA slot pool, as engine/lora_pool.py stacks them: per layer
+    and slot, A and B of q|k|v and gate|up (parts stacked along the rank) and of o and down,
+    each cut to this rank's shard."""
+    h, inter = spec.hidden_size, spec.intermediate_size // tp
+    q = spec.num_heads * spec.head_dim // tp
+    kv = spec.kv_heads_per_rank(tp) * spec.head_dim
+    qkv = 3 * rank * (h + q + 2 * kv)
+    gate_up = 2 * rank * (h + 2 * inter)
+    o_down = rank * (q + h) + rank * (inter + h)
+    return slots * spec.num_layers * (qkv + gate_up + o_down)
 
 
 def plan_tp(
@@ -299,6 +321,10 @@ def plan_tp(
         matmul_copy_bytes=matmul_copy,
         cpu_path=cpu_path,
     )
+    lora = config.lora
+    if lora.active:
+        compute = elem if on_gpu or fmt else _lora_elem_bytes(spec, config)
+        p.lora_slot_bytes = compute * lora_slot_params(spec, tp, lora.max_loras, lora.max_lora_rank)
     if on_gpu:
         p.activation_reserve_bytes = activation_bytes(
             spec, tp, elem, sched.max_num_batched_tokens, sched.max_num_seqs
@@ -306,7 +332,12 @@ def plan_tp(
         p.runtime_reserve_bytes = RUNTIME_RESERVE_BYTES
         p.budget_bytes = int(hw.gpu_memory_gib * GiB * cache.gpu_memory_utilization)
         p.kv_cache_bytes = max(
-            0, p.budget_bytes - weights - p.activation_reserve_bytes - p.runtime_reserve_bytes
+            0,
+            p.budget_bytes
+            - weights
+            - p.lora_slot_bytes
+            - p.activation_reserve_bytes
+            - p.runtime_reserve_bytes,
         )
     else:
         # CPU: the KV pool is its own host allocation (cache.kv_cache_memory per rank).
@@ -316,7 +347,7 @@ def plan_tp(
     per_seq = -(-max_len // cache.block_size)
     p.seqs_at_max_model_len = p.kv_blocks // per_seq
     p.seqs_at_typical_seq_len = p.kv_blocks // max(1, -(-hw.typical_seq_len // cache.block_size))
-    reserves = weights + p.activation_reserve_bytes + p.runtime_reserve_bytes
+    reserves = weights + p.lora_slot_bytes + p.activation_reserve_bytes + p.runtime_reserve_bytes
     if on_gpu and reserves >= p.budget_bytes:
         p.verdict = (
             f"does not fit: weights {weights / GiB:.2f} GiB + reserves "

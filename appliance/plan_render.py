@@ -57,6 +57,14 @@ def render(plan: Plan) -> str:
             rows += [
                 ("  of which matmul copy", _gib(c.matmul_copy_bytes), c.cpu_path + " (this CPU)"),
             ]
+        if c.lora_slot_bytes:
+            rows += [
+                (
+                    "LoRA slot pool",
+                    _gib(c.lora_slot_bytes),
+                    "lora.max_loras x max_lora_rank factors on every projection",
+                ),
+            ]
         if plan.device == "cuda":
             rows += [
                 (

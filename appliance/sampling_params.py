@@ -60,6 +60,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     prompt_logprobs: int | None = None
     # False: never draft tokens for this request, whatever the template's [speculative] says.
     speculative: bool = True
+    # Embedding instead of generation: a prefill-only request whose output is its prompt's
+    # final hidden states pooled (last token or mean; engine/pooling.py), no token sampled.
+    pooling: Literal["", "last", "mean"] = ""
 
     def validate(self, max_logprobs: int = MAX_LOGPROBS) -> None:
         if self.max_tokens < 1:

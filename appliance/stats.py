@@ -146,6 +146,13 @@ class EngineStats(msgspec.Struct, kw_only=True):
     step_cost: StepCostStats | None = None
     # Speculative decoding's totals and current decision (None: an engine that reports none).
     spec_decode: SpecDecodeStats | None = None
+    # LoRA (0 slots: off): requests per adapter, running and waiting; the adapters requests
+    # may name, and which of them hold a device slot now.
+    max_loras: int = 0
+    lora_running: dict[str, int] = {}
+    lora_waiting: dict[str, int] = {}
+    lora_adapters: list[str] = []
+    lora_resident: list[str] = []
 
 
 class LiveRequest(msgspec.Struct, kw_only=True):

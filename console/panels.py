@@ -22,6 +22,8 @@ from appliance.console.state import Snapshot
 from appliance.console.widgets import BAD, DIM, OK, WARN, bar, gib, meter, rate, secs, spark
 from rich.text import Text
 
+from appliance.server.admin_schema import EngineStats
+
 NO_ENGINE = Text("no engine running", DIM)
 
 
@@ -83,6 +85,8 @@ def batch_text(snap: Snapshot, width: int, rows: int) -> Text:
         " · swapped ",
         (str(e.num_swapped), "bold"),
     )
+    if e.max_loras:
+        text.append(lora_line(e))
     max_seqs = max([r.num_seqs for r in snap.steps] + [1])
     cfg_max = snap.config_max_num_seqs or max_seqs
     hist = batch_histogram(snap.steps, cfg_max)
@@ -92,6 +96,18 @@ def batch_text(snap: Snapshot, width: int, rows: int) -> Text:
     keep = hist if len(hist) * col <= width else hist[: max(last + 1, width // col)]
     text.append(f"\nseqs per step, {len(snap.steps)} steps in 60 s:\n", DIM)
     text.append(vbars(keep, max(1, rows - 3), col))
+    return text
+
+
+def lora_line(e: EngineStats) -> Text:
+    """EngineStats.lora_*: the adapters requests may name, which hold a device slot (*), and
+    each one's running / waiting requests."""
+    text = Text(f"\nLoRA {len(e.lora_resident)}/{e.max_loras} slots, running/waiting:", DIM)
+    if not e.lora_adapters:
+        text.append(" no adapters", DIM)
+    for name in e.lora_adapters:
+        text.append(f" {name}{'*' if name in e.lora_resident else ''}", "bold")
+        text.append(f" {e.lora_running.get(name, 0)}/{e.lora_waiting.get(name, 0)}", DIM)
     return text
 
 

@@ -358,6 +358,10 @@ def test_json_schema_without_a_schema_is_any_object(client: openai.OpenAI) -> No
         max_tokens=60,
         response_format={"type": "json_schema", "json_schema": {"name": "any"}},
     )
+    texts = [c.message.content or "" for c in resp.choices]
     done = [c.message.content for c in resp.choices if c.finish_reason == "stop"]
-    assert done and all(isinstance(json.loads(t), dict) for t in done)
-    assert all(_completes_to_an_object(c.message.content) for c in resp.choices)
+    assert all(isinstance(json.loads(t), dict) for t in done)
+    assert all(_completes_to_an_object(t) for t in texts)
+    # Not only {}: keys are open to the sampler (a random model's strings rarely close within
+    # max_tokens, so which samples finish is luck; that some open a key is not).
+    assert any(re.match(r'\s*\{\s*"', t) for t in texts), texts

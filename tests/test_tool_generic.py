@@ -278,9 +278,10 @@ def _answers(client: openai.OpenAI, stream: bool, n: int = 8, **kw: Any) -> list
     for chunk in client.chat.completions.create(stream=True, **args):
         for c in chunk.choices:
             o = out[c.index]
-            if c.delta.content:
+            # The first chunk carries content "" (as OpenAI's does): an empty answer is "".
+            if c.delta.content is not None:
                 o["content"] = (o["content"] or "") + c.delta.content
-                o["content_deltas"] += 1
+                o["content_deltas"] += bool(c.delta.content)
             for tc in c.delta.tool_calls or []:
                 slot = o["calls"].setdefault(tc.index, [None, ""])
                 slot[0] = slot[0] or (tc.function.name if tc.function else None)

@@ -71,7 +71,9 @@ class KVCacheManager:
         while (len(hashes) + 1) * bs <= len(tokens):
             i = len(hashes)
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs]))
+            # The adapter is an extra key: the same tokens under two adapters never share KV.
+            extra = request.lora_name or None
+            hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs], extra))
         return hashes
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:

@@ -49,6 +49,8 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     priority: int = 0
     priority_class: str = ""
+    # The LoRA adapter it runs under ("": the base model); keys its prefix cache entries too.
+    lora_name: str = ""
     arrival_time: float = field(default_factory=time.monotonic)
 
     # Prompt + generated tokens; the scheduler appends sampled tokens here.

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from appliance.config import ApplianceConfig
 from appliance.core.kv_cache_manager import KVCacheManager
+from appliance.core.lora_slots import LoraSlotTable
 from appliance.core.policy import make_policy
 from appliance.core.preemption_log import PreemptionLog
 from appliance.core.request import FinishReason, Request, RequestStatus
@@ -57,6 +58,8 @@ class Scheduler:
         # rows (0: none); drafts do not push a step that fits over it.
         self.spec = SpecDecoder(config.speculative, max_model_len, fused_decode_rows)
         self.preemption_log = PreemptionLog()
+        # Which LoRA adapter holds which device slot (admission asks it).
+        self.lora_slots = LoraSlotTable(config.lora.max_loras)
         self.finished: list[FinishedRequest] = []
         self._pressure_steps = 0
         self._dropped_tables: list[str] = []
@@ -262,6 +265,11 @@ class Scheduler:
             req.num_computed_tokens += len(sr.token_ids)
             self.kv.cache_blocks(req)
             if not sr.sample:
+                continue
+            if sr.sampling_params.pooling:
+                # An embedding is done once its prompt is computed: nothing is generated and
+                # its blocks are freed now.
+                self.finish_request(req.request_id, FinishReason.STOP)
                 continue
             token = sampled[sr.request_id]
             req.token_ids.append(token)

@@ -34,6 +34,10 @@ class ScheduledRequest:
     # request's last known token). The runner samples at each of their positions and returns
     # the drafts that match (RunnerOutput.accepted); `sample` is then True.
     draft_token_ids: list[int] = field(default_factory=list)
+    # The LoRA adapter and the device slot it runs in ("", -1: the base model); the runner
+    # copies the adapter in when the slot holds another (core/lora_slots.py).
+    lora_name: str = ""
+    lora_slot: int = -1
 
 
 @dataclass
@@ -51,7 +55,7 @@ class SchedulerOutput:
     # (a preempted request keeps its matcher; it is not listed here).
     done_request_ids: list[str] = field(default_factory=list)
     # Which limit stopped the step from doing more: none | token_budget | time_budget |
-    # max_num_seqs | kv_blocks
+    # max_num_seqs | kv_blocks | lora_slots
     bound_by: str = "none"
 
     @property

@@ -36,6 +36,8 @@ class StepBuilder:
         self.limit_s: float | None = None
         # Speculative drafts granted this step, per request id (verified with its decode).
         self.drafts: dict[str, list[int]] = {}
+        # Adapters that running requests use: their slots are not given up this step.
+        self.lora_busy = {r.lora_name for r in sched.running if r.lora_name}
 
     def _bound(self, limit: str) -> None:
         # The first limit hit is the one that bound the step.
@@ -156,6 +158,9 @@ class StepBuilder:
             if self.budget <= 0:
                 self._bound("token_budget")
                 break
+            if req.lora_name and not s.lora_slots.acquire(req.lora_name, self.lora_busy):
+                self._bound("lora_slots")
+                continue  # every slot serves running requests; others may still be admitted
             if len(s.running) >= s.cfg.max_num_seqs:
                 if not self._make_room(req, "max_num_seqs"):
                     self._bound("max_num_seqs")
@@ -204,8 +209,8 @@ class StepBuilder:
         # A request still owed prompt logprobs computes its whole prompt (as vLLM does): a
         # cached block holds KV, not the hidden states its logprobs come from. Its blocks
         # still enter the cache for others.
-        if req.wants_prompt_logprobs:
-            return []
+        if req.wants_prompt_logprobs or req.sampling_params.pooling:
+            return []  # (an embedding pools hidden states as well: engine/pooling.py)
         return self.kv.get_computed_blocks(req)[0]
 
     def _admit_waiting(self, req: Request) -> bool:
@@ -255,6 +260,8 @@ class StepBuilder:
             s._started.append(req.request_id)
         req.status = RequestStatus.RUNNING
         s.running.append(req)
+        if req.lora_name:
+            self.lora_busy.add(req.lora_name)
         if tokens < req.num_tokens - req.num_computed_tokens:
             self._bound("token_budget")
         self._grant(req, tokens)
@@ -292,6 +299,8 @@ class StepBuilder:
                     prompt_logprobs_start=lp_start,
                     prompt_logprob_targets=targets,
                     draft_token_ids=drafts,
+                    lora_name=req.lora_name,
+                    lora_slot=self.s.lora_slots.slot_of(req.lora_name),
                 )
             )
             total += tokens

@@ -172,7 +172,7 @@ class EngineClient:
                     break
                 if isinstance(msg, ipc.Frame):
                     self._dispatch(msg)
-                elif isinstance(msg, ipc.StatsReply | ipc.Pong):
+                elif isinstance(msg, ipc.StatsReply | ipc.Pong | ipc.LoraReply):
                     fut = self._replies.pop(msg.token, None)
                     if fut is not None and not fut.done():
                         fut.set_result(msg)
@@ -257,6 +257,7 @@ class EngineClient:
         on_output: OnOutput,
         index: int = 0,
         arrival_time: float | None = None,
+        lora_name: str = "",
     ) -> tuple[RequestState, asyncio.Future[ipc.AddResult]]:
         """Send a request; the future resolves when the core has admitted or refused it."""
         fut: asyncio.Future[ipc.AddResult] = asyncio.get_running_loop().create_future()
@@ -277,6 +278,7 @@ class EngineClient:
                 params=params,
                 priority=priority,
                 arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+                lora_name=lora_name,
             )
         )
         return state, fut
@@ -334,6 +336,14 @@ class EngineClient:
         return await self._ask(
             lambda t: ipc.GetStats(t, history_s, detail, count_objects), timeout_s
         )
+
+    async def load_lora(self, name: str, path: str, timeout_s: float = 120.0) -> ipc.LoraReply:
+        """Read, check and slot an adapter in the core (answered between steps)."""
+        return await self._ask(lambda t: ipc.LoadLora(t, name, path), timeout_s)
+
+    async def unload_lora(self, name: str, timeout_s: float = 3600.0) -> ipc.LoraReply:
+        """Answered once the adapter's running and queued requests have finished."""
+        return await self._ask(lambda t: ipc.UnloadLora(t, name), timeout_s)
 
     async def ping(self, timeout_s: float = 10.0) -> float:
         """Round trip through the core loop (answered between steps); returns seconds."""

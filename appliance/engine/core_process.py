@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from appliance.config import ApplianceConfig
     from appliance.core.scheduler_output import SchedulerOutput
     from appliance.engine.llm_engine import Engine
+    from appliance.engine.lora_admin import LoraAdmin
     from appliance.engine.model_runner import RunnerOutput
 
 log = logging.getLogger("appliance.core")
@@ -123,6 +124,9 @@ class _Core:
         # What steps freed goes back to the OS when idle and every few busy seconds: without
         # it glibc keeps the heap a mix of step sizes leaves behind (appliance.engine.heap).
         self.heap = HeapTrimmer(config.hardware.heap_trim_interval_s)
+        from appliance.engine.lora_admin import LoraAdmin  # torch: the child only
+
+        self.lora: LoraAdmin = LoraAdmin(engine)
         delay = float(os.environ.get(STEP_DELAY_ENV, "0") or 0)
         if delay > 0:
             _slow_forward(engine, delay)
@@ -133,6 +137,7 @@ class _Core:
         from appliance.config import config_from_dict
         from appliance.engine.executor import load_model
         from appliance.engine.llm_engine import Engine
+        from appliance.engine.lora_admin import LoraAdmin
 
         imports = time.perf_counter() - t0
         config = config_from_dict(msgspec.json.decode(config_json), "reloaded config")
@@ -167,6 +172,7 @@ class _Core:
                 pid=os.getpid(),
                 phase_times=phases,
                 backend=loaded.backend.describe(),
+                lora_adapters=LoraAdmin(engine).adapters(),
             ),
         )
         return cls(conn, config, engine, loaded)
@@ -195,6 +201,9 @@ class _Core:
                 out.num_running = len(engine.scheduler.running)
                 out.departure_rate = engine.departures.rate
                 _send(self.conn, out)
+            # After the frame: an unload is answered once its requests' last outputs are out.
+            for token, answer in self.lora.finished_unloads():
+                self._lora_reply(token, answer.status, answer.detail)
             if stepped:  # after the send: a trim never delays a step's tokens
                 self.heap.stepped()
 
@@ -226,6 +235,19 @@ class _Core:
             self.paused = msg.paused
         elif isinstance(msg, ipc.Shutdown):
             self.running = False
+        elif isinstance(msg, ipc.LoadLora):
+            answer = self.lora.load(msg.name, msg.path)
+            self._lora_reply(msg.token, answer.status, answer.detail)
+        elif isinstance(msg, ipc.UnloadLora):
+            pending = self.lora.begin_unload(msg.token, msg.name)
+            if pending is not None:
+                self._lora_reply(msg.token, pending.status, pending.detail)
+
+    def _lora_reply(self, token: int, status: int, detail: str) -> None:
+        adapters = self.lora.adapters() or {}
+        _send(
+            self.conn, ipc.LoraReply(token=token, status=status, detail=detail, adapters=adapters)
+        )
 
     def _add(self, msg: ipc.AddRequest) -> ipc.AddResult:
         try:
@@ -235,6 +257,7 @@ class _Core:
                 request_id=msg.request_id,
                 priority=msg.priority,
                 arrival_time=msg.arrival_time,
+                lora_name=msg.lora_name,
             )
         except ValueError as exc:
             return ipc.AddResult(msg.request_id, "invalid", str(exc), getattr(exc, "code", ""))

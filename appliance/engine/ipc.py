@@ -33,6 +33,8 @@ class AddRequest(msgspec.Struct, tag="add", kw_only=True):
     # time.monotonic() at HTTP arrival: CLOCK_MONOTONIC is system-wide on Linux, so queue
     # timeouts count from when the client asked, not from when the core read the message.
     arrival_time: float
+    # The LoRA adapter the request's `model` named ("": the base model).
+    lora_name: str = ""
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
@@ -66,7 +68,22 @@ class SetPaused(msgspec.Struct, tag="pause"):
     paused: bool
 
 
-ToCore = AddRequest | AbortRequests | GetStats | Ping | Shutdown | SetPaused
+class LoadLora(msgspec.Struct, tag="load_lora"):
+    """vLLM's /v1/load_lora_adapter: read, check and take a slot (or refuse)."""
+
+    token: int
+    name: str
+    path: str
+
+
+class UnloadLora(msgspec.Struct, tag="unload_lora"):
+    """vLLM's /v1/unload_lora_adapter: answered once the adapter's requests have finished."""
+
+    token: int
+    name: str
+
+
+ToCore = AddRequest | AbortRequests | GetStats | Ping | Shutdown | SetPaused | LoadLora | UnloadLora
 
 
 # -- core -> API ---------------------------------------------------------------------------------
@@ -91,6 +108,8 @@ class CoreInfo(msgspec.Struct, tag="ready", kw_only=True):
     phase_times: dict[str, float]
     # CPU engines: what the CPU backend detected and picked, and why (appliance.cpu.backend).
     backend: dict[str, Any] = {}
+    # LoRA adapters requests may name (name -> path); None: LoRA is off.
+    lora_adapters: dict[str, str] | None = None
 
 
 class Failed(msgspec.Struct, tag="failed"):
@@ -133,7 +152,16 @@ class Pong(msgspec.Struct, tag="pong"):
     token: int
 
 
-FromCore = Status | CoreInfo | Failed | Frame | StatsReply | Pong
+class LoraReply(msgspec.Struct, tag="lora_reply", kw_only=True):
+    token: int
+    # The HTTP status the API answers with (200, 400 bad adapter, 404 unknown, 409 no slot).
+    status: int = 200
+    detail: str = ""
+    # The adapters after the change (name -> path).
+    adapters: dict[str, str] = {}
+
+
+FromCore = Status | CoreInfo | Failed | Frame | StatsReply | Pong | LoraReply
 
 _encoder = msgspec.msgpack.Encoder()
 _to_core = msgspec.msgpack.Decoder(ToCore)

@@ -26,6 +26,7 @@ from appliance.engine.executor import load_model
 from appliance.engine.loader import LoadedModel, StepExecutor
 from appliance.engine.output_processor import OutputProcessor
 from appliance.engine.outputs import CompletionResult, EngineOutput, Logprob
+from appliance.engine.pooling import PoolingSums
 from appliance.engine.spec_verify import trim_forbidden_drafts
 from appliance.engine.stats import StepHistory, snapshot
 from appliance.engine.step_warmup import needs_seed, seed_step_costs
@@ -85,6 +86,8 @@ class Engine:
         # a request that is being served look queued to the API's queue-timeout timer).
         self.on_started: Callable[[list[str]], None] | None = None
         self.history = StepHistory()
+        # Embedding requests' pooled hidden states, summed over their prefill chunks.
+        self.pooling_sums = PoolingSums()
         # Started requests leaving per busy second: the queue's estimated wait (wait_estimate).
         self.departures = DepartureRate()
         self.step_count = 0
@@ -129,6 +132,7 @@ class Engine:
         request_id: str | None = None,
         priority: int | str | None = None,
         arrival_time: float | None = None,
+        lora_name: str = "",
     ) -> Request:
         """Validate and queue a request. Raises ValueError for bad input (naming the field and
         the limit: engine/request_checks.py); a request refused by admission control comes back
@@ -142,9 +146,12 @@ class Engine:
             self.max_model_len,
             self.kv.block_size,
             self.kv.num_blocks,
+            pooling=bool(params.pooling),
         )
         params.validate()
         request_checks.check_structured(params)
+        if lora_name and lora_name not in self.lora_adapters():
+            raise ValueError(f"model: no LoRA adapter named {lora_name!r} is loaded")
         try:
             prio, cls_name = self.config.resolve_priority(priority, len(token_ids))
         except ConfigError as exc:
@@ -160,11 +167,17 @@ class Engine:
             eos_token_ids=self.eos_token_ids,
             priority=prio,
             priority_class=cls_name,
+            lora_name=lora_name,
             **kwargs,
         )
         if not self.scheduler.add_request(req):
             self._count_finish(req.finish_reason or FinishReason.QUEUE_FULL)
         return req
+
+    def lora_adapters(self) -> list[str]:
+        """The LoRA adapters requests may name (loaded on the host; the slots follow demand)."""
+        pool = self.runner.lora
+        return sorted(set(pool.adapters) - pool.draining) if pool is not None else []
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
         """Finish a request now (its blocks return at once); STOP is how a stop string that the
@@ -184,6 +197,7 @@ class Engine:
             self.on_started(first_scheduled)
         trim_forbidden_drafts(out, self.runner.guided)
         result = self.executor.execute(out)
+        self.pooling_sums.add(result.pooled)
         new_tokens = sched.update_from_output(out, result.sampled, result.accepted)
 
         outputs: dict[str, EngineOutput] = {}
@@ -226,6 +240,9 @@ class Engine:
             if req.first_scheduled_time is not None:
                 eo.queue_time_s = req.first_scheduled_time - req.arrival_time
             eo.num_preemptions = req.num_preemptions
+            if req.sampling_params.pooling:
+                kind, n = req.sampling_params.pooling, req.num_prompt_tokens
+                eo.embedding = self.pooling_sums.finish(rid, kind, n)
             self._count_finish(fin.reason)
         for rid, eo in outputs.items():
             req = touched[rid]
@@ -252,7 +269,10 @@ class Engine:
             if r.draft_token_ids or (len(r.token_ids) == 1 and r.output_index)
         )
         prompt_tokens = out.num_scheduled_tokens - decode_tokens
-        gen_tokens = sum(1 for r in out.scheduled if r.sample) + accepted
+        # (an embedding's last chunk ends its request without sampling a token)
+        gen_tokens = accepted + sum(
+            1 for r in out.scheduled if r.sample and not r.sampling_params.pooling
+        )
         self.prompt_tokens_total += prompt_tokens
         self.generation_tokens_total += gen_tokens
         if usage.used >= self._peak_blocks and usage.slots_allocated:
@@ -285,7 +305,10 @@ class Engine:
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         priority: int | str | None = None,
+        lora_names: Sequence[str] | None = None,
     ) -> list[CompletionResult]:
+        """Run prompts to completion; `lora_names` (one per prompt, "" for the base model)
+        picks each prompt's LoRA adapter."""
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -301,8 +324,11 @@ class Engine:
                 )
         processor = OutputProcessor(self.tokenizer)
         states = []
-        for prompt, sp in zip(prompt_list, param_list, strict=True):
-            req = self.add_request(prompt, sp, priority=priority)
+        loras = list(lora_names) if lora_names is not None else [""] * len(prompt_list)
+        if len(loras) != len(prompt_list):
+            raise ValueError(f"lora_names: {len(loras)} names for {len(prompt_list)} prompts")
+        for prompt, sp, lora in zip(prompt_list, param_list, loras, strict=True):
+            req = self.add_request(prompt, sp, priority=priority, lora_name=lora)
             states.append(
                 processor.add(req.request_id, req.prompt_token_ids, sp, stream_text=False)
             )

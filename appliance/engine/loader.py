@@ -19,6 +19,7 @@ from appliance.engine.backend import Backend, make_backend
 from appliance.engine.guided import GuidedDecoder
 from appliance.engine.kv_pool import KVCachePool
 from appliance.engine.kv_quant import configure_kv_cache
+from appliance.engine.lora_pool import make_lora_pool
 from appliance.engine.model_runner import ModelRunner, RunnerOutput
 from appliance.kv_layout import kv_bytes_per_token as kv_layout_bytes_per_token
 from appliance.layers.kv_cache import KVStorage
@@ -327,6 +328,8 @@ def wire_backend(
         hooks=backend,
         guided=GuidedDecoder(w.tokenizer, args.vocab_size, eos) if driver else None,
         samples=driver,
+        # After the warm-up: LoRA wraps the matmul strategies the backend chose.
+        lora=make_lora_pool(config.lora, w.model, backend.compute_dtype, backend.device),
     )
     return LoadedModel(
         model_name=served_model_name(config, w.model_dir),

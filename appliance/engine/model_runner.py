@@ -15,6 +15,8 @@ import torch
 from appliance.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from appliance.engine.guided import GuidedDecoder
 from appliance.engine.kv_pool import KVCachePool
+from appliance.engine.lora_pool import LoraSlotPool
+from appliance.engine.pooling import PooledChunk, pool_chunks
 from appliance.engine.sampler import Sampler, SampleRequest, TokenLogprobs
 from appliance.engine.spec_verify import as_decode_rows, sample_verified
 from appliance.layers.attention import AttentionMetadata, PagedBatch
@@ -31,6 +33,8 @@ class RunnerOutput:
     # (a prefix of its draft_token_ids, possibly empty) and their logprobs.
     accepted: dict[str, list[int]] = field(default_factory=dict)
     accepted_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # Embedding requests: each one's chunk of pooled hidden states (engine/pooling.py).
+    pooled: dict[str, PooledChunk] = field(default_factory=dict)
 
 
 class FusedDecode(Protocol):
@@ -86,6 +90,7 @@ class ModelRunner:
         guided: GuidedDecoder | None = None,
         samples: bool = True,
         sampler_seed: int = 0,
+        lora: LoraSlotPool | None = None,
     ) -> None:
         self.model = model
         self.kv = kv
@@ -104,6 +109,8 @@ class ModelRunner:
         self.block_tables: dict[str, list[int]] = {}
         # Grammar matchers of constrained requests (the driver's runner only, which samples).
         self.guided = guided
+        # The LoRA adapters' device slots (None: LoRA off).
+        self.lora = lora
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         self._update_block_tables(out)
@@ -115,7 +122,11 @@ class ModelRunner:
             return RunnerOutput({}, {})
         batch = sorted(as_decode_rows(out.scheduled), key=lambda r: len(r.token_ids) > 1)
         input_ids, positions, meta, last_rows = self._prepare(batch)
-        sampling = [(i, r) for i, r in enumerate(batch) if r.sample]
+        # Embedding requests are pooled, never sampled (their last chunk finishes them).
+        pooling = [(i, r) for i, r in enumerate(batch) if r.sampling_params.pooling]
+        sampling = [
+            (i, r) for i, r in enumerate(batch) if r.sample and not r.sampling_params.pooling
+        ]
         # Prompt positions whose logprobs are wanted: their rows follow the sampled ones in
         # one compute_logits call (TP ranks compute the same rows: its all-gather needs all).
         scoring = [(i, r) for i, r in enumerate(batch) if r.prompt_logprob_targets]
@@ -133,6 +144,9 @@ class ModelRunner:
         ]
         row_list = sample_rows + score_rows
         decode = meta.decode
+        pooled: dict[str, PooledChunk] = {}
+        # The fused native decode knows no LoRA: a step with adapter rows runs the torch path.
+        adapters = self.lora is not None and self.lora.begin_step(batch)
         # A drafting request is 1 + n decode rows here (as_decode_rows): a step of drafts is
         # still a decode step, on the fused CPU decode when its rows fit.
         if (
@@ -140,6 +154,8 @@ class ModelRunner:
             and decode is not None
             and decode.num_tokens <= self.fused_max_batch
             and not scoring
+            and not pooling
+            and not adapters
         ):
             assert self.hooks.fused_decode is not None
             logits = self.hooks.fused_decode(
@@ -154,8 +170,9 @@ class ModelRunner:
         else:
             with self.hooks.matmuls(input_ids.shape[0]):
                 hidden = self.model(input_ids, positions, meta, self.kv.device_caches)
+            pooled = pool_chunks(hidden, pooling, last_rows) if pooling and self.samples else {}
             if not sampling and not scoring:
-                return RunnerOutput({}, {})
+                return RunnerOutput({}, {}, pooled=pooled)
             rows = torch.tensor(row_list, device=self.device)
             with self.hooks.matmuls(len(row_list)):
                 logits = self.model.compute_logits(hidden.index_select(0, rows))
@@ -163,7 +180,7 @@ class ModelRunner:
         if not self.samples or (not sampling and not scoring):
             return RunnerOutput({}, {})
         logits = logits.cpu()
-        result = RunnerOutput({}, {})
+        result = RunnerOutput({}, {}, pooled=pooled)
         if scoring:
             result.prompt_logprobs = _prompt_logprobs(logits[len(sample_rows) :], scoring)
         if not sampling:

@@ -50,6 +50,8 @@ class RequestState:
     # latency metrics set them; the processor does not time anything).
     first_token_at: float | None = None
     last_token_at: float | None = None
+    # An embedding request's pooled vector (engine/pooling.py), set by its finishing output.
+    embedding: list[float] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -68,6 +70,7 @@ class RequestState:
                 self.prompt_logprobs if self.params.prompt_logprobs is not None else None
             ),
             num_cached_tokens=self.num_cached_tokens,
+            embedding=self.embedding,
         )
 
 
@@ -148,6 +151,7 @@ class OutputProcessor:
             elif out.finished:
                 state.queue_time_s = out.queue_time_s
                 state.num_preemptions = out.num_preemptions
+                state.embedding = out.embedding
                 self._finish(state, delta, out.finish_reason or "stop", out.finish_detail)
             state.text += delta.new_text
             if state.on_output is not None:

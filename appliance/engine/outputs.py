@@ -33,6 +33,8 @@ class EngineOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     # On the finishing output: from arrival to first scheduled (None: never scheduled).
     queue_time_s: float | None = None
     num_preemptions: int = 0
+    # An embedding request's pooled vector (unnormalised), on its finishing output.
+    embedding: list[float] = []
 
 
 class RequestOutput(msgspec.Struct, kw_only=True):
@@ -62,3 +64,5 @@ class CompletionResult(msgspec.Struct, kw_only=True):
     # Prompt positions 1.. (None unless asked for): position 0 has no logprob.
     prompt_logprobs: list[Logprob] | None = None
     num_cached_tokens: int = 0
+    # An embedding request's pooled, unnormalised vector (SamplingParams.pooling).
+    embedding: list[float] = []

@@ -34,12 +34,24 @@ def check_token_ids(ids: list[int], vocab_size: int, param: str = "prompt") -> N
 
 
 def check_prompt(
-    token_ids: list[int], vocab_size: int, max_model_len: int, block_size: int, num_blocks: int
+    token_ids: list[int],
+    vocab_size: int,
+    max_model_len: int,
+    block_size: int,
+    num_blocks: int,
+    pooling: bool = False,
 ) -> None:
+    """`pooling`: an embedding's prompt needs no room after it (nothing is generated)."""
     if not token_ids:
         raise InvalidRequest("prompt: must contain at least one token")
     check_token_ids(token_ids, vocab_size)
-    if len(token_ids) >= max_model_len:
+    if pooling and len(token_ids) > max_model_len:
+        raise InvalidRequest(
+            f"prompt: {len(token_ids)} tokens; this model's maximum context length is "
+            f"{max_model_len} tokens",
+            code="context_length_exceeded",
+        )
+    if not pooling and len(token_ids) >= max_model_len:
         raise InvalidRequest(
             f"prompt: {len(token_ids)} tokens; this model's maximum context length is "
             f"{max_model_len} tokens, which leaves no room to generate",

@@ -108,12 +108,21 @@ class Sampler:
         if bool((top_k > 0).any()) or bool((top_p < 1.0).any()):
             logits = _apply_top_k_top_p(logits, top_k, top_p)
         probs = torch.softmax(logits, dim=-1)
-        # Exponential race: argmax(p / E) with E ~ Exp(1) samples from p.
-        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        # Inverse-CDF sampling: one uniform draw per row against the row's cumulative
+        # distribution. The exponential race it replaces (argmax(p / E), E ~ Exp(1)) drew one
+        # random number per vocabulary entry: 53 ms of a 64-row decode step over a 49,152-token
+        # vocabulary, more than the step's matmuls, against 1.6 ms for this (SPR, 2 cores).
+        cdf = probs.cumsum(dim=-1)
+        uniform = torch.rand(len(requests), 1, generator=self.generator)
         for i, req in enumerate(requests):
             if req.params.seed is not None and not req.params.greedy:
-                noise[i].exponential_(generator=_row_generator(req.params.seed, req.output_index))
-        return argmax_rows(probs / noise)
+                generator = _row_generator(req.params.seed, req.output_index)
+                uniform[i] = torch.rand(1, generator=generator)
+        total = cdf[:, -1:]
+        # Strictly below the total, so the pick is a token of non-zero probability even where
+        # u * total rounds up to the total.
+        target = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
+        return torch.searchsorted(cdf, target, right=True).view(-1)
 
 
 def argmax_rows(values: torch.Tensor) -> torch.Tensor:

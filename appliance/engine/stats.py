@@ -8,6 +8,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING
 
+from appliance.core.request import Request
 from appliance.core.wait_estimate import estimated_wait_s
 from appliance.stats import (
     EngineStats,
@@ -81,7 +82,20 @@ def _engine_stats(engine: Engine, detail: bool) -> EngineStats:
         block_states=kv.pool.state_string() if detail else None,
         step_cost=StepCostStats(**sched.cost.describe()),
         spec_decode=sched.spec.stats,
+        max_loras=engine.config.lora.max_loras if engine.runner.lora is not None else 0,
+        lora_running=_per_adapter(sched.running),
+        lora_waiting=_per_adapter(sched.waiting + sched.swapped),
+        lora_adapters=engine.lora_adapters(),
+        lora_resident=sched.lora_slots.resident(),
     )
+
+
+def _per_adapter(requests: list[Request]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for r in requests:
+        if r.lora_name:
+            counts[r.lora_name] = counts.get(r.lora_name, 0) + 1
+    return counts
 
 
 def _live_requests(engine: Engine) -> list[LiveRequest]:

@@ -170,6 +170,13 @@ class Metrics:
             [*m, "term"],
             registry=reg,
         )
+        # vLLM's labels (no model_name): dashboards written for it read the adapters' names.
+        self.lora_info = Gauge(
+            "vllm:lora_requests_info",
+            "Running stats on lora requests.",
+            ["running_lora_adapters", "max_lora", "waiting_lora_adapters"],
+            registry=reg,
+        )
         self.cache_info = Gauge(
             "vllm:cache_config_info",
             "Information of the cache configuration.",
@@ -215,6 +222,17 @@ class Metrics:
             "vllm:request_success",
             "Count of finished requests.",
             [*m, "finished_reason"],
+            registry=reg,
+        )
+        # vLLM has no embedding-specific series: these are ours. Each input also finishes as
+        # one request in vllm:request_success and its tokens count in vllm:prompt_tokens.
+        self.embedding_requests = Counter(
+            "appliance_embedding_requests", "Answered /v1/embeddings requests.", m, registry=reg
+        )
+        self.embedding_inputs = Counter(
+            "appliance_embedding_inputs",
+            "Inputs embedded (one engine request each).",
+            m,
             registry=reg,
         )
         self.prefix_queries = Counter(
@@ -355,6 +373,10 @@ class Metrics:
         """One API request finished: the longest of its choices (n > 1)."""
         self.request_max_generation_tokens.labels(self.model_name).observe(tokens)
 
+    def count_embeddings(self, inputs: int) -> None:
+        self.embedding_requests.labels(self.model_name).inc()
+        self.embedding_inputs.labels(self.model_name).inc(inputs)
+
     def count_rejection(self, reason: str, priority_class: str) -> None:
         """Refusals the API decides itself (queue full before tokenization, draining)."""
         self.rejections.labels(self.model_name, reason, priority_class).inc()
@@ -411,6 +433,8 @@ class Metrics:
             self.generation_tokens,
             self.prefix_queries,
             self.prefix_hits,
+            self.embedding_requests,
+            self.embedding_inputs,
         ):
             counter.labels(name)
         for reason in FINISH_REASONS:
@@ -470,6 +494,12 @@ class Metrics:
         mir["prefix_queries"].set_total((name,), s.prefix_cache_queries)
         mir["prefix_hits"].set_total((name,), s.prefix_cache_hits)
         self.spec_decode.update(name, s.spec_decode)
+        if s.max_loras:
+            # One series, the current one, stamped with the time (as vLLM does).
+            self.lora_info.clear()
+            self.lora_info.labels(
+                ",".join(sorted(s.lora_running)), str(s.max_loras), ",".join(sorted(s.lora_waiting))
+            ).set_to_current_time()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -223,6 +223,10 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
+            if not name.startswith(("model.", "lm_head.")):
+                # A bare model's checkpoint (embedding models such as Qwen3-Embedding are
+                # saved without the causal-LM wrapper).
+                name = "model." + name
             if name == "lm_head.weight":
                 if self.args.tie_word_embeddings:
                     continue

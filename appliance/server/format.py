@@ -114,7 +114,7 @@ def chat_logprobs(entries: list[Logprob], k: int, text_of: TokenText) -> s.ChatC
     return s.ChatChoiceLogprobs(content)
 
 
-def _message(ch: Choice, plan: ResponsePlan) -> tuple[s.ResponseMessage, str | None]:
+def assistant_message(ch: Choice, plan: ResponsePlan) -> tuple[s.ResponseMessage, str | None]:
     """The assistant message, and the finish reason (tool_calls when calls were made)."""
     tools = plan.tools
     if tools is None:
@@ -144,7 +144,7 @@ def chat_response(
     plan = plan or ResponsePlan()
     choices = []
     for ch in gen.choices:
-        message, reason = _message(ch, plan)
+        message, reason = assistant_message(ch, plan)
         lps = chat_logprobs(ch.logprobs, k, text_of) if k is not None else None
         choices.append(s.ChatChoice(ch.index, message, lps, reason, _prompt_lps(plan, ch, text_of)))
     return s.ChatCompletionResponse(

@@ -89,6 +89,7 @@ class Generation:
                     self._on_output,
                     index=index,
                     arrival_time=self.arrival,
+                    lora_name=self.req.lora_name,
                 )
                 self.choices.append(state)
                 futures.append(fut)

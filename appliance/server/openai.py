@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 from litestar import Request, Response
@@ -16,6 +16,7 @@ from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
 from litestar.response import Stream
 
+from appliance.engine.outputs import RequestOutput
 from appliance.server import limits
 from appliance.server import prepare as prep
 from appliance.server import schemas as s
@@ -27,7 +28,7 @@ from appliance.server.format import (
     completion_response,
     error_event,
 )
-from appliance.server.generate import RETRYABLE, Generation
+from appliance.server.generate import RETRYABLE, Choice, Generation
 from appliance.server.state import ServerState
 
 T = TypeVar("T")
@@ -90,22 +91,61 @@ async def race_disconnect(request: Request[Any, Any, Any], aw: Awaitable[T]) -> 
 
 
 # -- generation ----------------------------------------------------------------------------------
+class StreamShape(Protocol):
+    """A streamed answer's bytes (format.StreamFormatter, responses_format's formatter)."""
+
+    def opening(self) -> list[bytes]: ...
+    def chunk(self, ch: Choice, ro: RequestOutput) -> bytes | None: ...
+    def closing(self) -> list[bytes]: ...
+
+
+class Answer(Protocol):
+    """How a prepared request's outputs become its HTTP answer: the id prefix, the whole
+    body, or the stream. Chat and completions are one answer, the Responses API another; the
+    generation under them is the same."""
+
+    id_prefix: str
+
+    def body(self, gen: Generation, created: int, text_of: TokenText) -> Any: ...
+    def stream(self, gen: Generation, created: int, text_of: TokenText) -> StreamShape: ...
+
+
+class ChatOrCompletion:
+    def __init__(self, req: prep.PreparedRequest, model: str) -> None:
+        self.req, self.model, self.id_prefix = req, model, req.id_prefix
+
+    def body(self, gen: Generation, created: int, text_of: TokenText) -> Any:
+        req = self.req
+        build = chat_response if req.chat else completion_response
+        return build(gen, self.model, created, req.logprobs, text_of, req.plan)
+
+    def stream(self, gen: Generation, created: int, text_of: TokenText) -> StreamShape:
+        req = self.req
+        return StreamFormatter(
+            gen, req.chat, self.model, created, req.logprobs, req.include_usage, text_of, req.plan
+        )
+
+
 async def _generate(request: Request[Any, Any, Any], body: prep.Body) -> Response[Any]:
     arrival = time.monotonic()
     state = _state(request)
     req = prep.prepare(state, body)
-    rid = state.next_id(req.id_prefix)
+    return await serve_generation(request, req, ChatOrCompletion(req, state.model_name), arrival)
+
+
+async def serve_generation(
+    request: Request[Any, Any, Any], req: prep.PreparedRequest, answer: Answer, arrival: float
+) -> Response[Any]:
+    """Run one prepared request in the engine and answer it, whole or streamed."""
+    state = _state(request)
+    rid = state.next_id(answer.id_prefix)
     gen = Generation(state, rid, req, arrival)
     await gen.submit()
     ctx = _LogContext(state, gen, request.url.path, req.stream)
     text_of = _token_text(state)
     created = int(time.time())
-    k, plan = req.logprobs, req.plan
     if req.stream:
-        fmt = StreamFormatter(
-            gen, req.chat, state.model_name, created, k, req.include_usage, text_of, plan
-        )
-        return await _stream(request, gen, ctx, fmt)
+        return await _stream(request, gen, ctx, answer.stream(gen, created, text_of))
     try:
         await race_disconnect(request, gen.done.wait())
     except ClientGone:
@@ -120,8 +160,7 @@ async def _generate(request: Request[Any, Any, Any], body: prep.Body) -> Respons
         err.logged = True
         raise err
     ctx.finish(200)
-    build = chat_response if req.chat else completion_response
-    return _json(build(gen, state.model_name, created, k, text_of, plan), {"x-request-id": rid})
+    return _json(answer.body(gen, created, text_of), {"x-request-id": rid})
 
 
 def _token_text(state: ServerState) -> TokenText:
@@ -131,7 +170,7 @@ def _token_text(state: ServerState) -> TokenText:
 
 
 async def _stream(
-    request: Request[Any, Any, Any], gen: Generation, ctx: _LogContext, fmt: StreamFormatter
+    request: Request[Any, Any, Any], gen: Generation, ctx: _LogContext, fmt: StreamShape
 ) -> Response[Any]:
     # Wait for the first output before the status line, so that a request refused while
     # queued (queue timeout) still gets a real 429 that a gateway can act on.
@@ -162,7 +201,7 @@ async def _stream(
 
 
 async def _sse_body(
-    gen: Generation, ctx: _LogContext, fmt: StreamFormatter, first: Any
+    gen: Generation, ctx: _LogContext, fmt: StreamShape, first: Any
 ) -> AsyncIterator[bytes]:
     status = 499
     try:
@@ -235,13 +274,19 @@ async def chat_completions(
 async def models(request: Request[Any, Any, Any], body: None) -> Response[bytes]:
     state = _state(request)
     info = state.info
+    created = int(time.time() - (time.monotonic() - state.started_at))
+    max_len = info.max_model_len if info else 0
     card = s.ModelCard(
         id=state.model_name,
-        created=int(time.time() - (time.monotonic() - state.started_at)),
+        created=created,
         root=info.model_dir if info else "",
-        max_model_len=info.max_model_len if info else 0,
+        max_model_len=max_len,
     )
-    return _json(s.ModelList([card]))
+    adapters = [
+        s.ModelCard(id=name, created=created, root=path, max_model_len=max_len, parent=card.id)
+        for name, path in state.lora_adapters().items()
+    ]
+    return _json(s.ModelList([card, *adapters]))
 
 
 async def tokenize(request: Request[Any, Any, Any], body: s.TokenizeRequest) -> Response[bytes]:

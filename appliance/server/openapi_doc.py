@@ -9,6 +9,7 @@ would describe no request bodies. The admin API (/admin/*) is the console's and 
 
 from __future__ import annotations
 
+import re
 from functools import cache
 from typing import Any
 
@@ -46,6 +47,12 @@ def openapi_document() -> dict[str, Any]:
             "summary": r.summary,
             "responses": {"200": {"description": "OK", "content": ok}, "4XX": error, "5XX": error},
         }
+        names = re.findall(r"\{(\w+)\}", r.path)
+        if names:
+            op["parameters"] = [
+                {"name": n, "in": "path", "required": True, "schema": {"type": "string"}}
+                for n in names
+            ]
         if r.request is not None:
             op["requestBody"] = {
                 "required": True,

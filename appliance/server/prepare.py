@@ -58,6 +58,8 @@ class PreparedRequest:
     # The request's fields behind the engine's "prompt" and "structured".
     prompt_param: str = "prompt"
     constraint_param: str | None = None
+    # The LoRA adapter `model` named ("": the base model).
+    lora_name: str = ""
 
     @property
     def id_prefix(self) -> str:
@@ -89,7 +91,12 @@ class _Inputs:
 
 def prepare(state: ServerState, body: Body) -> PreparedRequest:
     """The one preparation of a generation request; an APIError (400, 404, 429) refuses it."""
-    check_model(state, body.model)
+    lora_name = check_model(state, body.model)
+    if state.config.model.task == "embed":
+        raise bad_request(
+            'this server serves an embedding model (model.task = "embed"): use /v1/embeddings',
+            param="model",
+        )
     check_limits(state, body)
     refuse_unsupported(body)
     priority_class = resolve_priority(state, body.priority)
@@ -128,6 +135,7 @@ def prepare(state: ServerState, body: Body) -> PreparedRequest:
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
         plan=plan,
         prompt_param=inputs.prompt_param,
+        lora_name=lora_name,
         constraint_param=constraint[1] if constraint else None,
     )
 
@@ -193,14 +201,20 @@ def check_limits(state: ServerState, body: Body) -> None:
 
 
 # -- admission and fields this server refuses ----------------------------------------------------
-def check_model(state: ServerState, model: str | None) -> None:
-    if model is not None and model != state.model_name:
-        raise APIError(
-            404,
-            f"the model {model!r} does not exist; this server serves {state.model_name!r}",
-            param="model",
-            code="model_not_found",
-        )
+def check_model(state: ServerState, model: str | None) -> str:
+    """The LoRA adapter `model` names ("" for the base model); 404 naming an unknown one."""
+    if model is None or model == state.model_name:
+        return ""
+    adapters = state.lora_adapters()
+    if model in adapters:
+        return model
+    served = ", ".join(repr(m) for m in [state.model_name, *adapters])
+    raise APIError(
+        404,
+        f"the model {model!r} does not exist; this server serves {served}",
+        param="model",
+        code="model_not_found",
+    )
 
 
 def resolve_priority(state: ServerState, value: str | int | None) -> str:

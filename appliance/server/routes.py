@@ -15,6 +15,7 @@ so that the body is only read after the API key and readiness checks (guards) ha
 
 from __future__ import annotations
 
+import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -22,7 +23,9 @@ from typing import Any, Literal
 from litestar import Request, Response, Router, route
 from litestar.handlers import HTTPRouteHandler
 
-from appliance.server import openai
+from appliance.server import embeddings, openai, responses
+from appliance.server import embeddings_schema as es
+from appliance.server import responses_schema as rs
 from appliance.server import schemas as s
 from appliance.server.auth import api_key_guard
 from appliance.server.errors import REQUEST_LOG_OPT
@@ -32,7 +35,7 @@ Handler = Callable[[Request[Any, Any, Any], Any], Awaitable[Response[Any]]]
 
 @dataclass(frozen=True)
 class Route:
-    method: Literal["GET", "POST"]
+    method: Literal["GET", "POST", "DELETE"]
     path: str
     # Called with the request and its body, decoded as `request` (None for a route without one).
     handler: Handler
@@ -62,6 +65,39 @@ ROUTES: tuple[Route, ...] = (
         "Chat completions",
         streams=True,
     ),
+    Route(
+        "POST",
+        "/v1/responses",
+        responses.create_response,
+        rs.ResponsesRequest,
+        rs.ResponseObject,
+        "Responses",
+        streams=True,
+    ),
+    Route(
+        "GET",
+        "/v1/responses/{response_id}",
+        responses.get_response,
+        None,
+        rs.ResponseObject,
+        "A stored response",
+    ),
+    Route(
+        "DELETE",
+        "/v1/responses/{response_id}",
+        responses.delete_response,
+        None,
+        rs.ResponseDeleted,
+        "Delete a stored response",
+    ),
+    Route(
+        "POST",
+        "/v1/embeddings",
+        embeddings.create_embeddings,
+        es.EmbeddingRequest,
+        es.EmbeddingResponse,
+        "Embeddings",
+    ),
     Route("GET", "/v1/models", openai.models, None, s.ModelList, "The served model"),
     Route(
         "POST",
@@ -89,7 +125,8 @@ def _endpoint(r: Route) -> HTTPRouteHandler:
 
     endpoint.__name__ = endpoint.__qualname__ = r.handler.__name__
     return route(
-        r.path,
+        # OpenAPI's {name} is Litestar's {name:str}.
+        re.sub(r"\{(\w+)\}", r"{\1:str}", r.path),
         http_method=[r.method],
         status_code=200,
         summary=r.summary,

@@ -254,6 +254,8 @@ class ModelCard(msgspec.Struct, kw_only=True):
     owned_by: str = "appliance"
     root: str
     max_model_len: int
+    # A LoRA adapter's base model (vLLM's field); None for the base model itself.
+    parent: str | None = None
 
 
 class ModelList(msgspec.Struct):

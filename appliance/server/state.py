@@ -30,6 +30,7 @@ from appliance.metrics import Metrics
 from appliance.server import sdnotify
 from appliance.server.auth import AuthKeys
 from appliance.server.reqlog import RequestLog
+from appliance.server.response_store import ResponseStore
 
 if TYPE_CHECKING:
     from appliance.server.generate import Generation
@@ -65,6 +66,8 @@ class ServerState:
     token_text: Any = None
     inflight: set[Generation] = field(default_factory=set)
     request_log: RequestLog = field(default_factory=RequestLog)
+    # The Responses API's stored responses (in memory: a restart forgets them).
+    responses: ResponseStore = field(default_factory=ResponseStore)
     started_at: float = field(default_factory=time.monotonic)
     ready_after_s: float | None = None
     startup_phases: dict[str, float] = field(default_factory=dict)
@@ -106,6 +109,10 @@ class ServerState:
     @property
     def model_name(self) -> str:
         return self.info.model_name if self.info else served_model_name(self.config)
+
+    def lora_adapters(self) -> dict[str, str]:
+        """LoRA adapters requests may name as `model` (name -> path), as the core last said."""
+        return (self.info.lora_adapters or {}) if self.info else {}
 
     @property
     def template_path(self) -> str:

@@ -1,0 +1,177 @@
+"""The LoRA slot pool on the device: `lora.max_loras` slots of stacked A/B factors per targeted
+linear (q|k|v, o, gate|up, down of every layer), zero-padded to `lora.max_lora_rank`, and the
+adapters read from disk (host copies, float32) that the slots are filled from.
+
+Built once at load, after the backend has wired each linear's matmul: each targeted linear is
+re-wired to a LoraMatmul (appliance.layers.lora) around that strategy. Each step the runner
+hands over its batch (`begin_step`): an adapter whose slot holds something else is copied in
+(the scheduler gave it that slot: core/lora_slots.py), and the rows' slots are grouped for the
+forward. The fused native CPU decode does not know LoRA: a step with adapter rows runs the
+torch forward (the runner asks `begin_step`'s answer).
+
+Tensor parallelism: each rank holds its shard of the factors, cut as the base weights are:
+a column-parallel part (q/k/v, gate/up) keeps A whole and its rows of B; a row-parallel
+projection (o, down) keeps its columns of A and B whole, and its partial update joins the
+base's partial sums before their all-reduce."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from appliance.config import ConfigError, LoraConfig
+from appliance.core.scheduler_output import ScheduledRequest
+from appliance.layers.linear import MatmulWeight, MergedColumnLinear, RowParallelLinear
+from appliance.layers.lora import LoraBatch, LoraMatmul, ReferenceMatmul
+from appliance.layers.parallel import tp_rank
+from appliance.models.args import ModelArgs
+from appliance.models.llama import LlamaForCausalLM
+from appliance.models.peft_adapter import AdapterError, LoraAdapter, read_adapter
+
+# Each merged linear's parts, as PEFT names the projections.
+_PARTS = {
+    "qkv_proj": {"q": "q_proj", "k": "k_proj", "v": "v_proj"},
+    "gate_up_proj": {"gate": "gate_proj", "up": "up_proj"},
+}
+
+
+@dataclass
+class _Target:
+    layer: int
+    linear: MatmulWeight
+    # (PEFT projection name, output row offset, rows on this rank, shard index): the parts of a
+    # merged linear; one entry (offset 0, shard -1) for a row-parallel one.
+    parts: list[tuple[str, int, int, int]]
+    a: torch.Tensor
+    b: torch.Tensor
+    row_parallel: bool
+
+
+class LoraSlotPool:
+    def __init__(
+        self, config: LoraConfig, model: LlamaForCausalLM, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        self.config = config
+        self.args: ModelArgs = model.args
+        self.max_rank = config.max_lora_rank
+        self.device = device
+        self.batch = LoraBatch(config.max_loras)
+        self.adapters: dict[str, LoraAdapter] = {}
+        # Adapters being unloaded: no new request may name them (engine/lora_admin.py).
+        self.draining: set[str] = set()
+        # What each slot holds now (the scheduler's table says what it should hold).
+        self.slot_names: list[str | None] = [None] * config.max_loras
+        self.targets: list[_Target] = []
+        slots, rank = config.max_loras, self.max_rank
+        for index, layer in enumerate(model.model.layers):
+            for merged in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj):
+                names = _PARTS["qkv_proj" if merged is layer.self_attn.qkv_proj else "gate_up_proj"]
+                parts = [
+                    (names[p], merged.offsets[p][0], merged.offsets[p][1], merged.shard_index[p])
+                    for p, _, _ in merged.parts
+                ]
+                # From the model's shape, not the weight's: a backend may have released it.
+                shape = (self.args.hidden_size, merged.out_features, slots, rank)
+                self._add(index, merged, parts, shape, False, dtype)
+            for name, row in (
+                ("o_proj", layer.self_attn.o_proj),
+                ("down_proj", layer.mlp.down_proj),
+            ):
+                hidden = self.args.hidden_size
+                shape = (row.in_per_rank, hidden, slots, rank)
+                self._add(index, row, [(name, 0, hidden, -1)], shape, True, dtype)
+
+    def _add(
+        self,
+        layer: int,
+        linear: MergedColumnLinear | RowParallelLinear,
+        parts: list[tuple[str, int, int, int]],
+        shape: tuple[int, int, int, int],
+        row_parallel: bool,
+        dtype: torch.dtype,
+    ) -> None:
+        """Wire one linear: `shape` is (in_features, out_features on this rank, slots, rank)."""
+        in_f, out_f, slots, rank = shape
+        width = rank * len(parts)
+        a = torch.zeros(slots * width, in_f, dtype=dtype, device=self.device)
+        b = torch.zeros(out_f, slots * width, dtype=dtype, device=self.device)
+        inner = linear.matmul if linear.matmul is not None else ReferenceMatmul(linear)
+        linear.wire(LoraMatmul(inner, a, b, width, self.batch))
+        self.targets.append(_Target(layer, linear, parts, a, b, row_parallel))
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes of the slot pool (what `appliance plan` counts)."""
+        return sum(
+            t.a.numel() * t.a.element_size() + t.b.numel() * t.b.element_size()
+            for t in self.targets
+        )
+
+    # -- adapters on the host --------------------------------------------------------------------
+    def read(self, name: str, path: str) -> LoraAdapter:
+        """Read and check an adapter against this model (AdapterError names the field)."""
+        return read_adapter(name, path, self.args, self.max_rank)
+
+    def add(self, adapter: LoraAdapter) -> None:
+        """Keep an adapter on the host; it reaches a slot when a request needs it."""
+        self.adapters[adapter.name] = adapter
+        for slot, held in enumerate(self.slot_names):
+            if held == adapter.name:  # new factors under the old name: refill on next use
+                self.slot_names[slot] = None
+
+    def unload(self, name: str) -> None:
+        self.adapters.pop(name, None)
+        self.draining.discard(name)
+        for slot, held in enumerate(self.slot_names):
+            if held == name:
+                self.slot_names[slot] = None
+
+    # -- each step -------------------------------------------------------------------------------
+    def begin_step(self, batch: Sequence[ScheduledRequest]) -> bool:
+        """Fill the slots the batch names and group its rows (in batch order, each request's
+        tokens in a row each); True when any row runs an adapter."""
+        slots: list[int] = []
+        for r in batch:
+            if r.lora_slot >= 0 and self.slot_names[r.lora_slot] != r.lora_name:
+                self._fill(r.lora_slot, self.adapters[r.lora_name])
+            slots.extend([r.lora_slot] * len(r.token_ids))
+        self.batch.set_rows(slots, self.device)
+        return self.batch.active
+
+    def _fill(self, slot: int, adapter: LoraAdapter) -> None:
+        rank = self.max_rank
+        for t in self.targets:
+            base = slot * rank * len(t.parts)
+            t.a[base : base + rank * len(t.parts)].zero_()
+            t.b[:, base : base + rank * len(t.parts)].zero_()
+            for i, (name, offset, rows, shard) in enumerate(t.parts):
+                factors = adapter.modules.get((t.layer, name))
+                if factors is None:
+                    continue
+                a, b, r = factors.a, factors.b, factors.rank
+                if t.row_parallel:
+                    cols = t.a.shape[1]
+                    a = a.narrow(1, tp_rank() * cols, cols)
+                else:
+                    b = b.narrow(0, shard * rows, rows)
+                lo = base + i * rank
+                t.a[lo : lo + r].copy_(a)
+                t.b[offset : offset + rows, lo : lo + r].copy_(b)
+        self.slot_names[slot] = adapter.name
+
+
+def make_lora_pool(
+    config: LoraConfig, model: LlamaForCausalLM, dtype: torch.dtype, device: torch.device
+) -> LoraSlotPool | None:
+    """The slot pool with the template's adapters read, or None when LoRA is off."""
+    if not config.active:
+        return None
+    pool = LoraSlotPool(config, model, dtype, device)
+    for name, path in config.adapters.items():
+        try:
+            pool.add(pool.read(name, path))
+        except AdapterError as exc:
+            raise ConfigError(f"lora.adapters.{name}: {exc}") from None
+    return pool
