@@ -15,6 +15,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from appliance.speculative_config import SpeculativeConfig
+
 PositiveInt = Annotated[int, Meta(ge=1)]
 NonNegInt = Annotated[int, Meta(ge=0)]
 NonNegFloat = Annotated[float, Meta(ge=0.0)]
@@ -299,6 +301,7 @@ class ApplianceConfig(_Section):
     parallel: ParallelConfig = msgspec.field(default_factory=ParallelConfig)
     hardware: HardwareConfig = msgspec.field(default_factory=HardwareConfig)
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
+    speculative: SpeculativeConfig = msgspec.field(default_factory=SpeculativeConfig)
     lora: LoraConfig = msgspec.field(default_factory=LoraConfig)
     priority_classes: dict[str, PriorityClass] = msgspec.field(default_factory=_default_classes)
 

@@ -58,6 +58,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # Top logprobs per prompt token, computed in the prefill forward (None: none). The first
     # prompt token has none (nothing predicts it).
     prompt_logprobs: int | None = None
+    # False: never draft tokens for this request, whatever the template's [speculative] says.
+    speculative: bool = True
     # Embedding instead of generation: a prefill-only request whose output is its prompt's
     # final hidden states pooled (last token or mean; engine/pooling.py), no token sampled.
     pooling: Literal["", "last", "mean"] = ""

@@ -54,6 +54,32 @@ class SchedulerCounters(msgspec.Struct, kw_only=True):
         return dict(out)
 
 
+class SpecDecodeStats(msgspec.Struct, kw_only=True):
+    """Speculative decoding's totals (vLLM's spec_decode_* counters) and its current decision."""
+
+    method: str = ""
+    # Requests-steps that drafted, tokens drafted, drafted tokens accepted.
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    # Accepted drafts by their position in the draft (index 0: the first drafted token).
+    accepted_per_pos: list[int] = msgspec.field(default_factory=list)
+    # The last step's decision: requests that drafted / decode rows that could have.
+    drafting_rows: int = 0
+    decode_rows: int = 0
+    # Why the last step drafted or not (adaptive: the cost model's verdict).
+    decision: str = "off"
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a drafting request gained per step: 1 + accepted drafts (vLLM's figure)."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
 class StepRecord(msgspec.Struct, kw_only=True, array_like=False):
     step: int
     time: float
@@ -118,6 +144,8 @@ class EngineStats(msgspec.Struct, kw_only=True):
     # Per block id: U used, C cached (free, hit-able), F free; only when asked for (detail).
     block_states: str | None = None
     step_cost: StepCostStats | None = None
+    # Speculative decoding's totals and current decision (None: an engine that reports none).
+    spec_decode: SpecDecodeStats | None = None
     # LoRA (0 slots: off): requests per adapter, running and waiting; the adapters requests
     # may name, and which of them hold a device slot now.
     max_loras: int = 0

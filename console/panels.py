@@ -223,6 +223,13 @@ def slow_text(snap: Snapshot, width: int, rows: int) -> Text:
         text.append("\ncost ", DIM).append(
             f"{cost.step_ms:.1f}ms +{cost.decode_row_ms:.2f}/row +{cost.prefill_token_ms:.3f}/tok"
         )
+    spec = stats.engine.spec_decode
+    if spec is not None and spec.method and rows >= 5 + len(stats.queues):
+        # Speculative decoding: the last step's decision and the drafts' acceptance so far.
+        text.append(f"\nspec {spec.method} ", DIM).append(
+            f"{spec.drafting_rows}/{spec.decode_rows} rows drafting, "
+            f"acc {spec.acceptance_rate * 100:.0f}% len {spec.mean_accepted_length:.2f}"
+        )
     text.append(f"\n{'class':<{name_w}} {'wait':>4} {'est':>5} {'oldest':>6}/{'limit':<5}", DIM)
     room = width - (name_w + 1 + 4 + 1 + 5 + 1 + 6 + 1 + 5)
     for q in stats.queues[: max(0, rows - 2 - with_bar)]:

@@ -41,6 +41,21 @@ static inline size_t attention_scratch_floats(const Shape *s) {
     return (size_t)s->batch * parts * attention_part_floats(s) + (size_t)s->batch;
 }
 
+/* Whether a row attends over the previous row's new token: the rows are consecutive positions
+ * of one sequence (a speculative step's drafts, each a decode row of its own length). A block
+ * being written belongs to one request, so rows of different sequences never match. */
+static inline int rows_share_sequence(const int64_t *positions, const int64_t *slots,
+                                      const int32_t *tables, const int32_t *seq_lens,
+                                      const Shape *s) {
+    for (int64_t b = 1; b < s->batch; b++) {
+        const int64_t p = positions[b - 1];
+        if (slots[b - 1] < 0 || p >= seq_lens[b]) continue;
+        const int64_t block = tables[b * s->table_stride + p / s->block_size];
+        if (block * s->block_size + p % s->block_size == slots[b - 1]) return 1;
+    }
+    return 0;
+}
+
 /* Rotate-half rotary of one head_dim-wide slice x into dst (dst == x: in place). */
 static inline void rotate_half(const float *x, float *dst, const float *c, const float *sn,
                                int64_t d) {

@@ -178,17 +178,28 @@ static inline void FN(rotate_head)(float *qkv, int64_t b, int64_t h,
     }
 }
 
+/* Rotary and store of every row's new K/V, before any row attends (the omp for's barrier
+ * orders them): for steps whose rows share a sequence (rows_share_sequence). */
+static void FN(store_new_kv)(float *qkv, const float *cos_table, const float *sin_table,
+                             const int64_t *positions, const int64_t *slots, T *k_cache,
+                             T *v_cache, const Shape *s) {
+    #pragma omp for schedule(static)
+    for (int64_t w = 0; w < s->batch * s->kv_heads; w++)
+        FN(rotate_head)(qkv, w / s->kv_heads, s->heads + w % s->kv_heads, cos_table,
+                        sin_table, positions, slots, k_cache, v_cache, s);
+}
+
 /* rope_attention for steps of fewer sequences than threads (attention_parts): a work item
  * is (sequence, head chunk, token range). Each item rotates its queries into its own slot of
  * `split`; the item holding the sequence's last range rotates and stores the new token's K/V
- * before reading it (no other range reaches that token). The sequence's last item to finish
+ * before reading it (no other range reaches that token), unless store_new_kv did (`stored`). The sequence's last item to finish
  * merges its ranges into out, so no barrier is added. */
 static void FN(rope_attention_split)(float *qkv, const float *cos_table,
                                      const float *sin_table, const int64_t *positions,
                                      const int64_t *slots, T *k_cache, T *v_cache,
                                      const int32_t *tables, const int32_t *seq_lens,
                                      const Shape *s, float scale, float *out,
-                                     float *split) {
+                                     float *split, int stored) {
     const int64_t group = s->heads / s->kv_heads, d = s->head_dim, heads = s->heads;
     const int64_t parts = attention_parts(s);
     int64_t per_item = MAX_QUERY_HEADS / group;
@@ -207,7 +218,7 @@ static void FN(rope_attention_split)(float *qkv, const float *cos_table,
         for (int64_t h = head; h < head + nkv * group; h++) /* qkv left as it is */
             rotate_half(qkv + b * (heads + 2 * s->kv_heads) * d + h * d, qr + h * d,
                         cos_table + positions[b] * d, sin_table + positions[b] * d, d);
-        if (p == parts - 1)
+        if (p == parts - 1 && !stored)
             for (int64_t kv = g0; kv < g0 + nkv; kv++)
                 FN(rotate_head)(qkv, b, s->heads + kv, cos_table, sin_table, positions,
                                 slots, k_cache, v_cache, s);
@@ -238,9 +249,14 @@ static NOINLINE void FN(rope_attention)(float *qkv, const float *cos_table,
                                         const int64_t *slots, T *k_cache, T *v_cache,
                                         const int32_t *tables, const int32_t *seq_lens,
                                         const Shape *s, float scale, float *out, float *split) {
+    /* Rows of one sequence (a speculative step's draft positions) read each other's new K/V:
+     * then every row's is stored first, behind the omp for's barrier. Every thread reaches
+     * the same answer, so all or none meet the worksharing loop. */
+    const int stored = rows_share_sequence(positions, slots, tables, seq_lens, s);
+    if (stored) FN(store_new_kv)(qkv, cos_table, sin_table, positions, slots, k_cache, v_cache, s);
     if (attention_parts(s) > 1) {
         FN(rope_attention_split)(qkv, cos_table, sin_table, positions, slots, k_cache,
-                                 v_cache, tables, seq_lens, s, scale, out, split);
+                                 v_cache, tables, seq_lens, s, scale, out, split, stored);
         return;
     }
     const int64_t group = s->heads / s->kv_heads, d = s->head_dim;
@@ -259,7 +275,7 @@ static NOINLINE void FN(rope_attention)(float *qkv, const float *cos_table,
         for (int64_t h = head; h < head + nkv * group; h++)
             FN(rotate_head)(qkv, b, h, cos_table, sin_table, positions, slots, k_cache,
                             v_cache, s);
-        for (int64_t kv = g0; kv < g0 + nkv; kv++)
+        for (int64_t kv = g0; kv < g0 + nkv && !stored; kv++)
             FN(rotate_head)(qkv, b, s->heads + kv, cos_table, sin_table, positions, slots,
                             k_cache, v_cache, s);
         FN(attend_heads)(qkv + b * q_stride + head * d, k_cache, v_cache,

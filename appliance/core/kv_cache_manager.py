@@ -164,6 +164,20 @@ class KVCacheManager:
         request.num_cached_blocks = 0
         self._set_covered(request, 0)
 
+    def trim(self, request: Request) -> int:
+        """Free the blocks past the request's computed tokens (the blocks that held only the
+        rejected drafts of a speculative step); returns how many. Never cached: a block enters
+        the prefix cache only once full of computed tokens."""
+        keep = -(-request.num_computed_tokens // self.block_size)
+        extra = request.blocks[keep:]
+        if extra:
+            self.pool.free_blocks(reversed(extra))
+            del request.blocks[keep:]
+            self._table_blocks -= len(extra)
+            request.num_cached_blocks = min(request.num_cached_blocks, keep)
+        self._set_covered(request, request.num_computed_tokens)
+        return len(extra)
+
     def forget(self, request: Request) -> None:
         """Everything about a finished request: device blocks, swap blocks, hashes."""
         self.free(request)

@@ -13,6 +13,7 @@ from appliance.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from appliance.core.block_pool import KVBlock
+    from appliance.core.spec_decode import SpecState
 
 
 class RequestStatus(enum.Enum):
@@ -80,6 +81,9 @@ class Request:
     # What the runner holds of the block table: whether it has one, and how many ids long.
     table_sent: bool = False
     num_block_ids_sent: int = 0
+    # Speculative decoding: the n-gram index over token_ids and the acceptance history
+    # (core/spec_decode.py; None until the request first looks for drafts).
+    spec: SpecState | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

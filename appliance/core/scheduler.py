@@ -17,7 +17,8 @@ from appliance.core.lora_slots import LoraSlotTable
 from appliance.core.policy import make_policy
 from appliance.core.preemption_log import PreemptionLog
 from appliance.core.request import FinishReason, Request, RequestStatus
-from appliance.core.scheduler_output import SchedulerOutput
+from appliance.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from appliance.core.spec_decode import SpecDecoder
 from appliance.core.step_builder import StepBuilder
 from appliance.core.step_cost import StepCostModel, StepShape
 from appliance.core.ttft_estimate import estimate_ttft_s
@@ -31,7 +32,13 @@ class FinishedRequest:
 
 
 class Scheduler:
-    def __init__(self, config: ApplianceConfig, kv: KVCacheManager, max_model_len: int) -> None:
+    def __init__(
+        self,
+        config: ApplianceConfig,
+        kv: KVCacheManager,
+        max_model_len: int,
+        fused_decode_rows: int = 0,
+    ) -> None:
         self.config = config
         self.cfg = config.scheduler
         self.kv = kv
@@ -46,6 +53,10 @@ class Scheduler:
         self.counters = SchedulerCounters()
         # What a step costs on this box, learnt from the engine's steps (observe_step).
         self.cost = StepCostModel()
+        # Prompt-lookup drafts for decodes, and whether they pay this step (config [speculative]).
+        # `fused_decode_rows`: the device's fused decode takes steps of up to this many decode
+        # rows (0: none); drafts do not push a step that fits over it.
+        self.spec = SpecDecoder(config.speculative, max_model_len, fused_decode_rows)
         self.preemption_log = PreemptionLog()
         # Which LoRA adapter holds which device slot (admission asks it).
         self.lora_slots = LoraSlotTable(config.lora.max_loras)
@@ -252,15 +263,23 @@ class Scheduler:
 
     # -- after the forward pass ------------------------------------------------------------------
     def update_from_output(
-        self, output: SchedulerOutput, sampled: dict[str, int]
+        self,
+        output: SchedulerOutput,
+        sampled: dict[str, int],
+        accepted: dict[str, list[int]] | None = None,
     ) -> list[tuple[Request, int]]:
         """Advance computed tokens, append sampled tokens, finish what stopped.
-        Returns (request, new token) for every request that got a token."""
+        Returns (request, new token) for every new token, in order. `accepted`: the drafts
+        verified before each drafting request's sampled token."""
         new_tokens: list[tuple[Request, int]] = []
         for sr in output.scheduled:
             req = self.requests.get(sr.request_id)
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
+            if sr.draft_token_ids:
+                verified = (accepted or {}).get(sr.request_id, [])
+                new_tokens.extend(self._verified(req, sr, sampled[sr.request_id], verified))
+                continue
             req.num_computed_tokens += len(sr.token_ids)
             self.kv.cache_blocks(req)
             if not sr.sample:
@@ -277,6 +296,30 @@ class Scheduler:
             if reason is not None:
                 self.finish_request(req.request_id, reason)
         return new_tokens
+
+    def _verified(
+        self, req: Request, sr: ScheduledRequest, token: int, accepted: list[int]
+    ) -> list[tuple[Request, int]]:
+        """A drafting request's step: its accepted drafts and the token sampled after them are
+        appended (up to a stop), only their KV counts as computed, and blocks that held only
+        rejected drafts go back to the pool (the runner gets the shorter table next step)."""
+        self.spec.record(req, len(sr.draft_token_ids), len(accepted))
+        req.num_computed_tokens = sr.start_pos + len(sr.token_ids) - len(sr.draft_token_ids)
+        req.num_computed_tokens += len(accepted)
+        out: list[tuple[Request, int]] = []
+        reason = None
+        for t in [*accepted, token]:
+            req.token_ids.append(t)
+            out.append((req, t))
+            reason = self._stop_reason(req, t)
+            if reason is not None:
+                break
+        if self.kv.trim(req):
+            self._drop_table(req)
+        self.kv.cache_blocks(req)
+        if reason is not None:
+            self.finish_request(req.request_id, reason)
+        return out
 
     def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
         params = req.sampling_params

@@ -30,6 +30,10 @@ class ScheduledRequest:
     # for p = prompt_logprobs_start .. + len(targets) - 1; targets are those next tokens.
     prompt_logprobs_start: int = 0
     prompt_logprob_targets: list[int] = field(default_factory=list)
+    # Speculative decoding: drafted tokens, the last len(draft_token_ids) of token_ids (after the
+    # request's last known token). The runner samples at each of their positions and returns
+    # the drafts that match (RunnerOutput.accepted); `sample` is then True.
+    draft_token_ids: list[int] = field(default_factory=list)
     # The LoRA adapter and the device slot it runs in ("", -1: the base model); the runner
     # copies the adapter in when the slot holds another (core/lora_slots.py).
     lora_name: str = ""

@@ -34,6 +34,8 @@ class StepBuilder:
         # tightest TPOT target among the classes it decodes (None: tokens alone bound it).
         self.shape = StepShape()
         self.limit_s: float | None = None
+        # Speculative drafts granted this step, per request id (verified with its decode).
+        self.drafts: dict[str, list[int]] = {}
         # Adapters that running requests use: their slots are not given up this step.
         self.lora_busy = {r.lora_name for r in sched.running if r.lora_name}
 
@@ -61,16 +63,19 @@ class StepBuilder:
         self.budget -= tokens
         self.shape = self._add(self.shape, req, tokens)
 
-    @staticmethod
-    def _add(shape: StepShape, req: Request, tokens: int) -> StepShape:
-        # One token is a decode row to the model (StepShape.of reads a step the same way).
+    def _add(self, shape: StepShape, req: Request, tokens: int) -> StepShape:
+        # One token is a decode row to the model, and so is each of a drafting request's
+        # (the runner feeds them as decode rows); StepShape.of reads a step the same way.
         start = req.num_computed_tokens
-        if tokens == 1:
-            return shape.with_decode(start)
+        if tokens == 1 or req.request_id in self.drafts:
+            for j in range(tokens):
+                shape = shape.with_decode(start + j)
+            return shape
         return shape.with_chunk(start, tokens)
 
     def _ungrant(self, req: Request) -> None:
         tokens = self.granted.pop(req.request_id, None)
+        self.drafts.pop(req.request_id, None)
         if tokens is not None:
             self.order.remove(req)
             self.budget += tokens
@@ -91,6 +96,7 @@ class StepBuilder:
         decodes = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
         prefills = [r for r in running if r.num_tokens - r.num_computed_tokens > 1]
         self.limit_s = s.time_limit_s(decodes)
+        drafts = s.spec.plan(decodes, s.cost) if s.spec.enabled else {}
         for req in decodes + prefills:
             if req not in s.running:
                 continue  # preempted earlier in this step
@@ -98,11 +104,24 @@ class StepBuilder:
             if self.budget <= 0:
                 self._bound("token_budget")
                 break
+            if req.request_id in drafts and self._grant_drafts(req, drafts[req.request_id]):
+                continue
             tokens = self._chunk(req, remaining)
             if tokens < remaining:
                 self._bound("token_budget")
             if self._allocate_or_preempt(req, tokens):
                 self._grant(req, tokens)
+
+    def _grant_drafts(self, req: Request, drafts: list[int]) -> bool:
+        """A decode and its drafts, as one chunk of 1 + n tokens under the token budget; False
+        (decode it plainly) when the budget or free blocks do not cover the drafts: drafting
+        never preempts anyone."""
+        n = min(len(drafts), self.budget - 1)
+        if n <= 0 or not self.kv.allocate_slots(req, 1 + n):
+            return False
+        self.drafts[req.request_id] = drafts[:n]
+        self._grant(req, 1 + n)
+        return True
 
     def _allocate_or_preempt(self, req: Request, tokens: int) -> bool:
         s = self.s
@@ -253,7 +272,9 @@ class StepBuilder:
         context = 0
         for req in self.order:
             tokens = self.granted[req.request_id]
+            drafts = self.drafts.get(req.request_id, [])
             start = req.num_computed_tokens
+            known = tokens - len(drafts)  # of the request's own tokens (the rest are drafts)
             # Only what changed: the blocks added since the runner last saw the request.
             new_table = not req.table_sent
             block_ids = self.kv.block_ids(req, start=0 if new_table else req.num_block_ids_sent)
@@ -267,16 +288,17 @@ class StepBuilder:
             scheduled.append(
                 ScheduledRequest(
                     request_id=req.request_id,
-                    token_ids=req.token_ids[start : start + tokens],
+                    token_ids=req.token_ids[start : start + known] + drafts,
                     start_pos=start,
                     block_ids=block_ids,
-                    sample=start + tokens == req.num_tokens,
+                    sample=start + known == req.num_tokens,
                     sampling_params=req.sampling_params,
                     output_index=req.num_output_tokens,
                     new_table=new_table,
                     stop_token_ids=req.stop_token_ids,
                     prompt_logprobs_start=lp_start,
                     prompt_logprob_targets=targets,
+                    draft_token_ids=drafts,
                     lora_name=req.lora_name,
                     lora_slot=self.s.lora_slots.slot_of(req.lora_name),
                 )

@@ -49,7 +49,12 @@ class StepShape:
         shape = cls()
         for r in out.scheduled:
             n = len(r.token_ids)
-            shape = shape.with_decode(r.start_pos) if n == 1 else shape.with_chunk(r.start_pos, n)
+            if n == 1 or r.draft_token_ids:
+                # A drafting request runs as one decode row per token (engine/spec_verify.py).
+                for j in range(n):
+                    shape = shape.with_decode(r.start_pos + j)
+            else:
+                shape = shape.with_chunk(r.start_pos, n)
         return shape
 
     def with_decode(self, start: int) -> StepShape:

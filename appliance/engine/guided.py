@@ -157,6 +157,23 @@ class GuidedDecoder:
         self.fill_s += time.perf_counter() - t0
         return bitmask, indices
 
+    def valid_draft_prefix(
+        self, request_id: str, so: StructuredOutputs, output_index: int, drafts: list[int]
+    ) -> int:
+        """How many leading `drafts` the grammar allows after the request's tokens so far; the
+        matcher is left where it was (speculative drafts are checked before they are scored)."""
+        row = self._row(request_id, so, output_index)
+        if row.broken or row.matcher.is_terminated():
+            return len(drafts)  # unconstrained from here
+        n = 0
+        for token in drafts:
+            if not row.matcher.accept_token(token):
+                break
+            n += 1
+        if n:
+            row.matcher.rollback(n)
+        return n
+
     def accept(self, request_id: str, token: int) -> None:
         t0 = time.perf_counter()
         try:

@@ -27,6 +27,7 @@ from appliance.engine.loader import LoadedModel, StepExecutor
 from appliance.engine.output_processor import OutputProcessor
 from appliance.engine.outputs import CompletionResult, EngineOutput, Logprob
 from appliance.engine.pooling import PoolingSums
+from appliance.engine.spec_verify import trim_forbidden_drafts
 from appliance.engine.stats import StepHistory, snapshot
 from appliance.engine.step_warmup import needs_seed, seed_step_costs
 from appliance.sampling_params import SamplingParams
@@ -73,8 +74,10 @@ class Engine:
             config.cache.enable_prefix_caching,
             self.loaded.num_swap_blocks,
         )
-        self.scheduler = Scheduler(config, self.kv, self.max_model_len)
         self.runner = self.loaded.runner
+        self.scheduler = Scheduler(
+            config, self.kv, self.max_model_len, fused_decode_rows=self.runner.fused_max_batch
+        )
         # runner.execute at TP 1; at TP > 1 it also drives the worker ranks (engine/tp.py).
         self.executor: StepExecutor = self.loaded.executor or self.loaded.runner
         self._ids = itertools.count()
@@ -197,21 +200,24 @@ class Engine:
         first_scheduled = sched.take_started()
         if first_scheduled and self.on_started is not None:
             self.on_started(first_scheduled)
+        trim_forbidden_drafts(out, self.runner.guided)
         result = self.executor.execute(out)
         self.pooling_sums.add(result.pooled)
-        new_tokens = sched.update_from_output(out, result.sampled)
+        new_tokens = sched.update_from_output(out, result.sampled, result.accepted)
 
         outputs: dict[str, EngineOutput] = {}
         touched: dict[str, Request] = {}
         for req, token in new_tokens:
             rid = req.request_id
             touched[rid] = req
-            eo = EngineOutput(request_id=rid, new_token_ids=[token])
-            lp = result.logprobs.get(rid)
+            # A drafting request gets its accepted drafts, then its sampled token, in order.
+            eo = outputs.setdefault(rid, EngineOutput(request_id=rid, new_token_ids=[]))
+            lps = [*result.accepted_logprobs.get(rid, []), result.logprobs.get(rid)]
+            lp = lps[len(eo.new_token_ids)] if len(eo.new_token_ids) < len(lps) else None
+            eo.new_token_ids.append(token)
             if lp is not None:
                 top = list(zip(lp.top_ids, lp.top_logprobs, strict=True))
-                eo.new_logprobs = [Logprob(lp.token_id, lp.logprob, top)]
-            outputs[rid] = eo
+                eo.new_logprobs.append(Logprob(lp.token_id, lp.logprob, top))
         for rid, (start, entries) in result.prompt_logprobs.items():
             # A request whose last chunk sampled its last token has left the scheduler already.
             preq = touched.get(rid) or sched.requests.get(rid)
@@ -251,20 +257,27 @@ class Engine:
         duration = time.perf_counter() - started
         if out.scheduled:
             sched.observe_step(out, duration)
-        self._record_step(out, duration)
+        self._record_step(out, duration, sum(len(a) for a in result.accepted.values()))
         self.departures.observe(duration, departures)
         return list(outputs.values())
 
     def _count_finish(self, reason: FinishReason) -> None:
         self.requests_finished[reason.value] = self.requests_finished.get(reason.value, 0) + 1
 
-    def _record_step(self, out: SchedulerOutput, duration: float) -> None:
+    def _record_step(self, out: SchedulerOutput, duration: float, accepted: int = 0) -> None:
         self.step_count += 1
         usage = self.kv.usage()
-        decode_tokens = sum(1 for r in out.scheduled if len(r.token_ids) == 1 and r.output_index)
+        # A drafting row's tokens are its decode (and drafts), not prompt tokens.
+        decode_tokens = sum(
+            len(r.token_ids)
+            for r in out.scheduled
+            if r.draft_token_ids or (len(r.token_ids) == 1 and r.output_index)
+        )
         prompt_tokens = out.num_scheduled_tokens - decode_tokens
         # (an embedding's last chunk ends its request without sampling a token)
-        gen_tokens = sum(1 for r in out.scheduled if r.sample and not r.sampling_params.pooling)
+        gen_tokens = accepted + sum(
+            1 for r in out.scheduled if r.sample and not r.sampling_params.pooling
+        )
         self.prompt_tokens_total += prompt_tokens
         self.generation_tokens_total += gen_tokens
         if usage.used >= self._peak_blocks and usage.slots_allocated:

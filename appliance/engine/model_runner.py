@@ -18,6 +18,7 @@ from appliance.engine.kv_pool import KVCachePool
 from appliance.engine.lora_pool import LoraSlotPool
 from appliance.engine.pooling import PooledChunk, pool_chunks
 from appliance.engine.sampler import Sampler, SampleRequest, TokenLogprobs
+from appliance.engine.spec_verify import as_decode_rows, sample_verified
 from appliance.layers.attention import AttentionMetadata, PagedBatch
 from appliance.models.llama import LlamaForCausalLM
 
@@ -28,6 +29,10 @@ class RunnerOutput:
     logprobs: dict[str, TokenLogprobs]
     # Per request: (first prompt position, logprobs of the tokens after it, in order).
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+    # Speculative decoding: per drafting request, the drafts accepted before its sampled token
+    # (a prefix of its draft_token_ids, possibly empty) and their logprobs.
+    accepted: dict[str, list[int]] = field(default_factory=dict)
+    accepted_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     # Embedding requests: each one's chunk of pooled hidden states (engine/pooling.py).
     pooled: dict[str, PooledChunk] = field(default_factory=dict)
 
@@ -115,7 +120,7 @@ class ModelRunner:
         self.kv.swap_in(out.blocks_to_swap_in)
         if not out.scheduled:
             return RunnerOutput({}, {})
-        batch = sorted(out.scheduled, key=lambda r: len(r.token_ids) > 1)
+        batch = sorted(as_decode_rows(out.scheduled), key=lambda r: len(r.token_ids) > 1)
         input_ids, positions, meta, last_rows = self._prepare(batch)
         # Embedding requests are pooled, never sampled (their last chunk finishes them).
         pooling = [(i, r) for i, r in enumerate(batch) if r.sampling_params.pooling]
@@ -131,11 +136,19 @@ class ModelRunner:
             for i, r in scoring
             for j in range(len(r.prompt_logprob_targets))
         ]
-        row_list = [last_rows[i] for i, _ in sampling] + score_rows
+        # A drafting request samples at its last token and at each draft (spec_verify.py).
+        sample_rows = [
+            row
+            for i, r in sampling
+            for row in range(last_rows[i] - len(r.draft_token_ids), last_rows[i] + 1)
+        ]
+        row_list = sample_rows + score_rows
         decode = meta.decode
         pooled: dict[str, PooledChunk] = {}
         # The fused native decode knows no LoRA: a step with adapter rows runs the torch path.
         adapters = self.lora is not None and self.lora.begin_step(batch)
+        # A drafting request is 1 + n decode rows here (as_decode_rows): a step of drafts is
+        # still a decode step, on the fused CPU decode when its rows fit.
         if (
             meta.prefill is None
             and decode is not None
@@ -169,10 +182,16 @@ class ModelRunner:
         logits = logits.cpu()
         result = RunnerOutput({}, {}, pooled=pooled)
         if scoring:
-            result.prompt_logprobs = _prompt_logprobs(logits[len(sampling) :], scoring)
+            result.prompt_logprobs = _prompt_logprobs(logits[len(sample_rows) :], scoring)
         if not sampling:
             return result
-        logits = logits[: len(sampling)]
+        logits = logits[: len(sample_rows)]
+        if len(sample_rows) > len(sampling):
+            verified = sample_verified(self.sampler, self.guided, logits, [r for _, r in sampling])
+            result.sampled, result.logprobs = verified.sampled, verified.logprobs
+            result.accepted = verified.accepted
+            result.accepted_logprobs = verified.accepted_logprobs
+            return result
         requests = [self._sample_request(r) for _, r in sampling]
         constrained = [
             (r.request_id, r.sampling_params.structured, r.output_index)

@@ -116,25 +116,37 @@ class OutputProcessor:
             state = self.states.get(out.request_id)
             if state is None:
                 continue  # finished here already (stop string, abort): late tokens are dropped
+            detok = state.detokenizer
+            new_ids, new_text = out.new_token_ids, ""
+            if detok is not None:
+                for n, token in enumerate(new_ids, 1):
+                    new_text += detok.add(token)
+                    if detok.stopped:
+                        # A speculative step's tokens after the stop string are not output.
+                        new_ids = new_ids[:n]
+                        break
             delta = RequestOutput(
                 request_id=out.request_id,
-                new_token_ids=out.new_token_ids,
-                new_logprobs=out.new_logprobs if state.params.logprobs is not None else [],
+                new_token_ids=new_ids,
+                new_text=new_text,
+                new_logprobs=out.new_logprobs[: len(new_ids)]
+                if state.params.logprobs is not None
+                else [],
                 prompt_logprobs=out.prompt_logprobs,
                 num_prompt_tokens=out.num_prompt_tokens,
                 num_cached_tokens=out.num_cached_tokens,
             )
-            state.scheduled = state.scheduled or bool(out.new_token_ids)
-            state.token_ids.extend(out.new_token_ids)
+            state.scheduled = state.scheduled or bool(new_ids)
+            state.token_ids.extend(new_ids)
             state.logprobs.extend(delta.new_logprobs)
             state.prompt_logprobs.extend(out.prompt_logprobs)
             state.num_cached_tokens = out.num_cached_tokens
-            detok = state.detokenizer
-            if detok is not None:
-                for token in out.new_token_ids:
-                    delta.new_text += detok.add(token)
-            if detok is not None and detok.stopped and not out.finished:
-                stopped.append(out.request_id)
+            # A stop string before the step's last token ends the request there, whatever the
+            # engine said of the later tokens (a length limit among a speculative step's).
+            early = len(new_ids) < len(out.new_token_ids)
+            if detok is not None and detok.stopped and (early or not out.finished):
+                if not out.finished:
+                    stopped.append(out.request_id)
                 self._finish(state, delta, "stop", "")
             elif out.finished:
                 state.queue_time_s = out.queue_time_s

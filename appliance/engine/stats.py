@@ -81,6 +81,7 @@ def _engine_stats(engine: Engine, detail: bool) -> EngineStats:
         last_step=engine.history.records[-1] if engine.history.records else None,
         block_states=kv.pool.state_string() if detail else None,
         step_cost=StepCostStats(**sched.cost.describe()),
+        spec_decode=sched.spec.stats,
         max_loras=engine.config.lora.max_loras if engine.runner.lora is not None else 0,
         lora_running=_per_adapter(sched.running),
         lora_waiting=_per_adapter(sched.waiting + sched.swapped),

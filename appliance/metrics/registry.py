@@ -16,6 +16,7 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from appliance.metrics.spec_decode import SpecDecodeMetrics
 from appliance.stats import EngineStats
 
 __all__ = ["CONTENT_TYPE", "Metrics"]
@@ -335,6 +336,7 @@ class Metrics:
             buckets=BATCH_BUCKETS,
             registry=reg,
         )
+        self.spec_decode = SpecDecodeMetrics(reg)
         self._mirrors = {
             "preemptions": _CounterMirror(self.preemptions),
             "preemptions_by": _CounterMirror(self.preemptions_by),
@@ -418,6 +420,7 @@ class Metrics:
         self.model_name = model_name
         for mirror in self._mirrors.values():
             mirror.reset()
+        self.spec_decode.reset()
         self._prime(model_name, priority_classes)
         self.cache_info.clear()
         labels = {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in cache.items()}
@@ -436,6 +439,7 @@ class Metrics:
         for gauge in (self.running, self.waiting, self.swapped, self.kv_usage):
             gauge.labels(name)
         self.gpu_cache_usage.labels(name)
+        self.spec_decode.prime(name)
         for state in KV_BLOCK_STATES:
             self.kv_blocks.labels(name, state)
         for counter in (
@@ -506,6 +510,7 @@ class Metrics:
             mir["rejections"].set_total((name, reason, cls), n)
         mir["prefix_queries"].set_total((name,), s.prefix_cache_queries)
         mir["prefix_hits"].set_total((name,), s.prefix_cache_hits)
+        self.spec_decode.update(name, s.spec_decode)
         if s.max_loras:
             # One series, the current one, stamped with the time (as vLLM does).
             self.lora_info.clear()

@@ -336,6 +336,7 @@ def sampling_params(
         logprobs=logprobs,
         include_stop_str_in_output=body.include_stop_str_in_output,
         prompt_logprobs=prompt_logprobs,
+        speculative=body.speculative,
     )
     # Validated once, by Engine.add_request; a refusal comes back as a 400 naming the field.
     return params

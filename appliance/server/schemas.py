@@ -72,6 +72,8 @@ class _Common(msgspec.Struct, kw_only=True):
     guided_grammar: str | None = None
     # vLLM: logprobs of the prompt tokens (top k each), computed in the prefill.
     prompt_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    # false: no speculative drafts for this request (the template's [speculative] decides).
+    speculative: bool = True
 
 
 class CompletionRequest(_Common, kw_only=True):
