@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from appliance.lora_config import LoraConfig
 from appliance.speculative_config import SpeculativeConfig
 
 PositiveInt = Annotated[int, Meta(ge=1)]
@@ -267,23 +268,6 @@ class ServerConfig(_Section):
     # else ~/.local/state/appliance. It rotates past audit_max_bytes (three old files kept).
     state_dir: str = ""
     audit_max_bytes: Annotated[int, Meta(ge=4096)] = 16 * 1024 * 1024
-
-
-class LoraConfig(_Section):
-    """[lora]: fine-tunes of the base model in the PEFT format, chosen per request by `model`."""
-
-    # Adapter name -> directory (adapter_config.json + adapter_model.safetensors), loaded at start.
-    adapters: dict[str, str] = msgspec.field(default_factory=dict)
-    # Serve adapters at all (on when `adapters` names any): the slot pool exists from load on.
-    enabled: bool = False
-    # Adapters resident on the device at once (the slot pool); more may be loaded, LRU-swapped.
-    max_loras: Annotated[int, Meta(ge=1, le=64)] = 4
-    # The largest rank a slot holds; a higher-rank adapter is refused at load.
-    max_lora_rank: Annotated[int, Meta(ge=1, le=256)] = 16
-
-    @property
-    def active(self) -> bool:
-        return self.enabled or bool(self.adapters)
 
 
 class ClassLimits(msgspec.Struct, frozen=True):
