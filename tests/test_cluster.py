@@ -230,8 +230,12 @@ async def test_a_replica_killed_mid_load(cluster: Cluster) -> None:
     assert len(set(started.values())) == 2, started
     victim = before[next(iter(started.values()))]
     os.kill(victim.pid, signal.SIGKILL)
+    # ignore_eos: served whole means 8 tokens, whatever the random model samples.
     after = [
-        aclient.completions.create(model=MODEL, prompt=f"after {i}", max_tokens=8) for i in range(4)
+        aclient.completions.create(
+            model=MODEL, prompt=f"after {i}", max_tokens=8, extra_body={"ignore_eos": True}
+        )
+        for i in range(4)
     ]
     results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=120)
     late = await asyncio.wait_for(asyncio.gather(*after), timeout=60)

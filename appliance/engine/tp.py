@@ -165,7 +165,10 @@ class TPExecutor:
         except BaseException as exc:
             failure = ex._failure
             ex.close()
-            if failure and not isinstance(exc, TPWorkerError):
+            # A refusal (ConfigError) is made by every rank alike: rank 0's is the one to
+            # report, even when a worker exited with its own first.
+            same_refusal = isinstance(exc, ConfigError) and "ConfigError:" in failure
+            if failure and not isinstance(exc, TPWorkerError) and not same_refusal:
                 raise TPWorkerError(failure) from exc
             raise
         return ex
