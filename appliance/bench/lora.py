@@ -29,6 +29,7 @@ from appliance.engine.llm_engine import Engine
 from appliance.engine.lora_admin import LoraAdmin
 from appliance.engine.lora_pool import LoraSlotPool
 from appliance.engine.stats import StepHistory
+from appliance.models.peft_adapter import projection_shapes
 from appliance.sampling_params import SamplingParams
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -52,17 +53,7 @@ def write_adapter(out: Path, pool: LoraSlotPool, rank: int, seed: int) -> Path:
     """A PEFT adapter (adapter_config.json + adapter_model.safetensors) for the pool's model:
     random A and B of rank `rank` on every projection, scaled so the update is small."""
     args = pool.args
-    q, kv = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
-    h, inter = args.hidden_size, args.intermediate_size
-    shapes = {
-        "q_proj": (q, h),
-        "k_proj": (kv, h),
-        "v_proj": (kv, h),
-        "o_proj": (h, q),
-        "gate_proj": (inter, h),
-        "up_proj": (inter, h),
-        "down_proj": (h, inter),
-    }
+    shapes = projection_shapes(args)
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(args.num_layers):

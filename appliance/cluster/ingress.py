@@ -28,19 +28,18 @@ from appliance.cluster.metrics_merge import render
 from appliance.cluster.routing import ReplicaLoad, affinity_key, replica_order
 from appliance.cluster.settings import ClusterConfig
 from appliance.cluster.stream_guard import StreamGuard
-from appliance.tools.router import (
-    GENERATE_PATHS,
+from appliance.tools.asgi_proxy import (
     Receive,
     Scope,
     Send,
-    TokenCounter,
-    prompt_tokens,
     proxied_request_headers,
     proxied_response_headers,
+    pump_until_disconnect,
     read_body,
     reply,
     router_error,
 )
+from appliance.tools.router import GENERATE_PATHS, TokenCounter, prompt_tokens
 
 log = logging.getLogger("appliance.cluster")
 
@@ -335,21 +334,12 @@ class ClusterIngress:
                     await send({"type": "http.response.body", "body": tail, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-        async def watch() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-
-        pumping = asyncio.create_task(pump())
-        watching = asyncio.create_task(watch())
         try:
-            await asyncio.wait({pumping, watching}, return_when=asyncio.FIRST_COMPLETED)
+            error = await pump_until_disconnect(pump(), receive)
         finally:
-            for task in (pumping, watching):
-                task.cancel()
-            results = await asyncio.gather(pumping, watching, return_exceptions=True)
             await response.aclose()
-        if isinstance(results[0], Exception) and not isinstance(results[0], asyncio.CancelledError):
-            raise results[0]
+        if error is not None:
+            raise error
 
     async def _metrics(self, send: Send) -> None:
         assert self.client is not None

@@ -23,7 +23,6 @@ import asyncio
 import logging
 import math
 import tomllib
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -32,37 +31,21 @@ import msgspec
 from msgspec import Meta
 
 from appliance.config import ConfigError
+from appliance.tools.asgi_proxy import (
+    Receive,
+    Scope,
+    Send,
+    proxied_request_headers,
+    proxied_response_headers,
+    pump_until_disconnect,
+    read_body,
+    reply,
+    router_error,
+)
 
 log = logging.getLogger("appliance.router")
 
-Scope = dict[str, Any]
-Message = dict[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-
 GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
-# Hop-by-hop headers (RFC 9110 7.6.1) and those the proxy sets itself.
-_DROP_REQUEST = {
-    b"host",
-    b"content-length",
-    b"connection",
-    b"keep-alive",
-    b"transfer-encoding",
-    b"te",
-    b"trailer",
-    b"upgrade",
-    b"proxy-authorization",
-    b"proxy-connection",
-}
-_DROP_RESPONSE = {
-    b"connection",
-    b"keep-alive",
-    b"transfer-encoding",
-    b"te",
-    b"trailer",
-    b"upgrade",
-    b"proxy-authenticate",
-}
 
 
 class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -202,12 +185,6 @@ def choose_pool(cfg: RouterConfig, body: Any, counter: TokenCounter) -> tuple[st
 
 # ---------------------------------------------------------------------------------------------
 # The ASGI app
-
-
-def router_error(status: int, message: str, kind: str) -> bytes:
-    return msgspec.json.encode(
-        {"error": {"message": message, "type": kind, "param": None, "code": status}}
-    )
 
 
 class Router:
@@ -352,36 +329,6 @@ class Router:
         await reply(send, 200 if ok else 503, msgspec.json.encode({"ready": ok, "pools": pools}))
 
 
-def proxied_request_headers(scope: Scope) -> list[tuple[bytes, bytes]]:
-    """The client's headers as a proxy passes them on (hop-by-hop ones dropped)."""
-    headers = [(k, v) for k, v in scope["headers"] if k.lower() not in _DROP_REQUEST]
-    client_addr = scope.get("client")
-    if client_addr:
-        headers.append((b"x-forwarded-for", client_addr[0].encode()))
-    return headers
-
-
-def proxied_response_headers(response: httpx.Response) -> list[tuple[bytes, bytes]]:
-    return [(k, v) for k, v in response.headers.raw if k.lower() not in _DROP_RESPONSE]
-
-
-async def read_body(receive: Receive, limit: int) -> bytes | None:
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        msg = await receive()
-        if msg["type"] == "http.disconnect":
-            break
-        chunk = msg.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            return None
-        chunks.append(chunk)
-        if not msg.get("more_body", False):
-            break
-    return b"".join(chunks)
-
-
 async def _relay(response: httpx.Response, receive: Receive, send: Send) -> None:
     """Stream the upstream body to the client; a client disconnect stops it (and so closes
     the upstream connection, which aborts the request in the pool)."""
@@ -391,40 +338,11 @@ async def _relay(response: httpx.Response, receive: Receive, send: Send) -> None
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-    async def watch() -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-
-    pumping = asyncio.create_task(pump())
-    watching = asyncio.create_task(watch())
-    try:
-        await asyncio.wait({pumping, watching}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for task in (pumping, watching):
-            task.cancel()
-        results = await asyncio.gather(pumping, watching, return_exceptions=True)
-    if isinstance(results[0], httpx.HTTPError):
-        log.warning("upstream stream broke: %s", results[0])
-    elif isinstance(results[0], Exception) and not isinstance(results[0], asyncio.CancelledError):
-        raise results[0]
-
-
-async def reply(
-    send: Send,
-    status: int,
-    body: bytes,
-    ctype: bytes = b"application/json",
-    headers: list[tuple[bytes, bytes]] | None = None,
-    extra: list[tuple[bytes, bytes]] | None = None,
-) -> None:
-    """A whole response: `headers` replaces the default ones (a relayed answer's own), `extra`
-    adds to them."""
-    if headers is None:
-        headers = [(b"content-type", ctype)]
-    headers = [(k, v) for k, v in headers if k.lower() != b"content-length"]
-    headers += [(b"content-length", str(len(body)).encode()), *(extra or [])]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+    error = await pump_until_disconnect(pump(), receive)
+    if isinstance(error, httpx.HTTPError):
+        log.warning("upstream stream broke: %s", error)
+    elif error is not None:
+        raise error
 
 
 # ---------------------------------------------------------------------------------------------
