@@ -17,7 +17,8 @@
  * The kernels are written once for both dtypes, as templates (cpu_template.h) instantiated
  * here: cpu_decode_steps.inc.c (norm, rotary, attention: shared with cpu_quant.c, which
  * instantiates it too), cpu_decode_forward.inc.c (the matvecs and the forward),
- * cpu_decode_ops.inc.c (the torch forward's element-wise steps). Each library is one
+ * cpu_decode_ops.inc.c (the torch forward's element-wise steps); cpu_decode_amx.inc.c, the bf16
+ * forward on AMX tiles over tile-packed weights (a stub where the build does not target AMX). Each library is one
  * translation unit, one compiler call: every helper inlines into the loops that call it
  * without link-time optimization, and each library's cache key is its own file and what it
  * includes (cpu_native.py).
@@ -46,6 +47,9 @@
 #define SUFFIX f32
 #define T float
 #include "cpu_decode_forward.inc.c"
+
+/* The bf16 forward on AMX tiles where the build targets AMX (after the bf16 steps it calls). */
+#include "cpu_decode_amx.inc.c"
 
 #define SUFFIX bf16
 #define T uint16_t

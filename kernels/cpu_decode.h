@@ -30,6 +30,18 @@ int decode_forward_f32(const int64_t *shape, const int64_t *layer_ptrs, const fl
                        const int32_t *seq_lens, float eps, float scale, float *hidden,
                        float *logits);
 
+/* The bf16 forward with AMX tile products (cpu_decode_amx.inc.c): the arguments of
+ * decode_forward_bf16, every product's weight tile-packed (appliance.cpu.amx_weights). Only
+ * where amx_compiled() is 1 and amx_request_tiles() returned 0 (Linux granted the tile state). */
+int decode_forward_amx_bf16(const int64_t *shape, const int64_t *layer_ptrs,
+                            const uint16_t *final_norm, const uint16_t *lm_head,
+                            const float *cos_table, const float *sin_table,
+                            const int64_t *positions, const int64_t *slots,
+                            const int32_t *tables, const int32_t *seq_lens, float eps,
+                            float scale, float *hidden, float *logits);
+int amx_compiled(void);
+int amx_request_tiles(void);
+
 /* Decode attention alone, for the torch path: q/out [batch, heads, head_dim] in T, or float32
  * queries and output over a T cache (_f32q). Returns 0, or -1 if out of memory. */
 int paged_decode_attention_bf16(const int64_t *shape, const uint16_t *q, const uint16_t *k_cache,

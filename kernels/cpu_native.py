@@ -155,6 +155,8 @@ def load(features: CpuFeatures | None = None) -> ctypes.CDLL | None:
                     "paged_decode_attention_f32q",
                 ):
                     getattr(lib, f"{name}_{suffix}").restype = ctypes.c_int
+            for name in ("decode_forward_amx_bf16", "amx_compiled", "amx_request_tiles"):
+                getattr(lib, name).restype = ctypes.c_int
         _loaded[key] = (lib, error)
     return _loaded[key][0]
 
@@ -162,6 +164,20 @@ def load(features: CpuFeatures | None = None) -> ctypes.CDLL | None:
 def load_error(features: CpuFeatures | None = None) -> str | None:
     load(features)
     return _loaded[tuple(build_flags(features or detect()))][1]
+
+
+def amx_ready(features: CpuFeatures | None = None) -> tuple[bool, str | None]:
+    """Whether the bf16 decode forward on AMX tiles can run here: the library built with it
+    (the compiler targets AMX and the mask leaves it) and Linux granted this process the tile
+    state (asked once; a process keeps the grant). (False, why) otherwise."""
+    lib = load(features)
+    if lib is None:
+        return False, load_error(features)
+    if not lib.amx_compiled():
+        return False, "the native build does not target AMX (compiler or APPLIANCE_CPU_MASK)"
+    if lib.amx_request_tiles() != 0:
+        return False, "Linux refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"
+    return True, None
 
 
 def forget_builds() -> None:

@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from appliance.config import ApplianceConfig
+from appliance.cpu.amx_weights import AmxDecodeWeights
 from appliance.cpu.attention import cpu_attention
-from appliance.cpu.choice import QUANT_COPY_FUSED_MAX
+from appliance.cpu.choice import BF16_FUSED_MAX, QUANT_COPY_FUSED_MAX
 from appliance.cpu.fused_decode import FusedCpuDecode
 from appliance.cpu.ops import NativeCpuOps
 from appliance.cpu.plan import (
@@ -67,6 +68,8 @@ class CpuBackend:
         # cache.kv_cache_memory: the KV pool's GiB (a CPU has no device memory to measure).
         self.kv_cache_memory = kv_cache_memory
         self.fused_decode: FusedCpuDecode | QuantFusedCpuDecode | None = None
+        # A dense bf16 model on AMX: the tile-packed matrices the native decode reads.
+        self.amx_weights: AmxDecodeWeights | None = None
         # oneDNN's and ideep's primitive cache capacities in force, and the load-time warm-up.
         self.primitive_caches: dict[str, str] = {}
         self.warm_matmuls = 0
@@ -123,6 +126,13 @@ class CpuBackend:
             copies = {
                 m: self._quant_dense_copy(m, batch_hint) for m in linears if m.quant is not None
             }
+        if plan.amx_decode and not _is_quantized(model):
+            # Before _dense_matmul releases the row-major matrices this copy replaces.
+            self.amx_weights = AmxDecodeWeights.from_model(model)
+            log.info(
+                "native decode on AMX tiles: %.1f MB of tile-packed bf16 matrices",
+                self.amx_weights.nbytes() / 1e6,
+            )
         kernel = self._quant_matmul()
         if self.act8 and kernel is not reference_quant_matmul:
             self._tile_packed(model)
@@ -185,10 +195,11 @@ class CpuBackend:
             copy, prepacked = compute, False
         else:
             return None
-        # The plain weight stays where something else reads it: the native decode (every
-        # linear) and the embedding lookup (the LM head's weight is the embedding's).
+        # The plain weight stays where something else reads it: the native decode without AMX
+        # (every linear; the AMX one reads its tile-packed copy) and the embedding lookup (the
+        # LM head's weight is the embedding's).
         owns_weight = "weight" in module._parameters
-        if owns_weight and not plan.native_decode:
+        if owns_weight and (not plan.native_decode or self.amx_weights is not None):
             module.weight.data = torch.empty(0, dtype=weight.dtype)
             return CopyMatmul(copy, prepacked)
         gemv_rows = BF16_GEMV_MAX_ROWS if plan.compute_dtype == torch.bfloat16 and prepacked else 0
@@ -256,6 +267,7 @@ class CpuBackend:
                 block_size,
                 self.plan.weight_dtype,
                 lib,
+                self.amx_weights,
             )
 
     def warm(self, model: LlamaForCausalLM) -> None:
@@ -277,6 +289,8 @@ class CpuBackend:
             if self.plan.choice.quant_dense_copy:
                 return QUANT_COPY_FUSED_MAX  # wider steps read the dense copy (AMX)
             return max(self.plan.fused_max_batch, TILED_FUSED_MAX)
+        if self.plan.amx_decode and self.amx_weights is None:
+            return BF16_FUSED_MAX  # a packed model's decode: no AMX forward of its own
         return self.plan.fused_max_batch
 
     @contextmanager

@@ -25,6 +25,14 @@ BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 # "The capital of France is Paris." starts with a 0.1-nat lead over "La" that int8 activations
 # overturn (docs/quantized-weights.md).
 QUANT_COPY_FUSED_MAX = 48
+# Decode steps of up to this many sequences take the fused native forward (bf16 compute). Its
+# matrix-vector loops read each weight row once for the whole batch but are not
+# register-blocked as a GEMM is. ms a step of the small demo model, native vs torch (Zen 4,
+# oneDNN bf16): 9.9 vs 27 (1), 19.6 vs 28.6 (4), 28.1 vs 32.6 (6), 35.6 vs 33.2 (8).
+BF16_FUSED_MAX = 6
+# The same with the matrix products on AMX tiles (kernels/cpu_decode_amx.inc.c): up to 32 rows
+# a product costs about its weight reads; measured in docs/benchmarks.md (2026-12-02).
+AMX_FUSED_MAX = 32
 
 
 @dataclass
@@ -40,6 +48,9 @@ class CpuChoice:
     # Packed weights: a prepacked copy in the compute dtype for every pass but the fused
     # decode's (AMX only: QUANT_COPY_FUSED_MAX).
     quant_dense_copy: bool = False
+    # The native bf16 decode's matrix products on AMX tiles, over a tile-packed weight copy
+    # that replaces the row-major one (appliance.cpu.amx_weights): dense bf16 models.
+    amx_decode: bool = False
     notes: list[str] = field(default_factory=list)
     # Set when the configuration asks for something slow on this CPU (logged as a warning).
     warning: str = ""
@@ -52,9 +63,12 @@ def choose(
     features: CpuFeatures,
     onednn: bool,
     native_built: Callable[[], tuple[bool, str | None]],
+    amx_ready: Callable[[], tuple[bool, str | None]] | None = None,
 ) -> CpuChoice:
     """`onednn`: whether torch has oneDNN; `native_built()`: whether the native kernels are
-    available here, and why not (asked only when the config and shapes allow them)."""
+    available here, and why not (asked only when the config and shapes allow them);
+    `amx_ready()`: the same for their AMX forward (asked only on a bf16 native decode where
+    the CPU has AMX; None: taken as ready, `appliance plan`'s torch-free answer)."""
     notes: list[str] = []
     warning = ""
     wanted = config.model.dtype
@@ -124,6 +138,23 @@ def choose(
                     f"native decode off for kv_cache_dtype {config.cache.kv_cache_dtype} "
                     "(the element-wise kernels still run)"
                 )
+    amx_decode = False
+    if native_decode and compute == weight == "bfloat16":
+        if features.has("amx_bf16") and features.has("amx_tile"):
+            ready, why = amx_ready() if amx_ready is not None else (True, None)
+            amx_decode = ready
+            notes.append(
+                "native decode on AMX tiles: one call for steps of up to "
+                f"{AMX_FUSED_MAX} sequences, over a tile-packed bf16 copy of the matrices "
+                "that replaces the row-major one"
+                if ready
+                else f"native decode without AMX tiles ({why})"
+            )
+        else:
+            notes.append(
+                f"native decode for steps of up to {BF16_FUSED_MAX} sequences (no AMX: its "
+                "matrix-vector loops cost ~3 ms a step per extra row; torch beyond)"
+            )
     return CpuChoice(
         weight=weight,
         compute=compute,
@@ -132,6 +163,7 @@ def choose(
         native_ops=native_ops,
         native_decode=native_decode,
         quant_dense_copy=quant_dense_copy,
+        amx_decode=amx_decode,
         notes=notes,
         warning=warning,
     )

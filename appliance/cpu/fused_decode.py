@@ -16,6 +16,7 @@ from typing import Any, Protocol, overload
 import torch
 import torch.nn.functional as F
 
+from appliance.cpu.amx_weights import PACKED_FIELDS, AmxDecodeWeights
 from appliance.kernels import cpu_native
 from appliance.models.args import ModelArgs
 from appliance.models.llama import LlamaForCausalLM
@@ -23,12 +24,6 @@ from appliance.models.llama import LlamaForCausalLM
 # Inputs of the kernel that are a few KB a layer (norms, biases): a float32 forward keeps them
 # in float32, the kernel reads them in its weight dtype, so it holds its own copies of those.
 SMALL_TENSORS = ("ln1", "bqkv", "ln2", "norm")
-
-# Up to this many decodes in a step take the native forward. Its matrix-vector loops read each
-# weight row once for all rows of the batch, but do not block for registers as oneDNN's GEMM
-# does: small demo model, ms a step native vs torch: 9.9 vs 27 (1), 19.6 vs 28.6 (4),
-# 28.1 vs 32.6 (6), 35.6 vs 33.2 (8).
-MAX_BATCH = 6
 
 
 class DecodeForward(Protocol):
@@ -108,7 +103,9 @@ class FusedCpuDecode:
     move (the model's parameters and the runner's device pool do neither).
 
     `dtype` is the kernel's weight and KV dtype (bf16 or float32); activations are float32
-    inside whatever the torch forward computes in."""
+    inside whatever the torch forward computes in. With `tiles` (bf16 on AMX) the matrices are
+    read from that tile-packed copy by the AMX forward (kernels/cpu_decode_amx.inc.c); how many
+    rows a step may have is the plan's (appliance.cpu.plan), by path."""
 
     def __init__(
         self,
@@ -117,16 +114,22 @@ class FusedCpuDecode:
         block_size: int,
         dtype: torch.dtype,
         lib: ctypes.CDLL,
+        tiles: AmxDecodeWeights | None = None,
     ) -> None:
         args = model.args
         self.dtype = dtype
-        self._forward = getattr(lib, f"decode_forward_{cpu_native.SUFFIX[dtype]}")
+        if tiles is not None:
+            assert dtype == torch.bfloat16, "the AMX forward reads bf16 weights and KV"
+            self._forward = lib.decode_forward_amx_bf16
+        else:
+            self._forward = getattr(lib, f"decode_forward_{cpu_native.SUFFIX[dtype]}")
+        self.tiles = tiles
         self.block_size = block_size
         self.args = args
         layers, top = model.decode_tensors()
         self._copies: list[torch.Tensor] = []
         self.embed = self._own(top["embed"], "embed")
-        self.lm_head = self._own(top["lm_head"], "lm_head")
+        self.lm_head = tiles.lm_head if tiles else self._own(top["lm_head"], "lm_head")
         self.final_norm = self._own(top["norm"], "norm")
         # float32 tables: the torch path rounds cos/sin to the model dtype; float32 is closer
         # to the reference and costs nothing here.
@@ -138,8 +141,10 @@ class FusedCpuDecode:
         self.heads, self.kv_heads = first.num_heads, first.num_kv_heads
         self.inter = model.model.layers[0].mlp.inter
         rows = []
-        for tensors, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
+        for i, (tensors, (k_cache, v_cache)) in enumerate(zip(layers, kv_caches, strict=True)):
             named = {**tensors, "k_cache": k_cache, "v_cache": v_cache}
+            if tiles is not None:
+                named.update({name: tiles.layers[i][name] for name in PACKED_FIELDS})
             # A quantized cache stores bytes, so the dtype check refuses it too.
             rows.append(
                 [
@@ -154,7 +159,7 @@ class FusedCpuDecode:
         ):
             self._checked(name, t)
         self.layer_ptrs = torch.tensor(rows, dtype=torch.int64)
-        self.vocab = self.lm_head.shape[0]
+        self.vocab = tiles.vocab if tiles else self.lm_head.shape[0]
 
     @overload
     def _own(self, t: torch.Tensor, name: str) -> torch.Tensor: ...

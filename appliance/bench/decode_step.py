@@ -1,0 +1,217 @@
+"""`appliance bench decode-step`: ms of one bf16 decode step by row count on the three CPU paths
+a dense model can take: the torch forward (oneDNN prepacked bf16, the path above the fused
+decode's limit), the fused native forward with its matrix-vector loops (kernels/
+cpu_decode_forward.inc.c, CPUs without AMX), and the same forward with AMX tile products
+(kernels/cpu_decode_amx.inc.c). Where native stops beating torch is the fused decode's limit
+for that path (appliance.cpu.choice: BF16_FUSED_MAX, AMX_FUSED_MAX).
+
+The model is loaded once with AMX hidden from the plan (APPLIANCE_CPU_MASK=amx while it
+loads, oneDNN left as it is), so it keeps the row-major matrices the matrix-vector forward
+reads; the AMX forward gets its own tile-packed copy. Every row attends over `--context`
+tokens of random K/V. Before timing, the AMX forward's logits are checked against the other
+native forward's (the bench refuses to time a wrong kernel). Each figure is the median of
+`--repeats` calls, the paths interleaved, so the machine's drift hits all alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from appliance.config import load_config
+from appliance.cpu.amx_weights import AmxDecodeWeights
+from appliance.cpu.fused_decode import FusedCpuDecode
+from appliance.engine.executor import load_model
+from appliance.kernels import cpu_native
+from appliance.kernels.cpu_features import MASK_ENV, read_features
+from appliance.layers.attention import AttentionMetadata, PagedBatch
+
+# Relative error (Frobenius) allowed between the AMX forward's logits and the float32-activation
+# forward's: it rounds each product's input rows to bf16 (measured ~1% on the demo models).
+AMX_CHECK_RTOL = 0.05
+
+
+class KernelMismatch(RuntimeError):
+    pass
+
+
+def _median_ms(fn: Callable[[], Any], times: list[float]) -> None:
+    start = time.perf_counter()
+    fn()
+    times.append((time.perf_counter() - start) * 1e3)
+
+
+def run(
+    model: str, rows: list[int], context: int, repeats: int, kv_gib: float = 0.5
+) -> dict[str, Any]:
+    before = os.environ.get(MASK_ENV)
+    os.environ[MASK_ENV] = "amx"  # the plan without AMX: row-major matrices kept
+    try:
+        loaded = load_model(
+            load_config(
+                None,
+                {
+                    "model.path": model,
+                    "model.dtype": "bfloat16",
+                    "cache.block_size": 16,
+                    "cache.kv_cache_memory": kv_gib,
+                    "hardware.device": "cpu",
+                },
+            )
+        )
+    finally:
+        if before is None:
+            os.environ.pop(MASK_ENV, None)
+        else:
+            os.environ[MASK_ENV] = before
+    try:
+        return _time_paths(loaded, rows, context, repeats)
+    finally:
+        loaded.close()
+
+
+def _time_paths(loaded: Any, rows: list[int], context: int, repeats: int) -> dict[str, Any]:
+    runner, model = loaded.runner, loaded.model
+    caches = runner.kv.device_caches
+    plain = runner.hooks.fused_decode
+    if plain is None:
+        raise RuntimeError("no native decode on this CPU/config: nothing to compare")
+    features = read_features("")
+    ready, why = cpu_native.amx_ready(features)
+    amx = None
+    if ready:
+        lib = cpu_native.load(features)
+        assert lib is not None
+        pairs = [(c.k, c.v) for c in caches]
+        tiles = AmxDecodeWeights.from_model(model)
+        amx = FusedCpuDecode(model, pairs, 16, torch.bfloat16, lib, tiles)
+    gen = torch.Generator().manual_seed(0)
+    blocks_per_seq = -(-(context + 1) // 16)
+    num_blocks = caches[0].k.shape[0]
+    if max(rows) * blocks_per_seq > num_blocks:
+        raise RuntimeError(
+            f"KV pool of {num_blocks} blocks too small for the widest step: raise --kv-gib"
+        )
+    for c in caches:
+        used = max(rows) * blocks_per_seq
+        c.k[:used].copy_(torch.randn(c.k[:used].shape, generator=gen).to(c.k.dtype))
+        c.v[:used].copy_(torch.randn(c.v[:used].shape, generator=gen).to(c.v.dtype))
+    results = []
+    for n in rows:
+        paths = _step_paths(runner, model, caches, plain, amx, n, blocks_per_seq, context, gen)
+        times: dict[str, list[float]] = {name: [] for name in paths}
+        for fn in paths.values():
+            fn()  # warm: primitives, pages
+        for _ in range(repeats):
+            for name, fn in paths.items():
+                _median_ms(fn, times[name])
+        results.append({"rows": n, **{f"{k}_ms": statistics.median(v) for k, v in times.items()}})
+    return {
+        "threads": torch.get_num_threads(),
+        "cpu": features.model_name,
+        "features": sorted(features.flags),
+        "amx": ready,
+        "amx_why_not": why,
+        "context": context,
+        "results": results,
+    }
+
+
+def _step_paths(
+    runner: Any,
+    model: Any,
+    caches: list[Any],
+    plain: Any,
+    amx: FusedCpuDecode | None,
+    n: int,
+    blocks_per_seq: int,
+    context: int,
+    gen: torch.Generator,
+) -> dict[str, Callable[[], Any]]:
+    """One decode step of `n` rows over `context` tokens each, as a call per path; the AMX
+    forward's logits checked against the float32-activation forward's first."""
+    tables = torch.arange(n * blocks_per_seq).view(n, blocks_per_seq)
+    lens = torch.full((n,), context + 1)
+    pos = lens - 1
+    slots = tables[torch.arange(n), pos // 16] * 16 + pos % 16
+    ids = torch.randint(0, model.args.vocab_size, (n,), generator=gen)
+    meta = AttentionMetadata(
+        slot_mapping=slots,
+        decode=PagedBatch(tables, lens, torch.arange(n + 1), 1, context + 1, n),
+        prefill=None,
+    )
+
+    def torch_step() -> torch.Tensor:
+        with runner.hooks.matmuls(n):
+            return model.compute_logits(model(ids, pos, meta, caches))
+
+    def native_step() -> torch.Tensor:
+        return plain(ids, pos, slots, tables, lens)
+
+    paths: dict[str, Callable[[], Any]] = {"torch": torch_step, "native": native_step}
+    if amx is not None:
+        tiled = amx
+
+        def amx_step() -> torch.Tensor:
+            return tiled(ids, pos, slots, tables, lens)
+
+        reference = native_step()
+        err = float((amx_step() - reference).norm() / reference.norm())
+        if not err <= AMX_CHECK_RTOL:
+            raise KernelMismatch(f"AMX forward at {n} rows: relative error {err:.3g}")
+        paths["native_amx"] = amx_step
+    return paths
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "decode-step", help="ms of a bf16 decode step by row count: torch, native, native on AMX"
+    )
+    p.add_argument("--model", required=True, help="an HF model directory (dense weights)")
+    p.add_argument("--rows", default="1,2,4,6,8,12,16,24,32", help="sequences in the step")
+    p.add_argument("--context", type=int, default=256, help="tokens each row attends over")
+    p.add_argument("--repeats", type=int, default=9, help="interleaved calls, median kept")
+    p.add_argument("--kv-gib", type=float, default=0.5, help="the KV pool (random K/V)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=main)
+
+
+def main(ns: argparse.Namespace) -> int:
+    try:
+        rows = [int(r) for r in ns.rows.split(",") if r]
+    except ValueError:
+        rows = []
+    if not rows or min(rows) < 1 or ns.context < 1 or ns.repeats < 1:
+        print(
+            "bench decode-step: --rows takes positive integers (1,2,4), --context and "
+            "--repeats at least 1",
+            file=sys.stderr,
+        )
+        return 2
+    out = run(ns.model, rows, ns.context, ns.repeats, ns.kv_gib)
+    if ns.json:
+        print(json.dumps(out))
+        return 0
+    amx = "AMX forward" if out["amx"] else f"no AMX forward ({out['amx_why_not']})"
+    print(
+        f"{out['cpu']}, {out['threads']} threads, {amx}; context {out['context']}; "
+        f"median of {ns.repeats} interleaved calls"
+    )
+    head = f"{'rows':>5s} {'torch ms':>9s} {'native ms':>10s} {'AMX ms':>8s} {'torch/AMX':>10s}"
+    print(head)
+    print("-" * len(head))
+    for r in out["results"]:
+        amx_ms = r.get("native_amx_ms")
+        print(
+            f"{r['rows']:5d} {r['torch_ms']:9.2f} {r['native_ms']:10.2f} "
+            + (f"{amx_ms:8.2f} {r['torch_ms'] / amx_ms:9.2f}x" if amx_ms else f"{'-':>8s}")
+        )
+    return 0
