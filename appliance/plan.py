@@ -243,23 +243,28 @@ def _lora_elem_bytes(spec: ModelArgs, config: ApplianceConfig) -> int:
 def cpu_weight_bytes(spec: ModelArgs, config: ApplianceConfig, tp: int) -> tuple[int, int, str]:
     """(stored weight bytes, matmul copy bytes, the path) of a CPU rank, as the CPU backend
     would lay them out on this machine (appliance.cpu.backend): the matmuls read a prepacked
-    or float32 copy; the 16-bit linears stay beside it while the native decode reads them."""
+    or float32 copy; the 16-bit linears stay beside it while the native decode reads them, or
+    on AMX give way to its tile-packed copy of every matrix, the LM head's included
+    (appliance.cpu.amx_weights)."""
     from appliance.cpu.choice import BYTES
 
     cpu = _cpu_choice(spec, config)
     elem = BYTES[cpu.weight]
     stored = spec.params_per_rank(tp) * elem
     copy = 0
+    linears = spec.linear_params_per_rank(tp)
     if cpu.prepack or cpu.compute != cpu.weight:
-        linears = spec.linear_params_per_rank(tp)
         copy = (linears + spec.lm_head_params_per_rank(tp)) * BYTES[cpu.compute]
-        if not cpu.native_decode:
+        if not cpu.native_decode or cpu.amx_decode:
             stored -= linears * elem  # released: nothing else reads them
+    if cpu.amx_decode:
+        copy += (linears + spec.lm_head_params_per_rank(tp)) * elem
     layout = "oneDNN prepacked" if cpu.prepack else "ATen"
     return (
         stored,
         copy,
-        f"weights {cpu.weight}, compute {cpu.compute}, matmuls {layout} {cpu.compute}",
+        f"weights {cpu.weight}, compute {cpu.compute}, matmuls {layout} {cpu.compute}"
+        + (", decode on AMX tiles (tile-packed copy)" if cpu.amx_decode else ""),
     )
 
 

@@ -180,6 +180,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--context", type=int, default=256, help="tokens each row attends over")
     p.add_argument("--repeats", type=int, default=9, help="interleaved calls, median kept")
     p.add_argument("--kv-gib", type=float, default=0.5, help="the KV pool (random K/V)")
+    p.add_argument("--threads", type=int, default=0, help="torch's and the kernels' (0: as set)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=main)
 
@@ -196,6 +197,8 @@ def main(ns: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if ns.threads > 0:
+        torch.set_num_threads(ns.threads)
     out = run(ns.model, rows, ns.context, ns.repeats, ns.kv_gib)
     if ns.json:
         print(json.dumps(out))
