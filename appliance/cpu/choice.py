@@ -144,16 +144,16 @@ def choose(
             ready, why = amx_ready() if amx_ready is not None else (True, None)
             amx_decode = ready
             notes.append(
-                "native decode on AMX tiles: one call for steps of up to "
+                "16-bit weights: native decode on AMX tiles, one call for steps of up to "
                 f"{AMX_FUSED_MAX} sequences, over a tile-packed bf16 copy of the matrices "
                 "that replaces the row-major one"
                 if ready
-                else f"native decode without AMX tiles ({why})"
+                else f"16-bit weights: native decode without AMX tiles ({why})"
             )
         else:
             notes.append(
-                f"native decode for steps of up to {BF16_FUSED_MAX} sequences (no AMX: its "
-                "matrix-vector loops cost ~3 ms a step per extra row; torch beyond)"
+                f"16-bit weights: native decode for steps of up to {BF16_FUSED_MAX} sequences "
+                "(no AMX: its matrix-vector loops cost ~3 ms a step per extra row; torch beyond)"
             )
     return CpuChoice(
         weight=weight,
