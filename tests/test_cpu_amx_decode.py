@@ -131,8 +131,10 @@ def test_without_amx_the_native_decode_keeps_its_six_row_limit(
 
 
 @needs_amx
-def test_on_amx_the_tile_copy_replaces_the_row_major_matrices(tiny_model_dir: Path) -> None:
-    os.environ.pop(MASK_ENV, None)
+def test_on_amx_the_tile_copy_replaces_the_row_major_matrices(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(MASK_ENV, raising=False)
     loaded = load_model(bf16_config(tiny_model_dir))
     try:
         assert loaded.runner.fused_max_batch == AMX_FUSED_MAX
@@ -258,14 +260,16 @@ BF16_TIE = 0.13
 
 @needs_amx
 @pytest.mark.slow
-def test_smollm2_greedy_at_twelve_a_step_follows_the_torch_path(smollm2_dir: Path) -> None:
+def test_smollm2_greedy_at_twelve_a_step_follows_the_torch_path(
+    smollm2_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """12 chats decoding together, every step one AMX call, against the torch path (native
     kernels off) in bf16 and in float32. Greedy answers in bf16 part from the float32 ones at
     near-ties (the bf16 torch path's own logits tie exactly now and then: 5 of these 12 answers
     differ from float32's). Where the AMX answer leaves the float32 one, it takes a token of the
     float32 model's top 5 within a bf16 step of its best; and the AMX answers equal the float32
     model's at least as often as the bf16 torch path's do (measured: 11 vs 7 of 12)."""
-    os.environ.pop(MASK_ENV, None)
+    monkeypatch.delenv(MASK_ENV, raising=False)
     questions = [
         "What is the capital of France?",
         "Name three primary colors.",
