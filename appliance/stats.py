@@ -113,6 +113,8 @@ class StepCostStats(msgspec.Struct, kw_only=True):
     prefill_token_ms: float
     prefill_pair_ns: float
     mean_abs_error_ms: float
+    # Once per step with any prefill (the torch forward instead of the fused native decode).
+    prefill_step_ms: float = 0.0
 
 
 class EngineStats(msgspec.Struct, kw_only=True):

@@ -219,9 +219,11 @@ def slow_text(snap: Snapshot, width: int, rows: int) -> Text:
         text.append(f"idle {shares['none'] * 100:.0f}%", DIM)
     cost = stats.engine.step_cost
     if cost is not None and cost.fitted and rows >= 4 + len(stats.queues):
-        # The cost model the time budget asks: a step, a decode row, a prefill token.
+        # The cost model the time budget asks: a step, a decode row, a prefill token, and
+        # what a step with prefill pays once (the torch forward instead of the fused decode).
         text.append("\ncost ", DIM).append(
             f"{cost.step_ms:.1f}ms +{cost.decode_row_ms:.2f}/row +{cost.prefill_token_ms:.3f}/tok"
+            f" +{cost.prefill_step_ms:.1f}ms/prefill step"
         )
     spec = stats.engine.spec_decode
     if spec is not None and spec.method and rows >= 5 + len(stats.queues):

@@ -223,9 +223,9 @@ def test_rejected_drafts_leave_no_block_and_no_prefix_cache_entry() -> None:
 
 def synthetic_cost(step_s: float, row_s: float, token_s: float) -> StepCostModel:
     """A fitted cost model with the given per-step, per-decode-row and per-prefill-token
-    seconds (attention terms zero)."""
+    seconds (attention and prefill-step terms zero)."""
     cost = StepCostModel()
-    raw = [step_s, row_s, 0.0, token_s, 0.0]
+    raw = [step_s, row_s, 0.0, token_s, 0.0, 0.0]
     cost.coef = [c / s for c, s in zip(raw, SCALES, strict=True)]
     return cost
 

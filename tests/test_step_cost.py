@@ -12,8 +12,9 @@ from appliance.core.step_cost import MIN_CHUNK, StepCostModel, StepShape, fit_no
 from tests.test_scheduler import make, req, step
 
 # A box where a step costs 4 ms, a decode row 1.5 ms, a context token 2 us, a prefill token
-# 0.8 ms and a query-key pair of a chunk 3 ns.
-TRUE = {"step": 4e-3, "row": 1.5e-3, "ctx": 2e-6, "tok": 0.8e-3, "pair": 3e-9}
+# 0.8 ms and a query-key pair of a chunk 3 ns; a step with prefill pays 20 ms more once (the
+# CPU's torch forward instead of the fused native decode).
+TRUE = {"step": 4e-3, "row": 1.5e-3, "ctx": 2e-6, "tok": 0.8e-3, "pair": 3e-9, "prefill": 20e-3}
 
 
 def true_seconds(shape: StepShape) -> float:
@@ -23,6 +24,7 @@ def true_seconds(shape: StepShape) -> float:
         + TRUE["ctx"] * shape.decode_context
         + TRUE["tok"] * shape.prefill_tokens
         + TRUE["pair"] * shape.prefill_pairs
+        + (TRUE["prefill"] if shape.prefill_tokens else 0.0)
     )
 
 
@@ -53,6 +55,7 @@ def test_the_model_converges_on_a_synthetic_step_time_function() -> None:
     assert figures["decode_row_ms"] == pytest.approx(1.5, rel=0.1)
     assert figures["prefill_token_ms"] == pytest.approx(0.8, rel=0.05)
     assert figures["prefill_pair_ns"] == pytest.approx(3.0, rel=0.15)
+    assert figures["prefill_step_ms"] == pytest.approx(20.0, rel=0.1)
     rng = random.Random(99)
     for _ in range(50):
         shape = random_shape(rng)
@@ -69,6 +72,20 @@ def test_the_model_follows_a_box_that_got_slower() -> None:
         model.observe(shape, 2 * true_seconds(shape))
     shape = StepShape().with_decode(500).with_chunk(0, 512)
     assert model.estimate(shape) == pytest.approx(2 * true_seconds(shape), rel=0.05)
+
+
+def test_a_decode_step_is_not_charged_the_prefill_steps_extra_cost() -> None:
+    """A dozen decodes alone cost their rows; the same step with a 32-token chunk pays the
+    switch to the prefill path once, on top of the chunk's tokens."""
+    model = trained()
+    decodes = StepShape()
+    for _ in range(12):
+        decodes = decodes.with_decode(600)
+    alone = model.estimate(decodes)
+    with_chunk = model.estimate(decodes.with_chunk(0, 32))
+    assert alone is not None and with_chunk is not None
+    assert alone == pytest.approx(true_seconds(decodes), rel=0.05)
+    assert with_chunk - alone == pytest.approx(20e-3 + 32 * 0.8e-3, rel=0.1)
 
 
 def test_fitted_costs_are_never_negative() -> None:

@@ -3,6 +3,7 @@ engine's own steps (seeded at load by a few timed warm-up steps), that the sched
 large a prefill chunk may be for the step to finish within a class's TPOT target.
 
 seconds ~= a + b * decode_rows + c * decode_context + d * prefill_tokens + e * prefill_pairs
+           + f * [the step has prefill]
 
 - a: the per-step cost (scheduling, the runner's preparation, sampling, host overhead);
 - b: per decode row (its share of the weight reads a batch shares, the LM head row, sampling);
@@ -10,7 +11,12 @@ seconds ~= a + b * decode_rows + c * decode_context + d * prefill_tokens + e * p
 - d: per prefill token (the matmuls);
 - e: per query-key pair of a prefill chunk (its attention: a chunk of t tokens after s cached
   ones attends over t * (s + t / 2) pairs), which is what makes a late chunk of a long prompt
-  slower than its first.
+  slower than its first;
+- f: what a step pays once for running a prefill at all. On the CPU a decode-only step of up to
+  32 sequences is one fused native call (appliance/cpu/fused_decode.py) while a step with a
+  chunk runs the torch forward: ~10-20 ms against ~40-50 ms before any token is computed. With
+  one intercept for both, the fit split that difference between them: decode steps looked
+  dearer than they are and chunks were sized as if the switch cost nothing.
 
 Fitted by least squares, coefficients kept non-negative, over the last steps of two kinds
 (decode-only steps and steps with prefill, each its own window, so a long run of decodes does not
@@ -26,10 +32,17 @@ from typing import Any
 from appliance.core.scheduler_output import SchedulerOutput
 
 # Feature scales: each column near 1 at typical sizes, so the normal equations stay well posed.
-SCALES = (1.0, 1.0, 1e-3, 1e-2, 1e-5)
-NAMES = ("step", "decode_row", "decode_context_token", "prefill_token", "prefill_pair")
+SCALES = (1.0, 1.0, 1e-3, 1e-2, 1e-5, 1.0)
+NAMES = (
+    "step",
+    "decode_row",
+    "decode_context_token",
+    "prefill_token",
+    "prefill_pair",
+    "prefill_step",
+)
 WINDOW = 128  # steps kept of each kind
-REFIT_EVERY = 8  # observations between refits (a 5x5 solve over up to 256 rows)
+REFIT_EVERY = 8  # observations between refits (a 6x6 solve over up to 256 rows)
 RIDGE = 1e-6
 # A chunk is never cut below this many tokens by time alone: a long prompt always progresses.
 MIN_CHUNK = 16
@@ -74,7 +87,14 @@ class StepShape:
         )
 
     def features(self) -> tuple[float, ...]:
-        raw = (1.0, self.decode_rows, self.decode_context, self.prefill_tokens, self.prefill_pairs)
+        raw = (
+            1.0,
+            self.decode_rows,
+            self.decode_context,
+            self.prefill_tokens,
+            self.prefill_pairs,
+            1.0 if self.prefill_tokens else 0.0,
+        )
         return tuple(x * s for x, s in zip(raw, SCALES, strict=True))
 
 
@@ -211,5 +231,6 @@ class StepCostModel:
             "decode_context_us_per_token": per[2] * 1e6,
             "prefill_token_ms": per[3] * 1e3,
             "prefill_pair_ns": per[4] * 1e9,
+            "prefill_step_ms": per[5] * 1e3,
             "mean_abs_error_ms": self.mean_abs_error_s() * 1e3,
         }

@@ -167,7 +167,7 @@ class Metrics:
         self.step_cost = Gauge(
             "appliance_step_cost_seconds",
             "The engine's fitted cost of a step, by term: the step itself, a decode row, a "
-            "decode context token, a prefill token, a prefill query-key pair.",
+            "decode context token, a prefill token, a prefill query-key pair, a step with prefill.",
             [*m, "term"],
             registry=reg,
         )
@@ -498,6 +498,7 @@ class Metrics:
                 ("decode_context_token", cost.decode_context_us_per_token / 1e6),
                 ("prefill_token", cost.prefill_token_ms / 1e3),
                 ("prefill_pair", cost.prefill_pair_ns / 1e9),
+                ("prefill_step", cost.prefill_step_ms / 1e3),
             ):
                 self.step_cost.labels(name, term).set(seconds)
         mir = self._mirrors
