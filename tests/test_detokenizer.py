@@ -110,3 +110,21 @@ def test_a_refused_token_falls_back_to_the_window_decoder(
 def test_a_tokenizer_without_a_rust_backend_uses_the_window() -> None:
     assert isinstance(text_stream(Letters()), WindowTextStream)
     assert streamed(text_stream(Letters()), [7, 4, 11, 11, 14]) == "hello"
+
+
+def test_a_tokenizer_that_cleans_up_spaces_keeps_its_own_decode(smollm_tokenizer: object) -> None:
+    """`decode` with clean-up strips spaces before punctuation; the Rust stream would not."""
+    tok = smollm_tokenizer
+    ids = tok.encode("Hello , world . Done !", add_special_tokens=False)  # type: ignore[attr-defined]
+    # transformers 5 cleans a BPE tokenizer's text only when forced (it does a WordPiece's).
+    forced = "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output"
+    tok.clean_up_tokenization_spaces = True  # type: ignore[attr-defined]
+    setattr(tok, forced, True)
+    try:
+        stream = text_stream(tok)  # type: ignore[arg-type]
+        assert isinstance(stream, WindowTextStream)
+        text = streamed(stream, ids)
+        assert text == tok.decode(ids, skip_special_tokens=True) == "Hello, world. Done!"  # type: ignore[attr-defined]
+    finally:
+        tok.clean_up_tokenization_spaces = False  # type: ignore[attr-defined]
+        setattr(tok, forced, False)

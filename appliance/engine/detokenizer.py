@@ -80,9 +80,13 @@ class RustTextStream:
 
 def text_stream(tokenizer: TokenDecoder) -> TextStream:
     """The fastest stream the tokenizer allows: transformers' fast tokenizers expose their
-    `tokenizers.Tokenizer` as `backend_tokenizer`; anything else decodes through a window."""
+    `tokenizers.Tokenizer` as `backend_tokenizer`; anything else decodes through a window, and
+    so does a tokenizer whose `decode` cleans up spaces before punctuation (the Rust stream
+    does not: its text would differ from the tokenizer's own)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if isinstance(backend, Tokenizer):
+    if isinstance(backend, Tokenizer) and not getattr(
+        tokenizer, "clean_up_tokenization_spaces", False
+    ):
         return RustTextStream(backend, tokenizer)
     return WindowTextStream(tokenizer)
 
