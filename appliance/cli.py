@@ -107,7 +107,7 @@ def _command_of(argv: list[str]) -> str | None:
 
 def build_parser() -> argparse.ArgumentParser:
     from appliance import plan
-    from appliance.bench import cpu_kernels, decode_step, offline, serve, spec
+    from appliance.bench import cpu_kernels, decode_step, host_phases, offline, serve, spec
     from appliance.bench import lora as bench_lora
     from appliance.cluster import bench as cluster_bench
     from appliance.cluster import cli as cluster_cli
@@ -157,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_parser(bench_sub)
     cpu_kernels.add_parser(bench_sub)
     decode_step.add_parser(bench_sub)
+    host_phases.add_parser(bench_sub)
     spec.add_parser(bench_sub)
     bench_lora.add_parser(bench_sub)
     cluster_bench.add_parser(bench_sub)

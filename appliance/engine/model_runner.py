@@ -10,6 +10,7 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from appliance.core.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -242,54 +243,52 @@ class ModelRunner:
     def _prepare_mixed(
         self, batch: list[ScheduledRequest]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        bs = self.block_size
-        query_lens = [len(r.token_ids) for r in batch]
-        starts = [r.start_pos for r in batch]
-        flat_ids = [t for r in batch for t in r.token_ids]
-        num_tokens = len(flat_ids)
-
-        q_lens = torch.tensor(query_lens)
-        seq_index = torch.repeat_interleave(torch.arange(len(batch)), q_lens)
-        q_start = torch.zeros(len(batch) + 1, dtype=torch.long)
-        torch.cumsum(q_lens, 0, out=q_start[1:])
-        positions = torch.tensor(starts)[seq_index] + (
-            torch.arange(num_tokens) - q_start[:-1][seq_index]
-        )
+        """Index arithmetic in numpy, one thread: ~25 small torch operations here each opened
+        a parallel region, and on a 2-core box whose other core runs the API process a region
+        waits for its second thread to be scheduled (docs/benchmarks.md, "Host time")."""
+        bs, n = self.block_size, len(batch)
+        query_lens = np.fromiter((len(r.token_ids) for r in batch), np.int64, n)
+        starts = np.fromiter((r.start_pos for r in batch), np.int64, n)
+        q_start = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=q_start[1:])
+        num_tokens = int(q_start[-1])
+        flat_ids = np.fromiter((t for r in batch for t in r.token_ids), np.int64, num_tokens)
+        seq_index = np.repeat(np.arange(n), query_lens)
+        positions = starts[seq_index] + (np.arange(num_tokens) - q_start[:-1][seq_index])
 
         rows = [self.block_tables[r.request_id] for r in batch]
-        max_blocks = max(len(row) for row in rows)
-        tables = torch.tensor([row + [0] * (max_blocks - len(row)) for row in rows])
+        tables = np.zeros((n, max(len(row) for row in rows)), dtype=np.int64)
+        for i, row in enumerate(rows):
+            tables[i, : len(row)] = row
         slots = tables[seq_index, positions // bs] * bs + positions % bs
-        seq_lens = torch.tensor(starts) + q_lens
+        seq_lens = starts + query_lens
 
-        num_decodes = sum(1 for n in query_lens if n == 1)
+        num_decodes = int(np.count_nonzero(query_lens == 1))
         dev = self.device
+
+        def tensor(values: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(values)).to(dev)
 
         def paged(lo: int, hi: int) -> PagedBatch | None:
             if lo == hi:
                 return None
             qsl = q_start[lo : hi + 1] - q_start[lo]
             return PagedBatch(
-                block_tables=tables[lo:hi].to(dev),
-                seq_lens=seq_lens[lo:hi].to(dev),
-                query_start_loc=qsl.to(dev),
-                max_query_len=max(query_lens[lo:hi]),
+                block_tables=tensor(tables[lo:hi]),
+                seq_lens=tensor(seq_lens[lo:hi]),
+                query_start_loc=tensor(qsl),
+                max_query_len=int(query_lens[lo:hi].max()),
                 max_seq_len=int(seq_lens[lo:hi].max()),
                 num_tokens=int(qsl[-1]),
             )
 
         meta = AttentionMetadata(
-            slot_mapping=slots.to(dev),
+            slot_mapping=tensor(slots),
             decode=paged(0, num_decodes),
-            prefill=paged(num_decodes, len(batch)),
+            prefill=paged(num_decodes, n),
         )
         last_rows = (q_start[1:] - 1).tolist()
-        return (
-            torch.tensor(flat_ids, device=dev),
-            positions.to(dev),
-            meta,
-            last_rows,
-        )
+        return tensor(flat_ids), tensor(positions), meta, last_rows
 
     def _prepare_decodes(
         self, batch: list[ScheduledRequest]
