@@ -39,11 +39,11 @@ enum {
     L_FIELDS
 };
 
-/* Rows of one slot a work item takes: 4 rows x 4 column vectors of accumulators in the expand
- * (16 registers) and each factor vector loaded once for the 4. */
-#define LORA_ROWS 4
+/* Rows of one slot a work item takes: 8 rows x 2 column vectors of accumulators in the expand
+ * (16 registers), each factor vector loaded (and widened from bf16) once for the 8. */
+#define LORA_ROWS 8
 /* Output columns of one expand block: LORA_COLS_V vectors. */
-#define LORA_COLS_V 4
+#define LORA_COLS_V 2
 
 #define SUFFIX bf16
 #define T uint16_t

@@ -201,12 +201,19 @@ int FN(lora_update)(const int64_t *shape, const T *x, T *out, const T *a, const 
         const T *a_slot = a + s * width * k;
         const T *bt_slot = bt + s * width * n_out;
         const int32_t *rows_of = order + first;
+        /* nb a constant in each call: the item's loops unroll, its accumulators in registers. */
+#define LORA_ITEM(NB) FN(lora_item)(shape, x, out, a_slot, bt_slot, rows_of, parts, j0, j1, NB)
         switch (nb) {
-            case 1: FN(lora_item)(shape, x, out, a_slot, bt_slot, rows_of, parts, j0, j1, 1); break;
-            case 2: FN(lora_item)(shape, x, out, a_slot, bt_slot, rows_of, parts, j0, j1, 2); break;
-            case 3: FN(lora_item)(shape, x, out, a_slot, bt_slot, rows_of, parts, j0, j1, 3); break;
-            default: FN(lora_item)(shape, x, out, a_slot, bt_slot, rows_of, parts, j0, j1, 4); break;
+            case 1: LORA_ITEM(1); break;
+            case 2: LORA_ITEM(2); break;
+            case 3: LORA_ITEM(3); break;
+            case 4: LORA_ITEM(4); break;
+            case 5: LORA_ITEM(5); break;
+            case 6: LORA_ITEM(6); break;
+            case 7: LORA_ITEM(7); break;
+            default: LORA_ITEM(8); break;
         }
+#undef LORA_ITEM
     }
     free(start);
     free(order);
