@@ -147,7 +147,7 @@ def test_slot_table_evicts_the_least_recently_used_idle_adapter() -> None:
 def test_lora_matmul_adds_each_rows_own_update(num_slots: int, row_slots: list[int]) -> None:
     """Against a per-row torch reference: row i gets x_i A_s^T B_s^T of its slot s (none for
     -1), whatever path the step takes."""
-    from appliance.layers.lora import LoraBatch, LoraMatmul
+    from appliance.layers.lora import LoraBatch, LoraFactors, LoraMatmul, TorchLoraUpdate
 
     torch.manual_seed(0)
     width, d_in, d_out = 6, 10, 7
@@ -155,8 +155,12 @@ def test_lora_matmul_adds_each_rows_own_update(num_slots: int, row_slots: list[i
     a = torch.randn(num_slots * width, d_in)
     b = torch.randn(d_out, num_slots * width)
     batch = LoraBatch(num_slots)
+    factors = LoraFactors(a, b.T.contiguous(), width, [(0, d_out)])
     lora = LoraMatmul(
-        lambda x, bias: torch.nn.functional.linear(x, weight, bias), a, b, width, batch
+        lambda x, bias: torch.nn.functional.linear(x, weight, bias),
+        factors,
+        batch,
+        TorchLoraUpdate(),
     )
     x = torch.randn(len(row_slots), d_in)
     batch.set_rows(row_slots, torch.device("cpu"))

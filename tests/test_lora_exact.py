@@ -196,10 +196,10 @@ def test_each_rank_holds_its_shard_and_the_plan_counts_it(
         assert pool is not None
         # Per layer: q|k|v, gate|up, o, down (engine/lora_pool.py's order).
         qkv, gate_up, o, down = pool.targets[:4]
-        # a: (slots x width, in features), b: (out features, slots x width), this rank's.
-        assert qkv.a.shape[1] == gate_up.a.shape[1] == o.b.shape[0] == args.hidden_size
-        assert qkv.b.shape[0] == (args.num_heads + 2 * args.num_kv_heads) * args.head_dim // tp
-        assert gate_up.b.shape[0] == 2 * args.intermediate_size // tp
+        # a: (slots x width, in features), b_t: (slots x width, out features), this rank's.
+        assert qkv.a.shape[1] == gate_up.a.shape[1] == o.b_t.shape[1] == args.hidden_size
+        assert qkv.b_t.shape[1] == (args.num_heads + 2 * args.num_kv_heads) * args.head_dim // tp
+        assert gate_up.b_t.shape[1] == 2 * args.intermediate_size // tp
         assert o.a.shape[1] == args.num_heads * args.head_dim // tp
         assert down.a.shape[1] == args.intermediate_size // tp
         assert pool.nbytes == 4 * lora_slot_params(args, tp, 2, 16)

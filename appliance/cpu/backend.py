@@ -30,6 +30,7 @@ from appliance.kernels import cpu_native
 from appliance.layers.attention import PlainKV
 from appliance.layers.kv_cache import KVStorage, LayerCache
 from appliance.layers.linear import MatmulWeight
+from appliance.layers.lora import LoraFactors, LoraUpdate, TorchLoraUpdate
 from appliance.layers.matmul import (
     CopyMatmul,
     Matmul,
@@ -281,6 +282,18 @@ class CpuBackend:
             self.primitive_caches,
             self.warm_matmuls,
         )
+
+    def lora_update(self, factors: LoraFactors, slots: int) -> LoraUpdate:
+        """The native kernel (one call a linear: appliance.cpu.lora_update) where the native
+        kernels are on and built for the factors' dtype, else torch's grouped matmuls."""
+        from appliance.kernels import cpu_lora
+
+        native = self.plan.native_ops and factors.a.dtype in cpu_lora.SUFFIX
+        if native and cpu_lora.load(self.plan.features) is not None:
+            from appliance.cpu.lora_update import NativeLoraUpdate
+
+            return NativeLoraUpdate(factors, slots, self.plan.features)
+        return TorchLoraUpdate()
 
     def fused_max_batch(self) -> int:
         if self.fused_decode is None:

@@ -1,6 +1,6 @@
 """The device seam: one backend per engine, chosen once at load (`make_backend`), asked for
 everything that differs between devices: the dtypes, where packed weights live, how each
-linear's matmul and each layer's attention run, how many KV blocks fit, the fused decode where
+linear's matmul, its LoRA update and each layer's attention run, how many KV blocks fit, the fused decode where
 there is one, and what to report. The loader and the runner hold no device branch beyond it.
 
 Implementations: appliance.cpu.backend.CpuBackend (x86 CPUs: oneDNN matmuls, native C
@@ -16,6 +16,7 @@ import torch
 from appliance.config import ApplianceConfig, ConfigError
 from appliance.engine.model_runner import ForwardHooks
 from appliance.layers.kv_cache import KVStorage, LayerCache
+from appliance.layers.lora import LoraFactors, LoraUpdate
 from appliance.layers.parallel import tp_rank
 from appliance.models.args import ModelArgs
 from appliance.models.llama import LlamaForCausalLM
@@ -74,6 +75,10 @@ class Backend(ForwardHooks, Protocol):
 
     def warm(self, model: LlamaForCausalLM) -> None:
         """Load-time warm-up, after `wire`."""
+        ...
+
+    def lora_update(self, factors: LoraFactors, slots: int) -> LoraUpdate:
+        """How one LoRA linear adds its rows' low-rank updates (appliance.layers.lora)."""
         ...
 
 

@@ -16,6 +16,7 @@ from appliance.engine import memory
 from appliance.engine.model_runner import FusedDecode
 from appliance.layers.attention import PlainKV
 from appliance.layers.kv_cache import KVStorage, LayerCache
+from appliance.layers.lora import LoraFactors, LoraUpdate, TorchLoraUpdate
 from appliance.layers.matmul import PackedMatmul
 from appliance.layers.ops import LayerOps
 from appliance.models.args import ModelArgs
@@ -104,6 +105,10 @@ class CudaBackend:
 
     def fused_max_batch(self) -> int:
         return 0
+
+    def lora_update(self, factors: LoraFactors, slots: int) -> LoraUpdate:
+        """torch's grouped matmuls (cuBLAS) for every LoRA linear."""
+        return TorchLoraUpdate()
 
     def matmuls(self, rows: int) -> AbstractContextManager[None]:
         return nullcontext()

@@ -329,7 +329,9 @@ def wire_backend(
         guided=GuidedDecoder(w.tokenizer, args.vocab_size, eos) if driver else None,
         samples=driver,
         # After the warm-up: LoRA wraps the matmul strategies the backend chose.
-        lora=make_lora_pool(config.lora, w.model, backend.compute_dtype, backend.device),
+        lora=make_lora_pool(
+            config.lora, w.model, backend.compute_dtype, backend.device, backend.lora_update
+        ),
     )
     return LoadedModel(
         model_name=served_model_name(config, w.model_dir),

@@ -3,7 +3,8 @@ linear (q|k|v, o, gate|up, down of every layer), zero-padded to `lora.max_lora_r
 adapters read from disk (host copies, float32) that the slots are filled from.
 
 Built once at load, after the backend has wired each linear's matmul: each targeted linear is
-re-wired to a LoraMatmul (appliance.layers.lora) around that strategy. Each step the runner
+re-wired to a LoraMatmul (appliance.layers.lora) around that strategy, with the LoRA update the
+backend chose for it (`make_update`: the CPU's native kernel, or torch). Each step the runner
 hands over its batch (`begin_step`): an adapter whose slot holds something else is copied in
 (the scheduler gave it that slot: core/lora_slots.py), and the rows' slots are grouped for the
 forward. The fused native CPU decode does not know LoRA: a step with adapter rows runs the
@@ -16,7 +17,7 @@ base's partial sums before their all-reduce."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +25,14 @@ import torch
 from appliance.config import ConfigError, LoraConfig
 from appliance.core.scheduler_output import ScheduledRequest
 from appliance.layers.linear import MatmulWeight, MergedColumnLinear, RowParallelLinear
-from appliance.layers.lora import LoraBatch, LoraMatmul, ReferenceMatmul
+from appliance.layers.lora import (
+    LoraBatch,
+    LoraFactors,
+    LoraMatmul,
+    LoraUpdate,
+    ReferenceMatmul,
+    TorchLoraUpdate,
+)
 from appliance.layers.parallel import tp_rank
 from appliance.models.args import ModelArgs
 from appliance.models.llama import LlamaForCausalLM
@@ -45,15 +53,30 @@ class _Target:
     # merged linear; one entry (offset 0, shard -1) for a row-parallel one.
     parts: list[tuple[str, int, int, int]]
     a: torch.Tensor
-    b: torch.Tensor
+    # B transposed: (slots * width, out features on this rank).
+    b_t: torch.Tensor
     row_parallel: bool
+
+
+# (a linear's factors, slots) -> how it adds its rows' updates: the backend's `lora_update`.
+UpdateFactory = Callable[[LoraFactors, int], LoraUpdate]
+
+
+def torch_update(factors: LoraFactors, slots: int) -> LoraUpdate:
+    return TorchLoraUpdate()
 
 
 class LoraSlotPool:
     def __init__(
-        self, config: LoraConfig, model: LlamaForCausalLM, dtype: torch.dtype, device: torch.device
+        self,
+        config: LoraConfig,
+        model: LlamaForCausalLM,
+        dtype: torch.dtype,
+        device: torch.device,
+        make_update: UpdateFactory = torch_update,
     ) -> None:
         self.config = config
+        self.make_update = make_update
         self.args: ModelArgs = model.args
         self.max_rank = config.max_lora_rank
         self.device = device
@@ -96,16 +119,18 @@ class LoraSlotPool:
         in_f, out_f, slots, rank = shape
         width = rank * len(parts)
         a = torch.zeros(slots * width, in_f, dtype=dtype, device=self.device)
-        b = torch.zeros(out_f, slots * width, dtype=dtype, device=self.device)
+        b_t = torch.zeros(slots * width, out_f, dtype=dtype, device=self.device)
         inner = linear.matmul if linear.matmul is not None else ReferenceMatmul(linear)
-        linear.wire(LoraMatmul(inner, a, b, width, self.batch))
-        self.targets.append(_Target(layer, linear, parts, a, b, row_parallel))
+        factors = LoraFactors(a, b_t, rank, [(offset, rows) for _, offset, rows, _ in parts])
+        update = self.make_update(factors, slots)
+        linear.wire(LoraMatmul(inner, factors, self.batch, update))
+        self.targets.append(_Target(layer, linear, parts, a, b_t, row_parallel))
 
     @property
     def nbytes(self) -> int:
         """Device bytes of the slot pool (what `appliance plan` counts)."""
         return sum(
-            t.a.numel() * t.a.element_size() + t.b.numel() * t.b.element_size()
+            t.a.numel() * t.a.element_size() + t.b_t.numel() * t.b_t.element_size()
             for t in self.targets
         )
 
@@ -145,7 +170,7 @@ class LoraSlotPool:
         for t in self.targets:
             base = slot * rank * len(t.parts)
             t.a[base : base + rank * len(t.parts)].zero_()
-            t.b[:, base : base + rank * len(t.parts)].zero_()
+            t.b_t[base : base + rank * len(t.parts)].zero_()
             for i, (name, offset, rows, shard) in enumerate(t.parts):
                 factors = adapter.modules.get((t.layer, name))
                 if factors is None:
@@ -158,17 +183,21 @@ class LoraSlotPool:
                     b = b.narrow(0, shard * rows, rows)
                 lo = base + i * rank
                 t.a[lo : lo + r].copy_(a)
-                t.b[offset : offset + rows, lo : lo + r].copy_(b)
+                t.b_t[lo : lo + r, offset : offset + rows].copy_(b.t())
         self.slot_names[slot] = adapter.name
 
 
 def make_lora_pool(
-    config: LoraConfig, model: LlamaForCausalLM, dtype: torch.dtype, device: torch.device
+    config: LoraConfig,
+    model: LlamaForCausalLM,
+    dtype: torch.dtype,
+    device: torch.device,
+    make_update: UpdateFactory = torch_update,
 ) -> LoraSlotPool | None:
     """The slot pool with the template's adapters read, or None when LoRA is off."""
     if not config.active:
         return None
-    pool = LoraSlotPool(config, model, dtype, device)
+    pool = LoraSlotPool(config, model, dtype, device, make_update)
     for name, path in config.adapters.items():
         try:
             pool.add(pool.read(name, path))

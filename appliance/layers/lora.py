@@ -1,15 +1,19 @@
 """LoRA on a linear: a matmul strategy (appliance.layers.matmul's protocol) that runs the base
 strategy it wraps, then adds each row's low-rank update x A^T B^T from the adapter slot that
-row runs under. Rows are grouped by slot once per step (`LoraBatch`, which the runner's slot
-pool fills: appliance.engine.lora_pool), and each group is one shrink and one expand matmul
-over the slot's stacked factors: a grouped (segment) matmul in torch. Rows of the base model
-(slot -1) belong to no group and cost nothing.
+row runs under. Which rows run which slot is set once per step (`LoraBatch`, which the
+runner's slot pool fills: appliance.engine.lora_pool); how the update runs is a `LoraUpdate`
+the device backend chose at load: the CPU's native kernel (appliance.cpu.lora_update), or
+`TorchLoraUpdate`, a grouped (segment) matmul in torch (CUDA, no compiler, the reference).
+Rows of the base model (slot -1) cost nothing.
 
 The factors of a slot are zero-padded to the pool's rank, and a merged projection (q|k|v,
 gate|up) stacks its parts' A along the rank and lays their B block-diagonally, so one shrink
 and one expand serve all of its parts."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +40,9 @@ class LoraBatch:
         self.num_slots = num_slots
         self.groups: list[tuple[int, torch.Tensor | None]] = []
         self.slot_of_row: torch.Tensor | None = None
+        # Every row's slot as int32 (-1: the base model), for native kernels; None when no
+        # row runs an adapter.
+        self.slot_ids: torch.Tensor | None = None
         self._masks: dict[tuple[int, torch.dtype], torch.Tensor] = {}
 
     def set_rows(self, slots: list[int], device: torch.device) -> None:
@@ -43,6 +50,7 @@ class LoraBatch:
         self._masks = {}
         used = sorted({s for s in slots if s >= 0})
         self.slot_of_row = None
+        self.slot_ids = torch.tensor(slots, dtype=torch.int32) if used else None
         if not used:
             self.groups = []
         elif len(used) == 1 and all(s == used[0] for s in slots):
@@ -91,19 +99,64 @@ class ReferenceMatmul:
         return F.linear(x, self.module.weight, bias)
 
 
+@dataclass
+class LoraFactors:
+    """One targeted linear's slot factors on the device (this rank's shards). `a`:
+    (slots * width, in_features), slot s's rows at s * width; `b_t`: (slots * width,
+    out_features), B transposed so that a slot's factor rows are contiguous, the adapter's
+    scaling folded in. `parts`: each part's (first output column, output columns), part p
+    owning factor rows [p * rank, (p + 1) * rank) of its slot (B is block-diagonal)."""
+
+    a: torch.Tensor
+    b_t: torch.Tensor
+    rank: int
+    parts: list[tuple[int, int]]
+
+    @property
+    def width(self) -> int:
+        return self.rank * len(self.parts)
+
+
+class LoraUpdate(Protocol):
+    def __call__(
+        self, out: torch.Tensor, x: torch.Tensor, factors: LoraFactors, batch: LoraBatch
+    ) -> torch.Tensor:
+        """out plus each row's update (in place where it can), for a step with adapter rows."""
+        ...
+
+
+class TorchLoraUpdate:
+    """The update in torch: several adapters over a small pool compute every slot's shrink and
+    mask each row's own (DenseLora); otherwise one shrink and one expand per slot's rows."""
+
+    def __call__(
+        self, out: torch.Tensor, x: torch.Tensor, factors: LoraFactors, batch: LoraBatch
+    ) -> torch.Tensor:
+        a, b_t, w = factors.a, factors.b_t, factors.width
+        xs = x.to(a.dtype)
+        if batch.dense:
+            shrunk = F.linear(xs, a).mul_(batch.mask(w, xs.dtype))
+            return out.add_((shrunk @ b_t).to(out.dtype))
+        for slot, rows in batch.groups:
+            a_s, b_s = a[slot * w : (slot + 1) * w], b_t[slot * w : (slot + 1) * w]
+            if rows is None:
+                out.add_((F.linear(xs, a_s) @ b_s).to(out.dtype))
+            else:
+                delta = F.linear(xs.index_select(0, rows), a_s) @ b_s
+                out.index_add_(0, rows, delta.to(out.dtype))
+        return out
+
+
 class LoraMatmul:
-    """`inner` plus the rows' low-rank updates. `a`: (slots * width, in_features), slot s's
-    rows at s * width; `b`: (out_features, slots * width), slot s's columns at s * width, the
-    adapter's scaling folded in (both this rank's shards)."""
+    """`inner` plus the rows' low-rank updates of `factors`, by `update`."""
 
     def __init__(
-        self, inner: Matmul, a: torch.Tensor, b: torch.Tensor, width: int, batch: LoraBatch
+        self, inner: Matmul, factors: LoraFactors, batch: LoraBatch, update: LoraUpdate
     ) -> None:
         self.inner = inner
-        self.a = a
-        self.b = b
-        self.width = width
+        self.factors = factors
         self.batch = batch
+        self.update = update
 
     @property
     def copy(self) -> torch.Tensor | None:
@@ -115,19 +168,6 @@ class LoraMatmul:
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         out = self.inner(x, bias)
-        batch = self.batch
-        if not batch.groups:
+        if not self.batch.groups:
             return out
-        xs = x.to(self.a.dtype)
-        if batch.dense:
-            shrunk = F.linear(xs, self.a).mul_(batch.mask(self.width, xs.dtype))
-            return out.add_(F.linear(shrunk, self.b).to(out.dtype))
-        w = self.width
-        for slot, rows in batch.groups:
-            a, b = self.a[slot * w : (slot + 1) * w], self.b[:, slot * w : (slot + 1) * w]
-            if rows is None:
-                out.add_(F.linear(F.linear(xs, a), b).to(out.dtype))
-            else:
-                delta = F.linear(F.linear(xs.index_select(0, rows), a), b)
-                out.index_add_(0, rows, delta.to(out.dtype))
-        return out
+        return self.update(out, x, self.factors, self.batch)
