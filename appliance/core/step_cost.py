@@ -13,7 +13,7 @@ seconds ~= a + b * decode_rows + c * decode_context + d * prefill_tokens + e * p
   ones attends over t * (s + t / 2) pairs), which is what makes a late chunk of a long prompt
   slower than its first;
 - f: what a step pays once for running a prefill at all. On the CPU a decode-only step of up to
-  32 sequences is one fused native call (appliance/cpu/fused_decode.py) while a step with a
+  64 sequences is one fused native call (appliance/cpu/fused_decode.py) while a step with a
   chunk runs the torch forward: ~10-20 ms against ~40-50 ms before any token is computed. With
   one intercept for both, the fit split that difference between them: decode steps looked
   dearer than they are and chunks were sized as if the switch cost nothing.

@@ -31,8 +31,11 @@ QUANT_COPY_FUSED_MAX = 48
 # oneDNN bf16): 9.9 vs 27 (1), 19.6 vs 28.6 (4), 28.1 vs 32.6 (6), 35.6 vs 33.2 (8).
 BF16_FUSED_MAX = 6
 # The same with the matrix products on AMX tiles (kernels/cpu_decode_amx.inc.c): up to 32 rows
-# a product costs about its weight reads; measured in docs/benchmarks.md (2026-12-02).
-AMX_FUSED_MAX = 32
+# a product costs about its weight reads (beyond, a second pass over them). Quiet 2-core
+# Sapphire Rapids, small demo model, 128-token context, ms a step AMX vs torch: 11.2 vs 28.9
+# (1), 20.0 vs 37.5 (16), 29.6 vs 48.7 (32), 41.6 vs 58.3 (48), 51.5 vs 67.7 (64):
+# docs/benchmarks.md. 64 is cpu-demo's max_num_seqs.
+AMX_FUSED_MAX = 64
 
 
 @dataclass
