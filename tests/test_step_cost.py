@@ -151,6 +151,23 @@ def test_a_decoding_class_with_a_tpot_target_cuts_a_long_prefill_by_time() -> No
     assert next(len(r.token_ids) for r in out.scheduled if r.request_id == "long") == 3000
 
 
+def test_a_summary_on_an_idle_box_is_cut_to_the_target_of_the_classes_outranking_it() -> None:
+    """No chat decodes, yet a chat arriving during the step would wait for it: a batch
+    prompt's chunk keeps the step within interactive's TPOT target. An interactive prompt of
+    the same length, which no class with a target outranks, takes the token budget."""
+    s = seeded(SLO)
+    s.add_request(req("summary", 3000, max_tokens=4, cls="batch", base=5000))
+    out = step(s)
+    chunk = next(len(r.token_ids) for r in out.scheduled if r.request_id == "summary")
+    assert out.bound_by == "time_budget"
+    assert 16 <= chunk < 3000
+    assert true_seconds(StepShape.of(out)) <= 0.060 * 1.05
+    chat = seeded(SLO)
+    chat.add_request(req("pasted", 3000, max_tokens=4, cls="interactive", base=5000))
+    out = step(chat)
+    assert next(len(r.token_ids) for r in out.scheduled if r.request_id == "pasted") == 3000
+
+
 def test_a_short_request_behind_a_long_prompt_gets_its_first_token_before_that_prefill_ends() -> (
     None
 ):

@@ -203,6 +203,25 @@ class Scheduler:
         targets = [t for r in decodes if (t := self.config.tpot_slo_s(r.priority_class))]
         return min(targets) if targets else None
 
+    def chunk_limit_s(self, step_limit: float | None, priority_class: str) -> float | None:
+        """The time limit of a step that runs a prefill chunk of `priority_class`: the step's
+        own (its decodes'), and the tightest TPOT target among the classes that outrank the
+        chunk's. A request of theirs that arrives during the step waits for it, so a summary's
+        prefill never holds the box longer than a chat's token may take, even while no chat
+        runs (measured: a 1,024-token chunk of an idle box's summary held the chats arriving
+        behind it for up to 0.8 s, docs/benchmarks.md)."""
+        rank = self.config.priority_classes.get(priority_class)
+        if rank is None:
+            return step_limit
+        limits = [
+            cls.tpot_slo_ms / 1e3
+            for cls in self.config.priority_classes.values()
+            if cls.tpot_slo_ms and cls.priority < rank.priority
+        ]
+        if step_limit is not None:
+            limits.append(step_limit)
+        return min(limits) if limits else None
+
     def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
         """A step's wall time, for the cost model that sizes chunks under a TPOT target."""
         self.cost.observe(StepShape.of(out), seconds)

@@ -49,9 +49,10 @@ class StepBuilder:
         positions: it starts at num_tokens - remaining)."""
         limit = self.s.cfg.long_prefill_token_threshold or remaining
         tokens = min(remaining, self.budget, limit)
-        if tokens > 1 and self.limit_s is not None:
+        limit_s = self.s.chunk_limit_s(self.limit_s, req.priority_class)
+        if tokens > 1 and limit_s is not None:
             start = req.num_tokens - remaining
-            timed = self.s.cost.max_chunk(self.shape, start, tokens, self.limit_s)
+            timed = self.s.cost.max_chunk(self.shape, start, tokens, limit_s)
             if timed < tokens:
                 self._bound("time_budget")
                 tokens = timed

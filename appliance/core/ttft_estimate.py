@@ -1,11 +1,11 @@
 """When a newly arrived request would get its first token, by the engine's own cost model
 (core/step_cost.py): the steps are simulated as the step builder makes them. Each step decodes
 the running requests and then spends what its time limit leaves (the tightest TPOT target among
-the running classes; else the token budget) on prefill chunks in serve order: running requests
-still prefilling, then the waiting and swapped requests admitted before the new one (its
-policy's queue order), then the new one; every chunk gets at least MIN_CHUNK tokens, as the
-builder gives it. The estimate is the sum of the simulated steps' costs until the new request's
-prompt is done.
+the running classes and the classes outranking the chunk's; else the token budget) on prefill
+chunks in serve order: running requests still prefilling, then the waiting and swapped requests
+admitted before the new one (its policy's queue order), then the new one; every chunk gets at
+least MIN_CHUNK tokens, as the builder gives it. The estimate is the sum of the simulated
+steps' costs until the new request's prompt is done.
 
 It models the prefill work, which is what long summaries ahead of a short chat cost; a full
 batch of sequence slots is the departure-rate estimate's business (core/wait_estimate.py).
@@ -34,27 +34,22 @@ def estimate_ttft_s(sched: Scheduler, req: Request) -> float | None:
     key = sched.policy.queue_key
     mine = key(req)
     # [start, remaining] of each prefill in the order the steps serve them; req's is last.
-    work = [
-        [r.num_computed_tokens, r.num_tokens - r.num_computed_tokens]
-        for r in sched.running
-        if r.num_tokens - r.num_computed_tokens > 1
-    ]
-    work += [
-        [r.num_computed_tokens, r.num_tokens - r.num_computed_tokens]
-        for r in sorted(sched.waiting + sched.swapped, key=key)
-        if key(r) <= mine
-    ]
+    ahead = [r for r in sched.running if r.num_tokens - r.num_computed_tokens > 1]
+    ahead += [r for r in sorted(sched.waiting + sched.swapped, key=key) if key(r) <= mine]
+    work = [[r.num_computed_tokens, r.num_tokens - r.num_computed_tokens] for r in ahead]
     own = [0, req.num_tokens]
     work.append(own)
     decoding = [r for r in sched.running if r.num_tokens - r.num_computed_tokens <= 1]
     decodes = StepShape()
     for r in decoding:
         decodes = decodes.with_decode(r.num_computed_tokens)
-    limit = sched.time_limit_s(decoding)
+    step_limit = sched.time_limit_s(decoding)
+    # Each chunk's limit also holds the TPOT targets of the classes outranking its own.
+    limits = [sched.chunk_limit_s(step_limit, r.priority_class) for r in [*ahead, req]]
     total, steps = 0.0, 0
     while own[1] > 0:
         shape, budget = decodes, sched.cfg.max_num_batched_tokens - decodes.decode_rows
-        for item in work:
+        for item, limit in zip(work, limits, strict=True):
             if item[1] <= 0 or budget <= 0:
                 continue
             chunk = min(item[1], budget)
