@@ -84,3 +84,18 @@ def _peft_greedy(
             )
             outs.append(tuple(gen[0, len(p) :].tolist()))
     return tuple(outs)
+
+
+def peft_logprobs(
+    base_dir: Path, adapter_dir: Path | None, prompt: list[int], continuation: list[int]
+) -> torch.Tensor:
+    """float32 transformers (+ peft on `adapter_dir`) log-probabilities [len(continuation),
+    vocab] of each continuation position, teacher-forced along `continuation`."""
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    if adapter_dir is not None:
+        model = PeftModel.from_pretrained(model, adapter_dir)
+    model.eval()
+    ids = torch.tensor([prompt + continuation])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+    return torch.log_softmax(logits, dim=-1)

@@ -1,7 +1,8 @@
 """LoRA adapters through the engine give transformers + peft's greedy tokens in float32, in
 batches that mix two adapters with base-model requests: on the tiny random Llama, on the real
 SmolLM2-135M-Instruct (float32 weights) and on its Q4_1 GGUF file loaded packed (the reference
-is peft over the same weights dequantized)."""
+is peft over the same weights dequantized). In bf16, where rounding may flip a near tie, the
+appliance's own tokens are scored by float32 peft instead."""
 
 from __future__ import annotations
 
@@ -9,12 +10,13 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 
 from appliance import Engine, SamplingParams
 from appliance.config import load_config
 from appliance.plan import lora_slot_params
 from appliance.tools.smollm2 import ModelUnavailable, build_smollm2, gguf_file
-from tests.lora_fixtures import peft_greedy, save_random_adapter
+from tests.lora_fixtures import peft_greedy, peft_logprobs, save_random_adapter
 
 NEW_TOKENS = 12
 
@@ -179,6 +181,49 @@ def test_smollm2_q4_1_gguf_base_with_16bit_adapters_matches_peft(
     )
     assert engine.loaded.model.model.layers[0].self_attn.qkv_proj.quant is not None
     mixed_batch_matches_peft(engine, smollm2_dir, smollm2_adapters, SMOL_PROMPTS)
+
+
+# A bf16 forward may flip a near tie of float32's: the most its token may trail float32 peft's
+# best, in nats, and how many of a continuation's tokens may not be that best.
+BF16_GAP_NATS = 0.5
+BF16_FLIPS = 2
+
+
+def test_smollm2_bf16_base_and_adapters_follow_peft(
+    smollm2_dir: Path, smollm2_adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    """The 16-bit base: bf16 weights, activations and adapter slots (the CPU's native LoRA
+    update), one batch mixing both adapters and the base. Exact tokens are a float32 matter
+    (above); here float32 peft scores the appliance's own continuation, teacher-forced: each
+    token is within a bf16 rounding of peft's best under the same adapter, and a token that
+    ignored the adapter (the base's, where the adapter changes it) would not be: "a" moves
+    the model further than the float32 test's (B at full scale), so that the base's tokens
+    fail under it."""
+    adapters = {
+        "a": save_random_adapter(smollm2_dir, tmp_path / "a", seed=13, rank=16),
+        "b": smollm2_adapters["b"],
+    }
+    engine = lora_engine(smollm2_dir, adapters, model__dtype="bfloat16", model__max_model_len=512)
+    names = [name for name in ("a", "b", "") for _ in SMOL_PROMPTS]
+    results = engine.generate(SMOL_PROMPTS * 3, greedy(), lora_names=names)
+    for name, prompt, res in zip(names, SMOL_PROMPTS * 3, results, strict=True):
+        logp = peft_logprobs(smollm2_dir, adapters.get(name), prompt, res.token_ids)
+        best = logp.argmax(dim=-1).tolist()
+        for j, token in enumerate(res.token_ids):
+            gap = float(logp[j].max() - logp[j, token])
+            assert gap < BF16_GAP_NATS, (name or "base", j, token, best[j], gap)
+        flips = sum(b != t for b, t in zip(best, res.token_ids, strict=True))
+        assert flips <= BF16_FLIPS, (name or "base", res.token_ids, best)
+    # An engine that ignored adapter "a" would have answered with the base's tokens: under
+    # "a", those fail the same check (a test that cannot fail proves nothing).
+    failed = 0
+    for prompt, res in zip(SMOL_PROMPTS, results[-len(SMOL_PROMPTS) :], strict=True):
+        logp = peft_logprobs(smollm2_dir, adapters["a"], prompt, res.token_ids)
+        gaps = logp.max(dim=-1).values - logp.gather(1, torch.tensor(res.token_ids)[:, None])[:, 0]
+        flips = int((logp.argmax(dim=-1) != torch.tensor(res.token_ids)).sum())
+        failed += bool(float(gaps.max()) >= BF16_GAP_NATS or flips > BF16_FLIPS)
+    assert failed, "the base's tokens pass as adapter a's: the check cannot tell them apart"
+    assert engine.kv.pool.num_used_blocks == 0
 
 
 @pytest.mark.parametrize("tp", [1, 2])
