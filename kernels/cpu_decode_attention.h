@@ -41,18 +41,25 @@ static inline size_t attention_scratch_floats(const Shape *s) {
     return (size_t)s->batch * parts * attention_part_floats(s) + (size_t)s->batch;
 }
 
-/* Whether a row attends over the previous row's new token: the rows are consecutive positions
- * of one sequence (a speculative step's drafts, each a decode row of its own length). A block
- * being written belongs to one request, so rows of different sequences never match. */
+/* Whether row b continues row b - 1's sequence: its context holds the previous row's new
+ * token (a speculative step's drafts are consecutive positions of one sequence, each a decode
+ * row of its own length). A block being written belongs to one request, so rows of different
+ * sequences never match. */
+static inline int row_continues(int64_t b, const int64_t *positions, const int64_t *slots,
+                                const int32_t *tables, const int32_t *seq_lens,
+                                const Shape *s) {
+    const int64_t p = positions[b - 1];
+    if (slots[b - 1] < 0 || p >= seq_lens[b]) return 0;
+    const int64_t block = tables[b * s->table_stride + p / s->block_size];
+    return block * s->block_size + p % s->block_size == slots[b - 1];
+}
+
+/* Whether some row attends over the previous row's new token (row_continues). */
 static inline int rows_share_sequence(const int64_t *positions, const int64_t *slots,
                                       const int32_t *tables, const int32_t *seq_lens,
                                       const Shape *s) {
-    for (int64_t b = 1; b < s->batch; b++) {
-        const int64_t p = positions[b - 1];
-        if (slots[b - 1] < 0 || p >= seq_lens[b]) continue;
-        const int64_t block = tables[b * s->table_stride + p / s->block_size];
-        if (block * s->block_size + p % s->block_size == slots[b - 1]) return 1;
-    }
+    for (int64_t b = 1; b < s->batch; b++)
+        if (row_continues(b, positions, slots, tables, seq_lens, s)) return 1;
     return 0;
 }
 

@@ -31,12 +31,15 @@ static void FN(rms_norm)(const float *x, const T *weight, float *out, int64_t ba
  * are scattered, so the hardware prefetcher cannot follow). A chunk's slots are looked up
  * once (a division per token cost as much as its dot products); for up to 4 query heads a
  * KV head (SmolLM2 3, Llama-2 1) the products run in registers (QK_GROUP, PV_GROUP), where the
- * generic loop kept updating `out` in memory for every token. Same sums in the same order
- * either way. */
-static void FN(attend_heads)(const float *q, const T *k_cache, const T *v_cache,
-                             const int32_t *table, int64_t t_begin, int64_t t_end,
-                             int64_t g0, int64_t nkv, int64_t group, const Shape *s,
-                             float scale, float *out, float *m_out, float *l_out) {
+ * generic loop kept updating `out` in memory for every token; more query heads a KV head
+ * take them 4 at a time, each K/V row then coming from L1. Same sums in the same order
+ * either way. `limits` (NULL: none): query head h attends to tokens below limits[h] only, for
+ * rows of one sequence read together (attend_runs); every head's limit is past t_begin. */
+static void FN(attend_heads_limited)(const float *q, const T *k_cache, const T *v_cache,
+                                     const int32_t *table, int64_t t_begin, int64_t t_end,
+                                     int64_t g0, int64_t nkv, int64_t group, const Shape *s,
+                                     float scale, float *out, float *m_out, float *l_out,
+                                     const int64_t *limits) {
     const int64_t d = s->head_dim, row = s->kv_heads * d, bs = s->block_size;
     const int64_t nq = nkv * group, span = nkv * d * (int64_t)sizeof(T);
     const int vec = d % VW == 0;
@@ -76,12 +79,14 @@ static void FN(attend_heads)(const float *q, const T *k_cache, const T *v_cache,
             const T *kh = k_cache + (g0 + gi) * d;
             const float *qg = q + gi * group * d;
             float(*sc)[CHUNK] = scores + gi * group;
-            if (vec && group <= 4) {
-                switch (group) {
-                case 1: QK_GROUP(LOADV, 1); break;
-                case 2: QK_GROUP(LOADV, 2); break;
-                case 3: QK_GROUP(LOADV, 3); break;
-                default: QK_GROUP(LOADV, 4); break;
+            if (vec) {
+                for (int64_t h0 = 0; h0 < group; h0 += 4, qg += 4 * d, sc += 4) {
+                    switch (group - h0 < 4 ? group - h0 : 4) {
+                    case 1: QK_GROUP(LOADV, 1); break;
+                    case 2: QK_GROUP(LOADV, 2); break;
+                    case 3: QK_GROUP(LOADV, 3); break;
+                    default: QK_GROUP(LOADV, 4); break;
+                    }
                 }
                 continue;
             }
@@ -101,6 +106,10 @@ static void FN(attend_heads)(const float *q, const T *k_cache, const T *v_cache,
                 }
             }
         }
+        if (limits && t0 + n > limits[0]) /* rows' limits grow with h: the first is least */
+            for (int64_t h = 0; h < nq; h++)
+                for (int64_t t = limits[h] - t0 < 0 ? 0 : limits[h] - t0; t < n; t++)
+                    scores[h][t] = -INFINITY;
         for (int64_t h = 0; h < nq; h++) {
             float cm = m[h];
             for (int64_t t = 0; t < n; t++) cm = scores[h][t] > cm ? scores[h][t] : cm;
@@ -119,12 +128,14 @@ static void FN(attend_heads)(const float *q, const T *k_cache, const T *v_cache,
             const T *vh = v_cache + (g0 + gi) * d;
             float *og = out + gi * group * d;
             float(*sc)[CHUNK] = scores + gi * group;
-            if (vec && group <= 4) {
-                switch (group) {
-                case 1: PV_GROUP(LOADV, 1); break;
-                case 2: PV_GROUP(LOADV, 2); break;
-                case 3: PV_GROUP(LOADV, 3); break;
-                default: PV_GROUP(LOADV, 4); break;
+            if (vec) {
+                for (int64_t h0 = 0; h0 < group; h0 += 4, og += 4 * d, sc += 4) {
+                    switch (group - h0 < 4 ? group - h0 : 4) {
+                    case 1: PV_GROUP(LOADV, 1); break;
+                    case 2: PV_GROUP(LOADV, 2); break;
+                    case 3: PV_GROUP(LOADV, 3); break;
+                    default: PV_GROUP(LOADV, 4); break;
+                    }
                 }
                 continue;
             }
@@ -154,6 +165,14 @@ static void FN(attend_heads)(const float *q, const T *k_cache, const T *v_cache,
         float inv = 1.0f / l[h];
         for (int64_t j = 0; j < d; j++) out[h * d + j] *= inv;
     }
+}
+
+static inline void FN(attend_heads)(const float *q, const T *k_cache, const T *v_cache,
+                                    const int32_t *table, int64_t t_begin, int64_t t_end,
+                                    int64_t g0, int64_t nkv, int64_t group, const Shape *s,
+                                    float scale, float *out, float *m_out, float *l_out) {
+    FN(attend_heads_limited)(q, k_cache, v_cache, table, t_begin, t_end, g0, nkv, group, s,
+                             scale, out, m_out, l_out, NULL);
 }
 
 /* Rotate (rotate-half) head h of sequence b's qkv row in place; a K head (h >= heads) is
@@ -234,6 +253,53 @@ static void FN(rope_attention_split)(float *qkv, const float *cos_table,
     }
 }
 
+/* Attention for a step whose rows share sequences (their new K/V already stored): the rows of
+ * one sequence (a drafting request's last token and its drafts) attend in one pass over its
+ * context, each row masked to its own length, instead of one pass a row. A work item is (run
+ * of rows, KV head); its queries are the run's rows' heads of that KV head, gathered into one
+ * group of up to MAX_QUERY_HEADS (longer runs are cut). At 2k tokens of context a row's pass
+ * reads ~1.5 MB of K/V a layer (SmolLM2), which drafting rows no longer repeat. */
+static void FN(attend_runs)(float *qkv, const float *cos_table, const float *sin_table,
+                            const int64_t *positions, const int64_t *slots, T *k_cache,
+                            T *v_cache, const int32_t *tables, const int32_t *seq_lens,
+                            const Shape *s, float scale, float *out) {
+    const int64_t group = s->heads / s->kv_heads, d = s->head_dim;
+    const int64_t q_stride = (s->heads + 2 * s->kv_heads) * d;
+    const int64_t max_rows = MAX_QUERY_HEADS / group;
+    /* Every thread finds the same runs (a few comparisons a row). */
+    int64_t run_start[s->batch + 1], runs = 0;
+    for (int64_t b = 0; b < s->batch; b++)
+        if (b == 0 || b - run_start[runs - 1] >= max_rows ||
+            !row_continues(b, positions, slots, tables, seq_lens, s))
+            run_start[runs++] = b;
+    run_start[runs] = s->batch;
+    #pragma omp for schedule(dynamic, 1)
+    for (int64_t w = 0; w < runs * s->kv_heads; w++) {
+        const int64_t b0 = run_start[w / s->kv_heads], rows = run_start[w / s->kv_heads + 1] - b0;
+        const int64_t g = w % s->kv_heads, nq = rows * group;
+        float q[nq * d], o[nq * d];
+        int64_t limits[nq], t_end = 0;
+        for (int64_t i = 0; i < rows; i++) {
+            const int64_t b = b0 + i;
+            for (int64_t h = 0; h < group; h++) {
+                FN(rotate_head)(qkv, b, g * group + h, cos_table, sin_table, positions, slots,
+                                k_cache, v_cache, s);
+                memcpy(q + (i * group + h) * d, qkv + b * q_stride + (g * group + h) * d,
+                       d * sizeof(float));
+                limits[i * group + h] = seq_lens[b];
+            }
+            t_end = seq_lens[b] > t_end ? seq_lens[b] : t_end;
+        }
+        /* The run's last row has the longest context; its table covers the others'. */
+        FN(attend_heads_limited)(q, k_cache, v_cache, tables + (b0 + rows - 1) * s->table_stride,
+                                 0, t_end, g, 1, nq, s, scale, o, NULL, NULL,
+                                 rows > 1 ? limits : NULL);
+        for (int64_t i = 0; i < rows; i++)
+            memcpy(out + ((b0 + i) * s->heads + g * group) * d, o + i * group * d,
+                   group * d * sizeof(float));
+    }
+}
+
 /* Rotary, K/V store and attention in one pass over attention's work items: an item
  * rotates its own query heads and KV heads, stores its K/V, then attends. Nothing it reads
  * is written by another item, so the barrier between the two phases goes (one of a
@@ -257,6 +323,11 @@ static NOINLINE void FN(rope_attention)(float *qkv, const float *cos_table,
     if (attention_parts(s) > 1) {
         FN(rope_attention_split)(qkv, cos_table, sin_table, positions, slots, k_cache,
                                  v_cache, tables, seq_lens, s, scale, out, split, stored);
+        return;
+    }
+    if (stored) {
+        FN(attend_runs)(qkv, cos_table, sin_table, positions, slots, k_cache, v_cache, tables,
+                        seq_lens, s, scale, out);
         return;
     }
     const int64_t group = s->heads / s->kv_heads, d = s->head_dim;
