@@ -113,4 +113,3 @@ def test_draft_rows_in_one_pass_match_the_torch_forward(loaded: LoadedModel) -> 
         start += n
     wrong = fused(ids, pos, slots, tables, longest)
     assert not torch.allclose(wrong[0], got[0], atol=1e-2)
-
