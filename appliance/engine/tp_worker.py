@@ -21,6 +21,7 @@ import msgspec
 
 from appliance.config import ApplianceConfig
 from appliance.core.scheduler_output import SchedulerOutput
+from appliance.engine.rank_commands import Done, decode_command, is_command
 
 # Sent instead of a step: leave the loop and exit cleanly.
 STOP = b""
@@ -63,7 +64,7 @@ class Failed(msgspec.Struct, tag=True):
     error: str
 
 
-Report = Hello | Ready | Failed
+Report = Hello | Ready | Failed | Done
 report_decoder = msgspec.msgpack.Decoder(Report)
 
 
@@ -83,6 +84,7 @@ def worker_main(args: WorkerArgs, commands: Connection, reports: Connection) -> 
     import torch.distributed as dist
 
     from appliance.engine.loader import load_this_rank
+    from appliance.engine.lora_ranks import run_on_this_rank
     from appliance.layers.parallel import set_tensor_parallel
 
     encoder = msgspec.msgpack.Encoder()
@@ -110,6 +112,10 @@ def worker_main(args: WorkerArgs, commands: Connection, reports: Connection) -> 
             data = commands.recv_bytes()
             if data == STOP:
                 break
+            if is_command(data):
+                done = run_on_this_rank(runner.lora, decode_command(data))
+                reports.send_bytes(encoder.encode(done))
+                continue
             runner.execute(decode_step(data))
     except EOFError:
         # The driver is gone: nothing to report to, nothing left to serve.
