@@ -4,7 +4,9 @@ every step the driver sends it, until the driver says stop or goes away.
 Control travels over two one-way pipes, not through torch.distributed: a worker waiting for the
 next step blocks in `recv_bytes`, which has no timeout to trip while the engine idles for hours,
 and which raises EOFError the moment the driver dies. torch.distributed carries only the
-collectives inside the forward.
+collectives inside the forward. Between steps the driver may send a command instead (a
+run-time LoRA load or unload: appliance.engine.rank_commands), which the worker answers on its
+report pipe before it takes the next message.
 """
 
 from __future__ import annotations
