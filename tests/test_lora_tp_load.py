@@ -7,6 +7,7 @@ answers the rank and the cause, and later loads and requests still match peft.""
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -15,7 +16,16 @@ import openai
 import pytest
 
 from appliance import Engine, SamplingParams
+from appliance.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from appliance.engine.lora_admin import LoraAdmin
+from appliance.engine.rank_commands import (
+    LoadAdapter,
+    UnloadAdapter,
+    decode_command,
+    encode_command,
+    is_command,
+)
+from appliance.engine.tp_worker import encode_step
 from appliance.models.peft_adapter import LoraAdapter
 from tests.lora_fixtures import peft_greedy, save_random_adapter
 from tests.server_harness import ServerProcess, write_template
@@ -117,6 +127,26 @@ def test_hot_load_and_unload_at_tp2_while_requests_run(
     assert complete(server, "a") == expected_text(tiny_model_dir, adapters["a"])
 
 
+def test_commands_share_the_step_pipe_without_being_taken_for_steps() -> None:
+    """A step's msgpack never begins with the command mark, and commands round-trip."""
+    req = ScheduledRequest(
+        request_id="r1",
+        token_ids=[1, 2, 3],
+        start_pos=0,
+        block_ids=[0],
+        sample=True,
+        sampling_params=SamplingParams(max_tokens=4),
+        output_index=0,
+        lora_name="a",
+        lora_slot=0,
+    )
+    step = SchedulerOutput(scheduled=[req], num_scheduled_tokens=3)
+    assert not is_command(encode_step(step)) and not is_command(encode_step(SchedulerOutput()))
+    for command in (LoadAdapter("a", "/srv/a", 3), UnloadAdapter("a")):
+        data = encode_command(command)
+        assert is_command(data) and decode_command(data) == command
+
+
 PROMPTS = [[5, 17, 301, 42, 9, 77, 123], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]]
 NEW = 10
 
@@ -128,11 +158,14 @@ def run(engine: Engine, name: str) -> list[list[int]]:
 
 
 def test_a_load_failing_on_one_rank_leaves_no_rank_holding_it(
-    tiny_model_dir: Path, adapters: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+    tiny_model_dir: Path,
+    adapters: dict[str, Path],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
 ) -> None:
-    """The adapter changes on disk between rank 0's check and rank 1's read (rank 1 finds the
-    rank-16 one): a 400 naming rank 1 and the field. Then rank 0 failing after rank 1 filled
-    the slot: a 500 naming rank 0, rank 1 rolled back. Each time the adapter is nowhere and a
+    """The adapter's files change on disk between rank 0's check and rank 1's read (rank 1
+    finds a rank-16 adapter there): a 400 naming rank 1 and the field. Then rank 0 failing after rank 1 filled
+    the slot (an injected MemoryError): a 500 naming rank 0 and the cause, rank 1 rolled back. Each time the adapter is nowhere and a
     later load and both adapters' requests equal peft."""
     with lora_engine(
         tiny_model_dir,
@@ -149,14 +182,19 @@ def test_a_load_failing_on_one_rank_leaves_no_rank_holding_it(
         want_b = peft_greedy(tiny_model_dir, adapters["b"], PROMPTS, NEW)
         assert run(engine, "a") == want_a  # "a" fills the only slot on both ranks
 
+        # The files at `changing` are "b"'s when rank 0 reads them, "wide"'s right after.
+        changing = tmp_path / "changing"
+        shutil.copytree(adapters["b"], changing)
         read = pool.read
 
-        def rank0_reads_the_good_one(name: str, path: str) -> LoraAdapter:
-            return read(name, str(adapters["b"]))
+        def then_the_file_changes(name: str, path: str) -> LoraAdapter:
+            adapter = read(name, path)
+            shutil.copytree(adapters["wide"], changing, dirs_exist_ok=True)
+            return adapter
 
         with monkeypatch.context() as m:
-            m.setattr(pool, "read", rank0_reads_the_good_one)
-            answer = admin.load("b", str(adapters["wide"]))
+            m.setattr(pool, "read", then_the_file_changes)
+            answer = admin.load("b", str(changing))
         assert answer.status == 400, answer.detail
         assert "r 16 exceeds lora.max_lora_rank 8" in answer.detail
         assert "tensor-parallel rank 1" in answer.detail
