@@ -19,6 +19,7 @@ from appliance import Engine, SamplingParams
 from appliance.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from appliance.engine.lora_admin import LoraAdmin
 from appliance.engine.rank_commands import (
+    ListAdapters,
     LoadAdapter,
     UnloadAdapter,
     decode_command,
@@ -157,6 +158,13 @@ def run(engine: Engine, name: str) -> list[list[int]]:
     return [r.token_ids for r in results]
 
 
+def held_by_rank_1(engine: Engine) -> tuple[list[str], list[str | None]]:
+    """Rank 1's adapters on the host and what each of its slots holds, as it answers."""
+    ((rank, done),) = engine.loaded.workers.run_command(ListAdapters())
+    assert rank == 1 and not done.error
+    return done.adapters, done.slots
+
+
 def test_a_load_failing_on_one_rank_leaves_no_rank_holding_it(
     tiny_model_dir: Path,
     adapters: dict[str, Path],
@@ -164,9 +172,11 @@ def test_a_load_failing_on_one_rank_leaves_no_rank_holding_it(
     tmp_path: Path,
 ) -> None:
     """The adapter's files change on disk between rank 0's check and rank 1's read (rank 1
-    finds a rank-16 adapter there): a 400 naming rank 1 and the field. Then rank 0 failing after rank 1 filled
-    the slot (an injected MemoryError): a 500 naming rank 0 and the cause, rank 1 rolled back. Each time the adapter is nowhere and a
-    later load and both adapters' requests equal peft."""
+    finds a rank-16 adapter there): a 400 naming rank 1 and the field. Then rank 0 fails after
+    rank 1 filled the slot (an injected MemoryError): a 500 naming rank 0 and the cause, and
+    rank 1's slot is empty again, not left holding "b". Each time no rank keeps the adapter
+    (rank 1 says what it holds), and later loads, requests and an unload agree with peft and
+    across the ranks."""
     with lora_engine(
         tiny_model_dir,
         {"a": adapters["a"]},
@@ -200,6 +210,7 @@ def test_a_load_failing_on_one_rank_leaves_no_rank_holding_it(
         assert "tensor-parallel rank 1" in answer.detail
         assert "b" not in pool.adapters and "b" not in engine.scheduler.lora_slots.slots
         assert "b" not in engine.lora_adapters()
+        assert held_by_rank_1(engine) == (["a"], ["a"])  # it failed reading: nothing touched
         assert run(engine, "a") == want_a
 
         def rank0_breaks(adapter: LoraAdapter, slot: int) -> None:
@@ -211,10 +222,18 @@ def test_a_load_failing_on_one_rank_leaves_no_rank_holding_it(
         assert answer.status == 500 and "rank 0" in answer.detail, answer.detail
         assert "MemoryError: no room for the factors" in answer.detail
         assert "b" not in pool.adapters and "b" not in engine.scheduler.lora_slots.slots
-        # Rank 1 had filled the slot with "b" (then dropped it): "a" is refilled there.
+        # Rank 1 had filled the slot with "b", then dropped it: the slot is marked empty.
+        assert held_by_rank_1(engine) == (["a"], [None])
         assert run(engine, "a") == want_a
+        assert held_by_rank_1(engine) == (["a"], ["a"])
 
         assert admin.load("b", str(adapters["b"])).status == 200
+        # Filled at the load on both ranks, before any request names it.
+        assert held_by_rank_1(engine) == (["a", "b"], ["b"]) and pool.slot_names == ["b"]
         assert run(engine, "b") == want_b
         assert run(engine, "a") == want_a
         assert want_a != want_b
+        assert admin.begin_unload(7, "b") is None
+        assert [(token, a.status) for token, a in admin.finished_unloads()] == [(7, 200)]
+        assert held_by_rank_1(engine) == (["a"], ["a"])
+        assert "b" not in pool.adapters and pool.slot_names == ["a"]

@@ -29,16 +29,17 @@ def run_on_this_rank(pool: LoraSlotPool | None, command: RankCommand) -> Done:
     """A worker rank's side of a command; never raises (the rank keeps serving steps)."""
     if pool is None:
         return Done("lora.enabled: LoRA is off on this rank")
+    error, refused = "", False
     try:
         if isinstance(command, LoadAdapter):
             pool.place(pool.read(command.name, command.path), command.slot)
-        else:
+        elif isinstance(command, UnloadAdapter):
             pool.unload(command.name)
     except AdapterError as exc:
-        return Done(str(exc), refused=True)
+        error, refused = str(exc), True
     except Exception as exc:  # noqa: BLE001 - reported to the driver, which rolls back
-        return Done(f"{type(exc).__name__}: {exc}")
-    return Done()
+        error = f"{type(exc).__name__}: {exc}"
+    return Done(error, refused, sorted(pool.adapters), list(pool.slot_names))
 
 
 @dataclass

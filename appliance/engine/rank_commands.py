@@ -33,15 +33,23 @@ class UnloadAdapter(msgspec.Struct, tag=True):
     name: str
 
 
-RankCommand = LoadAdapter | UnloadAdapter
+class ListAdapters(msgspec.Struct, tag=True):
+    """Change nothing; answer what this rank holds (a check that the ranks agree)."""
+
+
+RankCommand = LoadAdapter | UnloadAdapter | ListAdapters
 
 
 class Done(msgspec.Struct, tag=True):
     """A rank's answer: `error` is empty when the command succeeded. `refused` says the error
-    is the adapter's (the reader's message naming the field), not the rank's own failure."""
+    is the adapter's (the reader's message naming the field), not the rank's own failure.
+    `adapters` and `slots` are what the rank holds afterwards: the adapters on its host and
+    the adapter each slot is filled with (None: empty, or a fill that did not finish)."""
 
     error: str = ""
     refused: bool = False
+    adapters: list[str] = []
+    slots: list[str | None] = []
 
 
 _encoder = msgspec.msgpack.Encoder()
