@@ -42,6 +42,13 @@ def run_on_this_rank(pool: LoraSlotPool | None, command: RankCommand) -> Done:
     return Done(error, refused, sorted(pool.adapters), list(pool.slot_names))
 
 
+def _not_filled(done: Done, name: str, slot: int) -> Done:
+    """A rank that answered success yet does not hold the adapter in the slot (a bug, but the
+    ranks must never disagree about what a slot holds)."""
+    held = done.slots[slot] if slot < len(done.slots) else "no such slot"
+    return Done(f"slot {slot} holds {held!r}, not {name!r}, after the load")
+
+
 @dataclass
 class RankFailure:
     """Why a load did not happen on every rank. `refused`: the adapter's fault (a 400), else
@@ -66,7 +73,11 @@ class LoraRanks:
             answers = self.workers.run_command(LoadAdapter(adapter.name, path, slot))
         except RuntimeError as exc:  # a worker is gone: the engine stops (engine/tp.py)
             return RankFailure(-1, str(exc), False)
-        failures = [(rank, done) for rank, done in answers if done.error]
+        failures = [
+            (rank, done if done.error else _not_filled(done, adapter.name, slot))
+            for rank, done in answers
+            if done.error or done.slots[slot : slot + 1] != [adapter.name]
+        ]
         if not failures:
             try:
                 self.pool.place(adapter, slot)
