@@ -7,7 +7,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -21,6 +21,7 @@ from appliance.engine.kv_pool import KVCachePool
 from appliance.engine.kv_quant import configure_kv_cache
 from appliance.engine.lora_pool import make_lora_pool
 from appliance.engine.model_runner import ModelRunner, RunnerOutput
+from appliance.engine.rank_commands import NoWorkers, WorkerRanks
 from appliance.kv_layout import kv_bytes_per_token as kv_layout_bytes_per_token
 from appliance.layers.kv_cache import KVStorage
 from appliance.layers.parallel import tp_rank, tp_size
@@ -65,6 +66,9 @@ class LoadedModel:
     # What the engine calls each step: the runner itself at TP 1, a TPExecutor that drives the
     # worker ranks at TP > 1 (appliance.engine.tp). Set by __post_init__ when not given.
     executor: StepExecutor | None = None
+    # The other ranks, for commands between steps (run-time LoRA loads): none at TP 1, the
+    # TPExecutor at TP > 1.
+    workers: WorkerRanks = field(default_factory=NoWorkers)
 
     def __post_init__(self) -> None:
         if self.executor is None:

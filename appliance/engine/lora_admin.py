@@ -3,7 +3,9 @@
 
 A load reads and checks the adapter (a bad one: 400 naming the field) and takes a device slot
 at once, evicting the least recently used idle adapter where the pool is full; when every slot
-serves running requests it is refused with 409, never by evicting a busy adapter. An unload
+serves running requests it is refused with 409, never by evicting a busy adapter. At tensor
+parallel size > 1 every rank then reads its shard into that slot before the answer, or none
+keeps it (engine/lora_ranks.py); the unload drops it on every rank. An unload
 stops new requests naming the adapter at once and completes when the requests that use it
 (running or queued) have finished: `finished_unloads` reports those between steps."""
 
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from appliance.engine.lora_pool import LoraSlotPool
+from appliance.engine.lora_ranks import LoraRanks
 from appliance.models.peft_adapter import AdapterError
 
 if TYPE_CHECKING:
@@ -34,6 +37,9 @@ class LoraAdmin:
     def _pool(self) -> LoraSlotPool | None:
         return self.engine.runner.lora
 
+    def _ranks(self, pool: LoraSlotPool) -> LoraRanks:
+        return LoraRanks(pool, self.engine.loaded.workers)
+
     def adapters(self) -> dict[str, str] | None:
         """The adapters requests may name (name -> path); None when LoRA is off."""
         pool = self._pool()
@@ -45,10 +51,6 @@ class LoraAdmin:
         pool, engine = self._pool(), self.engine
         if pool is None:
             return LoraAnswer(400, "lora_name: LoRA is off; set lora.enabled = true (or adapters)")
-        if engine.config.parallel.tensor_parallel_size > 1:
-            return LoraAnswer(
-                400, "lora_path: adapters load at run time at tensor_parallel_size 1 only"
-            )
         if not name or name == engine.model_name:
             return LoraAnswer(400, f"lora_name: {name!r} is not a usable adapter name")
         if name in pool.adapters:
@@ -66,7 +68,11 @@ class LoraAdmin:
                 f"lora_name: all {slots} slots (lora.max_loras) hold adapters of running "
                 "requests; retry when one is idle",
             )
-        pool.add(adapter)
+        # Every rank fills the slot the scheduler gave it, or none does (engine/lora_ranks.py).
+        failure = self._ranks(pool).load(adapter, path, sched.lora_slots.slot_of(name))
+        if failure is not None:
+            sched.lora_slots.release(name)
+            return LoraAnswer(400 if failure.refused else 500, failure.detail)
         return LoraAnswer(200, f"Success: LoRA adapter '{name}' added successfully.")
 
     def begin_unload(self, token: int, name: str) -> LoraAnswer | None:
@@ -90,7 +96,7 @@ class LoraAdmin:
                 still.append((token, name))
                 continue
             if pool is not None:
-                pool.unload(name)
+                self._ranks(pool).unload(name)
             sched.lora_slots.release(name)
             done.append(
                 (token, LoraAnswer(200, f"Success: LoRA adapter '{name}' removed successfully."))

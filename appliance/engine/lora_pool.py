@@ -146,6 +146,14 @@ class LoraSlotPool:
             if held == adapter.name:  # new factors under the old name: refill on next use
                 self.slot_names[slot] = None
 
+    def place(self, adapter: LoraAdapter, slot: int) -> None:
+        """Keep an adapter and fill `slot` with it now (a run-time load: the scheduler gave it
+        that slot; engine/lora_ranks.py does this on every rank)."""
+        self.add(adapter)
+        # Marked empty first: a fill that stops half way leaves a slot no step will trust.
+        self.slot_names[slot] = None
+        self._fill(slot, adapter)
+
     def unload(self, name: str) -> None:
         self.adapters.pop(name, None)
         self.draining.discard(name)

@@ -44,6 +44,7 @@ from appliance.core.scheduler_output import SchedulerOutput
 from appliance.engine.backend import device_type
 from appliance.engine.loader import LoadedModel, load_this_rank, resolve_model_dir
 from appliance.engine.model_runner import RunnerOutput
+from appliance.engine.rank_commands import Done, RankCommand, encode_command
 from appliance.engine.tp_worker import (
     STOP,
     Failed,
@@ -66,7 +67,7 @@ STARTUP_TIMEOUT_S = 300.0
 # Loading a shard of a large model from disk.
 LOAD_TIMEOUT_S = 1800.0
 MONITOR_POLL_S = 0.2
-_R = TypeVar("_R", Hello, Ready)
+_R = TypeVar("_R", Hello, Ready, Done)
 
 
 class TPWorkerError(RuntimeError):
@@ -210,6 +211,7 @@ class TPExecutor:
                     f"{loaded.num_blocks}: the ranks must agree"
                 )
         loaded.executor = self
+        loaded.workers = self
         self.loaded = loaded
         self.runner = loaded.runner
         say(f"tensor parallel {self.size}: all ranks ready")
@@ -272,6 +274,23 @@ class TPExecutor:
             # to name it. Either way the ranks are out of step and cannot be resynchronised.
             self._dead.wait(timeout=2.0)
             self._fail(self._failure or f"tensor-parallel rank 0 failed in a step: {exc!r}")
+            raise TPWorkerError(self._failure) from exc
+
+    def run_command(self, command: RankCommand) -> list[tuple[int, Done]]:
+        """Run a command (engine/rank_commands.py) on every worker between steps and wait for
+        each one's answer. A worker that dies or hangs stops the engine, as in a step."""
+        if self._failure:
+            raise TPWorkerError(self._failure)
+        data = encode_command(command)
+        try:
+            for w in self.workers:
+                w.commands.send_bytes(data)
+            return [
+                (w.rank, self._await_report(w, Done, COLLECTIVE_TIMEOUT_S)) for w in self.workers
+            ]
+        except (OSError, TPWorkerError) as exc:
+            # Some ranks may have run it and others not: they cannot be resynchronised.
+            self._fail(self._failure or f"tensor-parallel command {command!r} failed: {exc!r}")
             raise TPWorkerError(self._failure) from exc
 
     # -- failure --------------------------------------------------------------------------------

@@ -4,7 +4,9 @@ every step the driver sends it, until the driver says stop or goes away.
 Control travels over two one-way pipes, not through torch.distributed: a worker waiting for the
 next step blocks in `recv_bytes`, which has no timeout to trip while the engine idles for hours,
 and which raises EOFError the moment the driver dies. torch.distributed carries only the
-collectives inside the forward.
+collectives inside the forward. Between steps the driver may send a command instead (a
+run-time LoRA load or unload: appliance.engine.rank_commands), which the worker answers on its
+report pipe before it takes the next message.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import msgspec
 
 from appliance.config import ApplianceConfig
 from appliance.core.scheduler_output import SchedulerOutput
+from appliance.engine.rank_commands import Done, decode_command, is_command
 
 # Sent instead of a step: leave the loop and exit cleanly.
 STOP = b""
@@ -63,7 +66,7 @@ class Failed(msgspec.Struct, tag=True):
     error: str
 
 
-Report = Hello | Ready | Failed
+Report = Hello | Ready | Failed | Done
 report_decoder = msgspec.msgpack.Decoder(Report)
 
 
@@ -83,6 +86,7 @@ def worker_main(args: WorkerArgs, commands: Connection, reports: Connection) -> 
     import torch.distributed as dist
 
     from appliance.engine.loader import load_this_rank
+    from appliance.engine.lora_ranks import run_on_this_rank
     from appliance.layers.parallel import set_tensor_parallel
 
     encoder = msgspec.msgpack.Encoder()
@@ -110,6 +114,10 @@ def worker_main(args: WorkerArgs, commands: Connection, reports: Connection) -> 
             data = commands.recv_bytes()
             if data == STOP:
                 break
+            if is_command(data):
+                done = run_on_this_rank(runner.lora, decode_command(data))
+                reports.send_bytes(encoder.encode(done))
+                continue
             runner.execute(decode_step(data))
     except EOFError:
         # The driver is gone: nothing to report to, nothing left to serve.
