@@ -152,6 +152,26 @@ def test_float32_activations_on_16_bit_factors_and_3d_input() -> None:
     check(got, want, torch.bfloat16)
 
 
+def test_strided_input_and_an_output_the_kernels_cannot_flatten() -> None:
+    """x a column slice of a wider tensor (its row stride is not K: the kernels read it in
+    place); out a transposed view (no unit column stride: torch's update adds into it
+    instead), and a plain one, both written in place."""
+    slots = [0, -1, 1, 1, 0]
+    pool = make_pool(32, [16], 2, 4, {0: 4, 1: 4}, torch.float32)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(len(slots), 48, generator=gen).to(DEVICE)[:, 8:40]
+    out_t = torch.randn(16, len(slots), generator=gen).to(DEVICE)
+    want = reference(out_t.T, x, pool, slots)
+    update = TritonLoraUpdate(SegmentCache())
+    batch = LoraBatch(2)
+    batch.set_rows(slots, DEVICE)
+    got = out_t.clone()
+    assert update(got.T, x, pool.factors, batch).data_ptr() == got.data_ptr()
+    check(got.T, want, torch.float32)
+    contiguous = out_t.T.contiguous()
+    check(run_update(update, contiguous, x, pool, slots, 2), want, torch.float32)
+
+
 @pytest.mark.parametrize("split_k", [1, 2, 5])
 def test_split_k_shrink_matches(split_k: int) -> None:
     """The shrink with K split over programs (atomic float32 adds) gives the same t; K=100 is
@@ -252,3 +272,26 @@ def test_engine_with_the_triton_update_matches_peft(
     engine = lora_engine(tiny_model_dir, adapters)
     assert len(chosen) == 4 * engine.loaded.args.num_layers  # qkv, o, gate|up, down
     mixed_batch_matches_peft(engine, tiny_model_dir, adapters, [[11, 12, 13, 14, 15], [7] * 19])
+
+
+def test_the_cuda_backend_chooses_triton_and_falls_back_to_torch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """CudaBackend.lora_update: the Triton update (one segment cache shared by every linear)
+    where Triton imports, torch's where it does not. Nothing here touches a GPU."""
+    import importlib.util
+
+    from appliance.config import load_config
+    from appliance.engine.cuda_backend import CudaBackend
+
+    pool = make_pool(16, [16], 2, 4, {0: 4}, torch.float32)
+    backend = CudaBackend(load_config(None, {}), torch.device("cuda"))
+    first = backend.lora_update(pool.factors, 2)
+    second = backend.lora_update(pool.factors, 2)
+    assert isinstance(first, TritonLoraUpdate) and isinstance(second, TritonLoraUpdate)
+    assert first.cache is second.cache
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a)
+    )
+    assert isinstance(backend.lora_update(pool.factors, 2), TorchLoraUpdate)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from appliance.kernels.triton_lora import SlotSegments, lora_expand, lora_shrink, slot_segments
-from appliance.layers.lora import LoraBatch, LoraFactors
+from appliance.layers.lora import LoraBatch, LoraFactors, TorchLoraUpdate
 
 
 class SegmentCache:
@@ -32,13 +32,19 @@ class SegmentCache:
 
 
 class TritonLoraUpdate:
+    """The kernels over a base output they can write in place (unit column stride, rows
+    flattenable without a copy: every linear's in this model); torch's update otherwise."""
+
     def __init__(self, cache: SegmentCache) -> None:
         self.cache = cache
+        self.torch_update = TorchLoraUpdate()
 
     def __call__(
         self, out: torch.Tensor, x: torch.Tensor, factors: LoraFactors, batch: LoraBatch
     ) -> torch.Tensor:
         assert batch.slot_ids is not None  # LoraMatmul calls only for a step with adapter rows
+        if out.stride(-1) != 1 or (out.dim() > 2 and not out.is_contiguous()):
+            return self.torch_update(out, x, factors, batch)
         segments = self.cache.segments(batch.slot_ids, out.device)
         x2 = x.reshape(-1, x.shape[-1])
         if x2.stride(1) != 1:
