@@ -13,8 +13,10 @@ shrink and one expand launch a linear, and base rows cost nothing.
 The factors are the slot pool's: A (slots * width, K) with slot s's rows at s * width, B
 transposed (slots * width, N); `width` is the pool's padded rank times the parts of a merged
 projection (A stacked along the rank, B block-diagonal: one dot covers every part, the zero
-blocks included). 16-bit factors take 16-bit dots with float32 accumulation on the GPU; off
-the GPU (TRITON_INTERPRET=1) every dot is float32, since the interpreter's bf16 dot is broken.
+blocks included); a wide one is tiled MAX_BLOCK_R factor rows at a time (shrink: programs of
+their own; expand: a loop). 16-bit factors take 16-bit dots with float32 accumulation on the
+GPU; off the GPU (TRITON_INTERPRET=1) every dot is float32, since the interpreter's bf16 dot is
+broken.
 Tested under the interpreter against torch and a float64 reference (tests/test_triton_lora.py).
 """
 
@@ -31,6 +33,9 @@ BLOCK_M = 16
 # Columns of K a shrink program's loop step takes, and output columns of an expand program.
 BLOCK_K = 32
 BLOCK_N = 64
+# Factor rows (the stacked rank) a program takes at once: a wide merged projection (q|k|v at
+# rank 256 is 768 rows) is tiled, so the tiles stay within registers and shared memory.
+MAX_BLOCK_R = 64
 # A shrink splits K over up to this many programs when the segments alone launch few.
 MAX_SPLIT_K = 8
 # Programs a shrink launch should have before K is split further (an SM count's order).
@@ -93,6 +98,7 @@ def _shrink(
     stride_x,
     stride_a,
     k_per_split,
+    r_blocks,
     FP32_DOT: tl.constexpr,
     ATOMIC: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -101,7 +107,8 @@ def _shrink(
 ):
     pid_m = tl.program_id(0)
     seg = tl.program_id(1)
-    split = tl.program_id(2)
+    split = tl.program_id(2) // r_blocks
+    r_block = tl.program_id(2) % r_blocks
     count = tl.load(counts_ptr + seg)
     if pid_m * BLOCK_M >= count:
         return
@@ -110,7 +117,7 @@ def _shrink(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     valid = offs_m < count
     rows = tl.load(rows_ptr + start + offs_m, mask=valid, other=0).to(tl.int64)
-    offs_r = tl.arange(0, BLOCK_R)
+    offs_r = r_block * BLOCK_R + tl.arange(0, BLOCK_R)
     a_rows = slot * WIDTH + offs_r
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     k_begin = split * k_per_split
@@ -168,24 +175,26 @@ def _expand(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     valid = offs_m < count
     rows = tl.load(rows_ptr + start + offs_m, mask=valid, other=0).to(tl.int64)
-    offs_r = tl.arange(0, BLOCK_R)
-    in_r = offs_r < WIDTH
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     in_n = offs_n < N
-    t = tl.load(
-        t_ptr + (start + offs_m)[:, None] * WIDTH + offs_r[None, :],
-        mask=valid[:, None] & in_r[None, :],
-        other=0.0,
-    )
-    b = tl.load(
-        b_ptr + (slot * WIDTH + offs_r)[:, None] * stride_b + offs_n[None, :],
-        mask=in_r[:, None] & in_n[None, :],
-        other=0.0,
-    )
-    if FP32_DOT:
-        delta = tl.dot(t, b.to(tl.float32), input_precision="ieee")
-    else:
-        delta = tl.dot(t.to(b.dtype), b)
+    delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for r0 in range(0, WIDTH, BLOCK_R):
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        in_r = offs_r < WIDTH
+        t = tl.load(
+            t_ptr + (start + offs_m)[:, None] * WIDTH + offs_r[None, :],
+            mask=valid[:, None] & in_r[None, :],
+            other=0.0,
+        )
+        b = tl.load(
+            b_ptr + (slot * WIDTH + offs_r)[:, None] * stride_b + offs_n[None, :],
+            mask=in_r[:, None] & in_n[None, :],
+            other=0.0,
+        )
+        if FP32_DOT:
+            delta += tl.dot(t, b.to(tl.float32), input_precision="ieee")
+        else:
+            delta += tl.dot(t.to(b.dtype), b)
     o_ptrs = out_ptr + rows[:, None] * stride_out + offs_n[None, :]
     o_mask = valid[:, None] & in_n[None, :]
     base = tl.load(o_ptrs, mask=o_mask, other=0.0)
@@ -193,7 +202,7 @@ def _expand(
 
 
 def _block_r(width: int) -> int:
-    return max(16, triton.next_power_of_2(width))
+    return min(MAX_BLOCK_R, max(16, triton.next_power_of_2(width)))
 
 
 def _fp32_dot(factors: torch.Tensor) -> bool:
@@ -229,7 +238,9 @@ def lora_shrink(
     t = alloc(segments.num_rows, width, dtype=torch.float32, device=x.device)
     if segments.num_segments == 0:
         return t
-    grid = (triton.cdiv(segments.max_count, BLOCK_M), segments.num_segments, split)
+    block_r = _block_r(width)
+    r_blocks = triton.cdiv(width, block_r)
+    grid = (triton.cdiv(segments.max_count, BLOCK_M), segments.num_segments, split * r_blocks)
     _shrink[grid](
         x,
         a,
@@ -243,10 +254,11 @@ def lora_shrink(
         x.stride(0),
         a.stride(0),
         k_per_split,
+        r_blocks,
         FP32_DOT=_fp32_dot(a),
         ATOMIC=split > 1,
         BLOCK_M=BLOCK_M,
-        BLOCK_R=_block_r(width),
+        BLOCK_R=block_r,
         BLOCK_K=BLOCK_K,
     )
     return t

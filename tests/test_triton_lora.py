@@ -117,6 +117,8 @@ CASES = [
     ("long segment", 32, [20], 3, 8, {2: 8, 0: 8}, [2, -1] * (BLOCK_M + 3) + [0, 0]),
     ("merged q|k|v", 48, [32, 16, 16], 4, 8, {0: 8, 1: 4, 3: 2}, [1, 3, -1, 0, 0, 1, 3, -1, 1]),
     ("merged gate|up", 32, [56, 56], 3, 4, {1: 4, 2: 3}, [2, 1, -1, 2, 2, 1, -1, -1]),
+    # A stacked width of 3 * 40 = 120 factor rows: tiled (MAX_BLOCK_R) in both kernels.
+    ("wide q|k|v, rank 40", 40, [24, 16, 16], 2, 40, {1: 40, 0: 33}, [0, 1, -1, 1, 1, 0]),
 ]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
