@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from appliance.tools.gpu_check import STAGE_NAMES
-from appliance.tools.gpu_check_env import CUDA_TESTS
+from appliance.tools.gpu_check_env import CUDA_MODULES, CUDA_TESTS
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "scripts" / "gpu-check"
@@ -54,13 +54,13 @@ def test_dry_mode_writes_one_record_per_stage(tmp_path: Path, tiny_model_dir: Pa
     assert list(stages) == STAGE_NAMES
     for s in report["stages"]:
         assert s["status"] in ("ok", "failed", "skipped") and isinstance(s["seconds"], float)
-    for name in ("pytest-cuda", "tp2", "kernel-bench"):
+    for name in ("pytest-cuda", "bench-lora", "tp2", "kernel-bench"):
         assert stages[name]["status"] == "skipped"
         assert stages[name]["reason"].startswith("no CUDA")
     for name in ("env", "kernels", "model", "engine", "bench"):
         assert stages[name]["status"] == "ok", stages[name]
         assert stages[name]["checks"] and all(c["ok"] for c in stages[name]["checks"])
-    assert report["counts"] == {"ok": 5, "failed": 0, "skipped": 3}
+    assert report["counts"] == {"ok": 5, "failed": 0, "skipped": 4}
     assert stages["kernels"]["figures"]["interpreter"] is True
     checks = {c["check"]: c for c in stages["engine"]["checks"]}
     assert checks["float32 greedy tokens equal transformers'"]["matched_prefix"] == [8, 8, 8]
@@ -146,6 +146,15 @@ def test_cuda_tests_are_the_suites_cuda_only_tests() -> None:
             match = next(below) if line.lstrip().startswith("@") else next(above)
             found.add(f"tests/{path.name}::{match.group(1)}")
     assert found == set(CUDA_TESTS)
+
+
+def test_cuda_modules_pick_the_gpu_when_the_interpreter_is_off() -> None:
+    """Each file the pytest-cuda stage runs whole exists and chooses its tensors' device by
+    TRITON_INTERPRET (the GPU check runs it with the interpreter off, on CUDA tensors)."""
+    for name in CUDA_MODULES:
+        text = (ROOT / name).read_text()
+        assert 'os.environ.get("TRITON_INTERPRET") == "1"' in text, name
+        assert not any(t.startswith(f"{name}::") for t in CUDA_TESTS), "run twice"
 
 
 @pytest.mark.parametrize("name", ["run", "fetch-wheels"])

@@ -182,8 +182,9 @@ def main(ns: argparse.Namespace) -> int:
                 if answer.status != 200:
                     raise SystemExit(f"loading {name}: {answer.detail}")
         # Warm both paths once (oneDNN primitives, first slot fills), then measure.
-        run(Engine(config, loaded=loaded), prompts[:4], [""] * 4, 4, "warm-up")
-        run(Engine(config, loaded=loaded), prompts[:4], names[:4], 4, "warm-up")
+        warm = min(4, len(prompts), len(names))  # fewer requests or adapters than 4: as many
+        run(Engine(config, loaded=loaded), prompts[:warm], [""] * warm, 4, "warm-up")
+        run(Engine(config, loaded=loaded), prompts[:warm], names[:warm], 4, "warm-up")
         spread = ["", *names]
         mixed = [spread[i % len(spread)] for i in range(len(prompts))]
         base_only = [""] * len(prompts)

@@ -6,8 +6,9 @@ check (docs/gpu-check.md) is what exercises it."""
 
 from __future__ import annotations
 
+import importlib.util
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -21,6 +22,9 @@ from appliance.layers.matmul import PackedMatmul
 from appliance.layers.ops import LayerOps
 from appliance.models.args import ModelArgs
 from appliance.models.llama import LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from appliance.engine.cuda_lora import SegmentCache
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -37,6 +41,8 @@ class CudaBackend:
         # Device bytes in use before the weights were loaded (check_weights_fit): the KV
         # plan's baseline for memory outside torch.
         self.used_before = 0
+        # The step's rows grouped by adapter slot, shared by every LoRA linear's update.
+        self.lora_segments: SegmentCache | None = None
 
     def summary(self) -> str:
         name = torch.cuda.get_device_name(self.device)
@@ -50,6 +56,7 @@ class CudaBackend:
             "weight_dtype": str(self.weight_dtype).removeprefix("torch."),
             "attention": "triton",
             "packed_matmul": "triton",
+            "lora": "triton" if importlib.util.find_spec("triton") is not None else "torch",
         }
 
     def check_weights_fit(self, model: LlamaForCausalLM, hf_config: Any, packed_bytes: int) -> None:
@@ -107,8 +114,16 @@ class CudaBackend:
         return 0
 
     def lora_update(self, factors: LoraFactors, slots: int) -> LoraUpdate:
-        """torch's grouped matmuls (cuBLAS) for every LoRA linear."""
-        return TorchLoraUpdate()
+        """Triton's segment shrink and expand (appliance.engine.cuda_lora), every linear
+        sharing one grouping of the step's rows; torch's grouped matmuls (cuBLAS) where
+        Triton is absent."""
+        if importlib.util.find_spec("triton") is None:
+            return TorchLoraUpdate()
+        from appliance.engine.cuda_lora import SegmentCache, TritonLoraUpdate
+
+        if self.lora_segments is None:
+            self.lora_segments = SegmentCache()
+        return TritonLoraUpdate(self.lora_segments)
 
     def matmuls(self, rows: int) -> AbstractContextManager[None]:
         return nullcontext()

@@ -48,11 +48,12 @@ class Stage:
 CUDA, MODEL = {"needs_cuda": True}, {"needs_model": True}
 STAGES = [
     Stage("env", "versions, devices; the carried packages import", 60, 5),
-    Stage("pytest-cuda", "the test suite's CUDA-only tests", 150, 20, **CUDA),
+    Stage("pytest-cuda", "the test suite's CUDA-only tests", 200, 20, **CUDA),
     Stage("kernels", "Triton kernels vs torch references at real shapes", 200, 30),
     Stage("model", "random Llama-2-7B-shaped model (4 layers), built offline", 150, 30),
     Stage("engine", "engine vs transformers on the device; preemption", 180, 40, **MODEL),
     Stage("bench", "`appliance bench offline` vs the copy bandwidth", 150, 40, **MODEL),
+    Stage("bench-lora", "`appliance bench lora`: 4 adapters + base vs base", 120, 40, True, True),
     Stage("tp2", "tensor parallel 2 vs TP 1 (two GPUs or more)", 150, 40, True, True),
     Stage("kernel-bench", "python -m appliance.kernels.bench", 120, 30, **CUDA),
 ]
@@ -136,6 +137,7 @@ def _stage_function(name: str) -> Callable[[StageContext], None]:
         "model": eng.run_model,
         "engine": eng.run_engine,
         "bench": eng.run_bench,
+        "bench-lora": eng.run_bench_lora,
         "tp2": eng.run_tp2,
     }[name]
 

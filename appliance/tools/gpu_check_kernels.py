@@ -7,7 +7,8 @@ chooses, and forced into 256-token splits) and chunked prefill (with and without
 fresh K/V). The reference is `kernels/paged_attention.py` in float32 over the same stored
 cache, the one tests/test_kernels.py uses; the error is max |out - ref| / max |ref|. Then the
 dequantizing matmuls (kernels/triton_quant.py) at Llama-2-7B's linear shapes against x @ W^T
-of the dequantized weight (tests/test_triton_quant.py's reference).
+of the dequantized weight (tests/test_triton_quant.py's reference). Last, the segment LoRA
+update at Llama-2-7B's projections (appliance.tools.gpu_check_lora).
 
 On the CPU (the dry mode) the same code runs under TRITON_INTERPRET=1 at a tiny shape."""
 
@@ -18,6 +19,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from appliance.tools.gpu_check_lora import check_lora
 
 if TYPE_CHECKING:
     from appliance.tools.gpu_check import StageContext
@@ -340,9 +343,11 @@ def run_kernels(ctx: StageContext) -> None:
             attention_seconds=round(time.monotonic() - start, 1),
         )
     errors = check_quant_matmul(ctx)
+    ctx.figure(quant_matmul_checks=len(errors), worst_quant_rel_err=max(errors, default=0.0))
+    lora_errors = check_lora(ctx)
     ctx.figure(
-        quant_matmul_checks=len(errors),
-        worst_quant_rel_err=max(errors, default=0.0),
+        lora_checks=len(lora_errors),
+        worst_lora_rel_err=max(lora_errors, default=0.0),
         checks=len(ctx.checks),
         failed=sum(not c["ok"] for c in ctx.checks),
     )
