@@ -47,6 +47,8 @@ def server(
         extra=f"""
 [server]
 admin_token_file = "{d / "admin.token"}"
+# Its own audit log: the session's other servers (test_lora_tp_load's) write LoRA loads too.
+state_dir = "{d}"
 [lora]
 adapters = {{ a = "{adapters["a"]}" }}
 max_loras = 1
