@@ -40,11 +40,13 @@ AMX_READY, AMX_WHY = (
 )
 
 # Relative logit error allowed against the torch forward (norm of the difference over the
-# norm of the reference). float32: the same sums in another order. bf16: the torch forward
-# rounds every op's output to bf16 (the LoRA update included) where the fused forwards keep
-# float32 activations; the plain bf16 forward measured 1.0-1.5% from the native one in
-# tests/test_cpu_amx_decode.py, hence 3%.
-TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2}
+# norm of the reference). float32: the same sums in another order (measured 2e-6). bf16: the
+# torch forward rounds every op's output to bf16 (the LoRA update's included) where the fused
+# forwards keep float32 activations, so the two part by ~2% with or without adapters (measured
+# on Sapphire Rapids: 1.9-2.8% with adapter rows, the plain bf16 and AMX forwards alike);
+# adapter rows may add at most half again of the base-only step's own gap.
+TOLERANCE = {"float32": 1e-4, "bfloat16": 5e-2}
+BF16_LORA_OVER_BASE = 1.5
 # Logit gaps a bf16 forward cannot order (logits of a few units, bf16 steps of 1/64-1/32):
 # an argmax may differ from the reference's only where the reference's top two are closer.
 BF16_TIE = 0.1
@@ -172,8 +174,10 @@ def test_fused_decode_adds_each_rows_adapter_like_the_torch_forward(
     loaded: LoadedModel, rows: int
 ) -> None:
     """Logits within TOLERANCE of the torch forward with TorchLoraUpdate, mixed slots and base
-    rows; the adapters' own effect is many times that (a fused step that skipped an update
-    would fail); greedy tokens equal (bf16: away from ties)."""
+    rows (bf16: also within 1.5x the two forwards' gap without adapters); the adapters' own
+    effect is many times that (measured 74-88% of the logits' norm: a fused step that skips
+    one projection's update fails, as a mutant without o's did); greedy tokens equal (bf16:
+    away from ties)."""
     runner, pool = loaded.runner, loaded.runner.lora
     assert pool is not None
     fused = runner.hooks.fused_decode
@@ -190,11 +194,16 @@ def test_fused_decode_adds_each_rows_adapter_like_the_torch_forward(
     reference = torch_logits(loaded, step)
     err = relative(got, reference)
     assert err < TOLERANCE[dtype], (err, dtype)
+    if dtype == "bfloat16":  # against the same two forwards' gap without adapters
+        pool.batch.set_rows([-1] * rows, torch.device("cpu"))
+        base_gap = relative(base_only, torch_logits(loaded, step))
+        pool.batch.set_rows(row_slots, torch.device("cpu"))
+        assert err <= BF16_LORA_OVER_BASE * base_gap + 1e-3, (err, base_gap)
     adapter_rows = [i for i, s in enumerate(row_slots) if s >= 0]
     base_rows = [i for i, s in enumerate(row_slots) if s < 0]
     if adapter_rows:
         effect = relative(base_only[adapter_rows], reference[adapter_rows])
-        assert effect > 20 * TOLERANCE[dtype], (effect, "the adapters barely move the logits")
+        assert effect > 6 * TOLERANCE[dtype], (effect, "the adapters barely move the logits")
         assert relative(got[adapter_rows], reference[adapter_rows]) < TOLERANCE[dtype]
     if base_rows:  # base rows take nothing from the adapters
         assert relative(got[base_rows], base_only[base_rows]) < 1e-6
