@@ -42,10 +42,24 @@
 #define T float
 #include "cpu_decode_steps.inc.c"
 
-/* The LoRA update of kernels/cpu_lora.c (the same template) for the forwards' float32
- * activations over T factors: lora_run_fused_bf16 / _f32, called inside their parallel region
- * after each projection a step with adapter rows. */
+/* The LoRA update of kernels/cpu_lora.c (the same template) into the forwards' float32
+ * activations from T factors, called inside their parallel region after each projection of a
+ * step with adapter rows: lora_run_fused_bf16 / _f32 over float32 x, and lora_run_amx_bf16
+ * over the bf16 copy of x the AMX forward's products make (AVX-512-BF16 dot products where
+ * the build has them, as cpu_lora.c's bf16 update). */
 #define LORA_NO_ENTRY
+#define LORA_OUT_F32
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+#define LORA_NAME amx_bf16
+#define SUFFIX bf16
+#define T uint16_t
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define LORA_DPBF16 1
+#endif
+#include "cpu_lora.inc.c"
+#undef LORA_DPBF16
+#undef LORA_NAME
+#endif
 #define LORA_X_F32
 #define LORA_NAME fused_bf16
 #define SUFFIX bf16
@@ -58,6 +72,7 @@
 #include "cpu_lora.inc.c"
 #undef LORA_NAME
 #undef LORA_X_F32
+#undef LORA_OUT_F32
 #undef LORA_NO_ENTRY
 
 #define SUFFIX bf16

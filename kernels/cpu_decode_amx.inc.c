@@ -104,6 +104,17 @@ static void amx_products(const uint16_t *a, int64_t a_stride_bytes, const uint16
 
 static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
+/* Layer `layer`'s LoRA update of one kind of linear (LK_*, cpu_lora.h) after its product: x
+ * read from `a`, the product's bf16 copy of its input (rows round_up(in, 32) apart: the
+ * shapes' x strides say so), out float32. */
+static void amx_lora(const int64_t *lora, const int64_t *shapes, int64_t layer, int kind,
+                     const uint16_t *a, float *out, const LoraPlan *plan) {
+    const int64_t *factors = lora + LORA_HEADER + (layer * LK_COUNT + kind) * 2;
+    lora_run_amx_bf16(shapes + kind * L_FIELDS, a, out, (const uint16_t *)(intptr_t)factors[0],
+                      (const uint16_t *)(intptr_t)factors[1], plan,
+                      lora + kind * LORA_KIND_FIELDS + L_FIELDS);
+}
+
 /* x [batch, k] float32 -> a [rows_pad, k_pad] bf16, zeros past batch and k (split across the
  * team; its loop's barrier ends it). */
 static void amx_activations(const float *x, int64_t batch, int64_t k, uint16_t *a,
@@ -207,6 +218,8 @@ int decode_forward_amx_bf16(const int64_t *shape, const int64_t *layer_ptrs,
     const int adapters = lora_fused_begin(lora, lora_slots, s->batch, s->threads, lora_shapes,
                                           &plan);
     if (adapters < 0) return -1;
+    for (int k = 0; adapters && k < LK_COUNT; k++)
+        lora_shapes[k * L_FIELDS + L_X_STRIDE] = round_up(lora_shapes[k * L_FIELDS + L_IN], 32);
     size_t floats = (size_t)s->batch * (hs + qkv_w + q_w + s->inter) + attention_scratch_floats(s);
     if (adapters) floats += (size_t)s->batch * 2 * s->inter;
     float *scratch = calloc(floats, sizeof(float)); /* zeros: the split's counters */
@@ -235,22 +248,22 @@ int decode_forward_amx_bf16(const int64_t *shape, const int64_t *layer_ptrs,
             rms_norm_bf16(hidden, (const uint16_t *)(intptr_t)p[P_LN1], normed, s->batch, hs, eps);
             amx_matmul(normed, (const uint16_t *)(intptr_t)p[P_WQKV],
                        (const uint16_t *)(intptr_t)p[P_BQKV], qkv, s->batch, qkv_w, hs, 0, a);
-            if (adapters) fused_lora_bf16(lora, lora_shapes, layer, LK_QKV, normed, qkv, &plan);
+            if (adapters) amx_lora(lora, lora_shapes, layer, LK_QKV, a, qkv, &plan);
             rope_attention_bf16(qkv, cos_table, sin_table, positions, slots, k_cache, v_cache,
                                 tables, seq_lens, s, scale, attn, split);
             amx_matmul(attn, (const uint16_t *)(intptr_t)p[P_WO], NULL, hidden, s->batch, hs,
                        q_w, 1, a);
-            if (adapters) fused_lora_bf16(lora, lora_shapes, layer, LK_O, attn, hidden, &plan);
+            if (adapters) amx_lora(lora, lora_shapes, layer, LK_O, a, hidden, &plan);
             rms_norm_bf16(hidden, (const uint16_t *)(intptr_t)p[P_LN2], normed, s->batch, hs, eps);
             amx_gate_up(normed, (const uint16_t *)(intptr_t)p[P_WGU], act, gate_up, s->batch,
                         s->inter, hs, a);
             if (adapters) {
-                fused_lora_bf16(lora, lora_shapes, layer, LK_GATE_UP, normed, gate_up, &plan);
+                amx_lora(lora, lora_shapes, layer, LK_GATE_UP, a, gate_up, &plan);
                 lora_silu_mul(gate_up, act, s->batch, s->inter);
             }
             amx_matmul(act, (const uint16_t *)(intptr_t)p[P_WDOWN], NULL, hidden, s->batch, hs,
                        s->inter, 1, a);
-            if (adapters) fused_lora_bf16(lora, lora_shapes, layer, LK_DOWN, act, hidden, &plan);
+            if (adapters) amx_lora(lora, lora_shapes, layer, LK_DOWN, a, hidden, &plan);
         }
         rms_norm_bf16(hidden, final_norm, normed, s->batch, hs, eps);
         amx_matmul(normed, lm_head, NULL, logits, s->batch, s->vocab, hs, 0, a);

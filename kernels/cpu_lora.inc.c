@@ -2,9 +2,11 @@
  * AVX-512-BF16 pair dot products): the batched LoRA update of cpu_lora.c.
  *
  * Optional parameters, for the fused decode forwards (cpu_decode.c), whose activations are
- * float32 over T weights: LORA_X_F32 makes x and out float32 (the factors stay T), LORA_NAME
- * names the instance's functions in place of SUFFIX, and LORA_NO_ENTRY leaves out lora_update
- * (its own parallel region): the forwards call lora_run inside theirs. */
+ * float32 over T weights: LORA_OUT_F32 makes out float32 and LORA_X_F32 x too (the factors
+ * stay T; the AMX forward passes its products' bf16 copy of x, so its shrink keeps the
+ * AVX-512-BF16 pair dot products), LORA_NAME names the instance's functions in place of
+ * SUFFIX, and LORA_NO_ENTRY leaves out lora_update (its own parallel region): the forwards
+ * call lora_run inside theirs. */
 #if !defined(SUFFIX) || !defined(T)
 #error "define SUFFIX and T before including this template (cpu_template.h)"
 #endif
@@ -20,19 +22,29 @@
 #else
 #define LFN(name) FN(name)
 #endif
-/* x and out: XT, read and written with XLOAD / XLOADV / XSTORE / XSTOREV. */
+/* x: XT, read with XLOAD / XLOADV; out: OT, read and written with OLOAD / OLOADV / OSTORE /
+ * OSTOREV. */
 #ifdef LORA_X_F32
 #define XT float
 #define XLOAD f32_load
 #define XLOADV f32_loadv
-#define XSTORE f32_store
-#define XSTOREV f32_storev
 #else
 #define XT T
 #define XLOAD LOAD
 #define XLOADV LOADV
-#define XSTORE STORE
-#define XSTOREV STOREV
+#endif
+#ifdef LORA_OUT_F32
+#define OT float
+#define OLOAD f32_load
+#define OLOADV f32_loadv
+#define OSTORE f32_store
+#define OSTOREV f32_storev
+#else
+#define OT T
+#define OLOAD LOAD
+#define OLOADV LOADV
+#define OSTORE STORE
+#define OSTOREV STOREV
 #endif
 
 /* t[b * width + c] = x_b . a_c for the item's nb rows and the slot's width factor rows: dot
@@ -102,7 +114,7 @@ static ALWAYS_INLINE void LFN(lora_shrink)(const XT *const *xr, const T *a, int6
 /* out_b[j0, j1) += sum over factor columns [c0, c1) of t[b][c] * b_t[c][j0, j1): each factor
  * vector loaded once for the nb rows, LORA_COLS_V vectors of columns per block held in
  * registers over the part's rank, the output read and rounded once. */
-static ALWAYS_INLINE void LFN(lora_expand)(XT *const *orow, const float *t, int64_t width,
+static ALWAYS_INLINE void LFN(lora_expand)(OT *const *orow, const float *t, int64_t width,
                                           const T *bt, int64_t n_out, int64_t c0, int64_t c1,
                                           int64_t j0, int64_t j1, const int nb) {
     int64_t j = j0;
@@ -121,8 +133,8 @@ static ALWAYS_INLINE void LFN(lora_expand)(XT *const *orow, const float *t, int6
         }
         for (int b = 0; b < nb; b++)
             for (int q = 0; q < LORA_COLS_V; q++) {
-                XT *o = orow[b] + j + q * VW;
-                XSTOREV(o, XLOADV(o) + acc[b][q]);
+                OT *o = orow[b] + j + q * VW;
+                OSTOREV(o, OLOADV(o) + acc[b][q]);
             }
     }
     for (; j + VW <= j1; j += VW) {
@@ -132,26 +144,26 @@ static ALWAYS_INLINE void LFN(lora_expand)(XT *const *orow, const float *t, int6
             vf w = LOADV(bt + c * n_out + j);
             for (int b = 0; b < nb; b++) acc[b] += t[b * width + c] * w;
         }
-        for (int b = 0; b < nb; b++) XSTOREV(orow[b] + j, XLOADV(orow[b] + j) + acc[b]);
+        for (int b = 0; b < nb; b++) OSTOREV(orow[b] + j, OLOADV(orow[b] + j) + acc[b]);
     }
     for (; j < j1; j++) {
         for (int b = 0; b < nb; b++) {
             float s = 0.0f;
             for (int64_t c = c0; c < c1; c++) s += t[b * width + c] * LOAD(bt[c * n_out + j]);
-            orow[b][j] = XSTORE(XLOAD(orow[b][j]) + s);
+            orow[b][j] = OSTORE(OLOAD(orow[b][j]) + s);
         }
     }
 }
 
 /* One work item: nb rows (indices `rows`) of one slot, output columns [j0, j1). */
-static ALWAYS_INLINE void LFN(lora_item)(const int64_t *shape, const XT *x, XT *out,
+static ALWAYS_INLINE void LFN(lora_item)(const int64_t *shape, const XT *x, OT *out,
                                         const T *a_slot, const T *bt_slot, const int32_t *rows,
                                         const int64_t *parts, int64_t j0, int64_t j1,
                                         const int nb) {
     const int64_t k = shape[L_IN], n_out = shape[L_OUT], width = shape[L_WIDTH];
     const int64_t rank = shape[L_RANK];
     const XT *xr[LORA_ROWS];
-    XT *orow[LORA_ROWS];
+    OT *orow[LORA_ROWS];
     for (int b = 0; b < nb; b++) {
         xr[b] = x + rows[b] * shape[L_X_STRIDE];
         orow[b] = out + rows[b] * shape[L_OUT_STRIDE];
@@ -169,7 +181,7 @@ static ALWAYS_INLINE void LFN(lora_item)(const int64_t *shape, const XT *x, XT *
 /* The update of every row the plan holds (module comment, cpu_lora.c), its tasks shared over
  * the calling team: inside a parallel region (the fused forwards) or from lora_update's own.
  * An orphaned worksharing loop: its closing barrier ends the update for the whole team. */
-static void LFN(lora_run)(const int64_t *shape, const XT *x, XT *out, const T *a, const T *bt,
+static void LFN(lora_run)(const int64_t *shape, const XT *x, OT *out, const T *a, const T *bt,
                           const LoraPlan *plan, const int64_t *parts) {
     const int64_t width = shape[L_WIDTH], k = shape[L_IN], n_out = shape[L_OUT];
     const int64_t items = plan->items;
@@ -211,7 +223,7 @@ static void LFN(lora_run)(const int64_t *shape, const XT *x, XT *out, const T *a
 #ifndef LORA_NO_ENTRY
 /* The update of every row of `slot_of_row` >= 0 in one call (its own parallel region, a team
  * no larger than its tasks). Returns 0, or -1 when out of memory for the row order. */
-int LFN(lora_update)(const int64_t *shape, const XT *x, XT *out, const T *a, const T *bt,
+int LFN(lora_update)(const int64_t *shape, const XT *x, OT *out, const T *a, const T *bt,
                      const int32_t *slot_of_row, const int64_t *parts) {
     LoraPlan plan;
     if (lora_plan_build(&plan, slot_of_row, shape[L_ROWS], shape[L_SLOTS]) != 0) return -1;
@@ -232,7 +244,10 @@ int LFN(lora_update)(const int64_t *shape, const XT *x, XT *out, const T *a, con
 #undef XT
 #undef XLOAD
 #undef XLOADV
-#undef XSTORE
-#undef XSTOREV
+#undef OT
+#undef OLOAD
+#undef OLOADV
+#undef OSTORE
+#undef OSTOREV
 #undef SUFFIX
 #undef T
