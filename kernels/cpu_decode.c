@@ -18,7 +18,8 @@
  * here: cpu_decode_steps.inc.c (norm, rotary, attention: shared with cpu_quant.c, which
  * instantiates it too), cpu_decode_forward.inc.c (the matvecs and the forward),
  * cpu_decode_ops.inc.c (the torch forward's element-wise steps); cpu_decode_amx.inc.c, the bf16
- * forward on AMX tiles over tile-packed weights (a stub where the build does not target AMX). Each library is one
+ * forward on AMX tiles over tile-packed weights (a stub where the build does not target AMX);
+ * cpu_lora.inc.c, the LoRA update both forwards add after each projection. Each library is one
  * translation unit, one compiler call: every helper inlines into the loops that call it
  * without link-time optimization, and each library's cache key is its own file and what it
  * includes (cpu_native.py).
@@ -40,6 +41,39 @@
 #define SUFFIX f32
 #define T float
 #include "cpu_decode_steps.inc.c"
+
+/* The LoRA update of kernels/cpu_lora.c (the same template) into the forwards' float32
+ * activations from T factors, called inside their parallel region after each projection of a
+ * step with adapter rows: lora_run_fused_bf16 / _f32 over float32 x, and lora_run_amx_bf16
+ * over the bf16 copy of x the AMX forward's products make (AVX-512-BF16 dot products where
+ * the build has them, as cpu_lora.c's bf16 update). */
+#define LORA_NO_ENTRY
+#define LORA_OUT_F32
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+#define LORA_NAME amx_bf16
+#define SUFFIX bf16
+#define T uint16_t
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define LORA_DPBF16 1
+#endif
+#include "cpu_lora.inc.c"
+#undef LORA_DPBF16
+#undef LORA_NAME
+#endif
+#define LORA_X_F32
+#define LORA_NAME fused_bf16
+#define SUFFIX bf16
+#define T uint16_t
+#include "cpu_lora.inc.c"
+#undef LORA_NAME
+#define LORA_NAME fused_f32
+#define SUFFIX f32
+#define T float
+#include "cpu_lora.inc.c"
+#undef LORA_NAME
+#undef LORA_X_F32
+#undef LORA_OUT_F32
+#undef LORA_NO_ENTRY
 
 #define SUFFIX bf16
 #define T uint16_t

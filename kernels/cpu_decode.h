@@ -18,17 +18,20 @@ typedef struct {
 
 /* The whole decode forward (cpu_decode_forward.inc.c): `shape` a Shape, `layer_ptrs` P_COUNT
  * pointers a layer; hidden [batch, hidden] holds the token embeddings on entry, logits
- * [batch, vocab] receive the LM head's output. Returns 0, or -1 if out of memory. */
+ * [batch, vocab] receive the LM head's output. `lora` (a descriptor, cpu_lora.h) and
+ * `lora_slots` (each row's adapter slot, -1: the base model) add the adapter rows' low-rank
+ * updates after each projection; NULL: none. Returns 0, or -1 if out of memory. */
 int decode_forward_bf16(const int64_t *shape, const int64_t *layer_ptrs,
                         const uint16_t *final_norm, const uint16_t *lm_head,
                         const float *cos_table, const float *sin_table, const int64_t *positions,
                         const int64_t *slots, const int32_t *tables, const int32_t *seq_lens,
-                        float eps, float scale, float *hidden, float *logits);
+                        float eps, float scale, float *hidden, float *logits,
+                        const int64_t *lora, const int32_t *lora_slots);
 int decode_forward_f32(const int64_t *shape, const int64_t *layer_ptrs, const float *final_norm,
                        const float *lm_head, const float *cos_table, const float *sin_table,
                        const int64_t *positions, const int64_t *slots, const int32_t *tables,
                        const int32_t *seq_lens, float eps, float scale, float *hidden,
-                       float *logits);
+                       float *logits, const int64_t *lora, const int32_t *lora_slots);
 
 /* The bf16 forward with AMX tile products (cpu_decode_amx.inc.c): the arguments of
  * decode_forward_bf16, every product's weight tile-packed (appliance.cpu.amx_weights). Only
@@ -38,7 +41,8 @@ int decode_forward_amx_bf16(const int64_t *shape, const int64_t *layer_ptrs,
                             const float *cos_table, const float *sin_table,
                             const int64_t *positions, const int64_t *slots,
                             const int32_t *tables, const int32_t *seq_lens, float eps,
-                            float scale, float *hidden, float *logits);
+                            float scale, float *hidden, float *logits, const int64_t *lora,
+                            const int32_t *lora_slots);
 int amx_compiled(void);
 int amx_request_tiles(void);
 

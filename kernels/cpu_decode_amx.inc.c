@@ -23,6 +23,7 @@
 #include "cpu_decode.h"
 #include "cpu_decode_attention.h"
 #include "cpu_decode_simd.h"
+#include "cpu_lora.h"
 
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
 #include <immintrin.h>
@@ -103,6 +104,17 @@ static void amx_products(const uint16_t *a, int64_t a_stride_bytes, const uint16
 
 static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
+/* Layer `layer`'s LoRA update of one kind of linear (LK_*, cpu_lora.h) after its product: x
+ * read from `a`, the product's bf16 copy of its input (rows round_up(in, 32) apart: the
+ * shapes' x strides say so), out float32. */
+static void amx_lora(const int64_t *lora, const int64_t *shapes, int64_t layer, int kind,
+                     const uint16_t *a, float *out, const LoraPlan *plan) {
+    const int64_t *factors = lora + LORA_HEADER + (layer * LK_COUNT + kind) * 2;
+    lora_run_amx_bf16(shapes + kind * L_FIELDS, a, out, (const uint16_t *)(intptr_t)factors[0],
+                      (const uint16_t *)(intptr_t)factors[1], plan,
+                      lora + kind * LORA_KIND_FIELDS + L_FIELDS);
+}
+
 /* x [batch, k] float32 -> a [rows_pad, k_pad] bf16, zeros past batch and k (split across the
  * team; its loop's barrier ends it). */
 static void amx_activations(const float *x, int64_t batch, int64_t k, uint16_t *a,
@@ -150,9 +162,11 @@ static void amx_matmul(const float *x, const uint16_t *w, const uint16_t *bias, 
 }
 
 /* act[b, i] = silu(gate_i . x) * (up_i . x), w the interleaved gate|up packing: work item j
- * is gate block j and up block j (blocks 2j, 2j+1). */
-static void amx_gate_up(const float *x, const uint16_t *w, float *act, int64_t batch,
-                        int64_t inter, int64_t k, uint16_t *a) {
+ * is gate block j and up block j (blocks 2j, 2j+1). With `pre` (a step with adapter rows, whose
+ * gate|up update lands before the SiLU) the pre-activations go there instead, [gate | up] a
+ * row as the unpacked weight lays them out, and act is left alone. */
+static void amx_gate_up(const float *x, const uint16_t *w, float *act, float *pre,
+                        int64_t batch, int64_t inter, int64_t k, uint16_t *a) {
     const int64_t k_pad = round_up(k, 32), rows_pad = round_up(batch, 16);
     const int64_t k_blocks = k_pad / 32;
     amx_activations(x, batch, k, a, rows_pad, k_pad);
@@ -164,9 +178,16 @@ static void amx_gate_up(const float *x, const uint16_t *w, float *act, int64_t b
             const int64_t rows = batch - r0 < AMX_PASS_ROWS ? batch - r0 : AMX_PASS_ROWS;
             amx_products(a + r0 * k_pad, k_pad * 2, g, u, k_blocks, (rows + 15) / 16, out);
             for (int64_t i = 0; i < rows; i++)
-                for (int64_t c = 0; c < 16 && j * 16 + c < inter; c++)
-                    act[(r0 + i) * inter + j * 16 + c] =
-                        silu(out[i * 32 + c]) * out[i * 32 + 16 + c];
+                for (int64_t c = 0; c < 16 && j * 16 + c < inter; c++) {
+                    if (pre) {
+                        float *row = pre + (r0 + i) * 2 * inter + j * 16 + c;
+                        row[0] = out[i * 32 + c];
+                        row[inter] = out[i * 32 + 16 + c];
+                    } else {
+                        act[(r0 + i) * inter + j * 16 + c] =
+                            silu(out[i * 32 + c]) * out[i * 32 + 16 + c];
+                    }
+                }
         }
     }
 }
@@ -179,18 +200,28 @@ int amx_request_tiles(void) {
     return 0;
 }
 
-/* The forward of decode_forward_bf16 (same arguments, same scratch layout) with the weights
- * of every product tile-packed (qkv, o, gate|up interleaved, down, LM head). */
+/* The forward of decode_forward_bf16 (same arguments, same scratch layout, the same LoRA
+ * updates from the same slot factors, unpacked) with the weights of every product tile-packed
+ * (qkv, o, gate|up interleaved, down, LM head). */
 int decode_forward_amx_bf16(const int64_t *shape, const int64_t *layer_ptrs,
                             const uint16_t *final_norm, const uint16_t *lm_head,
                             const float *cos_table, const float *sin_table,
                             const int64_t *positions, const int64_t *slots,
                             const int32_t *tables, const int32_t *seq_lens, float eps,
-                            float scale, float *hidden, float *logits) {
+                            float scale, float *hidden, float *logits, const int64_t *lora,
+                            const int32_t *lora_slots) {
     const Shape *s = (const Shape *)shape;
     const int64_t hs = s->hidden, qkv_w = (s->heads + 2 * s->kv_heads) * s->head_dim;
     const int64_t q_w = s->heads * s->head_dim;
+    LoraPlan plan;
+    int64_t lora_shapes[LK_COUNT * L_FIELDS];
+    const int adapters = lora_fused_begin(lora, lora_slots, s->batch, s->threads, lora_shapes,
+                                          &plan);
+    if (adapters < 0) return -1;
+    for (int k = 0; adapters && k < LK_COUNT; k++)
+        lora_shapes[k * L_FIELDS + L_X_STRIDE] = round_up(lora_shapes[k * L_FIELDS + L_IN], 32);
     size_t floats = (size_t)s->batch * (hs + qkv_w + q_w + s->inter) + attention_scratch_floats(s);
+    if (adapters) floats += (size_t)s->batch * 2 * s->inter;
     float *scratch = calloc(floats, sizeof(float)); /* zeros: the split's counters */
     /* The bf16 A rows of the widest product input (hidden, q heads or intermediate). */
     int64_t widest = hs > q_w ? hs : q_w;
@@ -200,11 +231,13 @@ int decode_forward_amx_bf16(const int64_t *shape, const int64_t *layer_ptrs,
     if (!scratch || !a) {
         free(scratch);
         free(a);
+        if (adapters) lora_plan_free(&plan);
         return -1;
     }
     float *normed = scratch, *qkv = normed + s->batch * hs;
     float *attn = qkv + s->batch * qkv_w, *act = attn + s->batch * q_w;
     float *split = act + s->batch * s->inter;
+    float *gate_up = adapters ? split + attention_scratch_floats(s) : NULL;
     #pragma omp parallel num_threads(s->threads)
     {
         amx_configure();
@@ -215,20 +248,28 @@ int decode_forward_amx_bf16(const int64_t *shape, const int64_t *layer_ptrs,
             rms_norm_bf16(hidden, (const uint16_t *)(intptr_t)p[P_LN1], normed, s->batch, hs, eps);
             amx_matmul(normed, (const uint16_t *)(intptr_t)p[P_WQKV],
                        (const uint16_t *)(intptr_t)p[P_BQKV], qkv, s->batch, qkv_w, hs, 0, a);
+            if (adapters) amx_lora(lora, lora_shapes, layer, LK_QKV, a, qkv, &plan);
             rope_attention_bf16(qkv, cos_table, sin_table, positions, slots, k_cache, v_cache,
                                 tables, seq_lens, s, scale, attn, split);
             amx_matmul(attn, (const uint16_t *)(intptr_t)p[P_WO], NULL, hidden, s->batch, hs,
                        q_w, 1, a);
+            if (adapters) amx_lora(lora, lora_shapes, layer, LK_O, a, hidden, &plan);
             rms_norm_bf16(hidden, (const uint16_t *)(intptr_t)p[P_LN2], normed, s->batch, hs, eps);
-            amx_gate_up(normed, (const uint16_t *)(intptr_t)p[P_WGU], act, s->batch, s->inter,
-                        hs, a);
+            amx_gate_up(normed, (const uint16_t *)(intptr_t)p[P_WGU], act, gate_up, s->batch,
+                        s->inter, hs, a);
+            if (adapters) {
+                amx_lora(lora, lora_shapes, layer, LK_GATE_UP, a, gate_up, &plan);
+                lora_silu_mul(gate_up, act, s->batch, s->inter);
+            }
             amx_matmul(act, (const uint16_t *)(intptr_t)p[P_WDOWN], NULL, hidden, s->batch, hs,
                        s->inter, 1, a);
+            if (adapters) amx_lora(lora, lora_shapes, layer, LK_DOWN, a, hidden, &plan);
         }
         rms_norm_bf16(hidden, final_norm, normed, s->batch, hs, eps);
         amx_matmul(normed, lm_head, NULL, logits, s->batch, s->vocab, hs, 0, a);
         _tile_release();
     }
+    if (adapters) lora_plan_free(&plan);
     free(a);
     free(scratch);
     return 0;
@@ -243,7 +284,9 @@ int decode_forward_amx_bf16(const int64_t *shape, const int64_t *layer_ptrs,
                             const float *cos_table, const float *sin_table,
                             const int64_t *positions, const int64_t *slots,
                             const int32_t *tables, const int32_t *seq_lens, float eps,
-                            float scale, float *hidden, float *logits) {
+                            float scale, float *hidden, float *logits, const int64_t *lora,
+                            const int32_t *lora_slots) {
+    (void)lora, (void)lora_slots;
     (void)shape, (void)layer_ptrs, (void)final_norm, (void)lm_head, (void)cos_table;
     (void)sin_table, (void)positions, (void)slots, (void)tables, (void)seq_lens, (void)eps;
     (void)scale, (void)hidden, (void)logits;

@@ -11,6 +11,7 @@
 #include "cpu_decode.h"
 #include "cpu_decode_attention.h"
 #include "cpu_decode_simd.h"
+#include "cpu_lora.h"
 #include "cpu_template.h"
 
 /* out[b] = row . x[b, :] for nb <= XROWS rows of x: one weight load feeds nb independent
@@ -80,23 +81,48 @@ static void FN(gate_up)(const float *x, const T *w, float *act, int64_t batch,
     }
 }
 
+/* Layer `layer`'s LoRA update of one kind of linear (LK_*, descriptor `lora`, cpu_lora.h):
+ * out[b] += x[b] A_s^T B_s^T for each row b of slot s >= 0 in the plan, over the team. */
+static void FN(fused_lora)(const int64_t *lora, const int64_t *shapes, int64_t layer, int kind,
+                           const float *x, float *out, const LoraPlan *plan) {
+    const int64_t *factors = lora + LORA_HEADER + (layer * LK_COUNT + kind) * 2;
+    TPL_CAT(lora_run_fused_, SUFFIX)(shapes + kind * L_FIELDS, x, out,
+                                     (const T *)(intptr_t)factors[0],
+                                     (const T *)(intptr_t)factors[1], plan,
+                                     lora + kind * LORA_KIND_FIELDS + L_FIELDS);
+}
+
 /* The whole decode forward. hidden [batch, hidden] holds the token embeddings on entry;
- * logits [batch, vocab] receive the LM head's output. Returns 0, or -1 if out of memory. */
+ * logits [batch, vocab] receive the LM head's output. With `lora` (a descriptor, cpu_lora.h)
+ * and `lora_slots` (each row's slot, -1: the base model) each projection adds its adapter
+ * rows' low-rank updates; NULL: none, the forward unchanged. Returns 0, or -1 if out of
+ * memory. */
 int FN(decode_forward)(const int64_t *shape, const int64_t *layer_ptrs,
                        const T *final_norm, const T *lm_head, const float *cos_table,
                        const float *sin_table, const int64_t *positions,
                        const int64_t *slots, const int32_t *tables,
                        const int32_t *seq_lens, float eps, float scale, float *hidden,
-                       float *logits) {
+                       float *logits, const int64_t *lora, const int32_t *lora_slots) {
     const Shape *s = (const Shape *)shape;
     const int64_t hs = s->hidden, qkv_w = (s->heads + 2 * s->kv_heads) * s->head_dim;
     const int64_t q_w = s->heads * s->head_dim;
+    LoraPlan plan;
+    int64_t lora_shapes[LK_COUNT * L_FIELDS];
+    const int adapters = lora_fused_begin(lora, lora_slots, s->batch, s->threads, lora_shapes,
+                                          &plan);
+    if (adapters < 0) return -1;
+    /* With adapter rows, gate|up's pre-activations too: its update lands before the SiLU. */
     size_t floats = (size_t)s->batch * (hs + qkv_w + q_w + s->inter) + attention_scratch_floats(s);
+    if (adapters) floats += (size_t)s->batch * 2 * s->inter;
     float *scratch = calloc(floats, sizeof(float)); /* zeros: the split's counters */
-    if (!scratch) return -1;
+    if (!scratch) {
+        if (adapters) lora_plan_free(&plan);
+        return -1;
+    }
     float *normed = scratch, *qkv = normed + s->batch * hs;
     float *attn = qkv + s->batch * qkv_w, *act = attn + s->batch * q_w;
     float *split = act + s->batch * s->inter;
+    float *gate_up = split + attention_scratch_floats(s);
     #pragma omp parallel num_threads(s->threads)
     {
         for (int64_t layer = 0; layer < s->layers; layer++) {
@@ -106,20 +132,32 @@ int FN(decode_forward)(const int64_t *shape, const int64_t *layer_ptrs,
                          eps);
             FN(matvec)(normed, (const T *)(intptr_t)p[P_WQKV],
                        (const T *)(intptr_t)p[P_BQKV], qkv, s->batch, qkv_w, hs, 0);
+            if (adapters) FN(fused_lora)(lora, lora_shapes, layer, LK_QKV, normed, qkv, &plan);
             FN(rope_attention)(qkv, cos_table, sin_table, positions, slots, k_cache,
                                v_cache, tables, seq_lens, s, scale, attn, split);
             FN(matvec)(attn, (const T *)(intptr_t)p[P_WO], NULL, hidden, s->batch, hs,
                        q_w, 1);
+            if (adapters) FN(fused_lora)(lora, lora_shapes, layer, LK_O, attn, hidden, &plan);
             FN(rms_norm)(hidden, (const T *)(intptr_t)p[P_LN2], normed, s->batch, hs,
                          eps);
-            FN(gate_up)(normed, (const T *)(intptr_t)p[P_WGU], act, s->batch,
-                        s->inter, hs);
+            if (adapters) {
+                /* gate|up's rows are gate's then up's: one matvec gives [gate | up]. */
+                FN(matvec)(normed, (const T *)(intptr_t)p[P_WGU], NULL, gate_up, s->batch,
+                           2 * s->inter, hs, 0);
+                FN(fused_lora)(lora, lora_shapes, layer, LK_GATE_UP, normed, gate_up, &plan);
+                lora_silu_mul(gate_up, act, s->batch, s->inter);
+            } else {
+                FN(gate_up)(normed, (const T *)(intptr_t)p[P_WGU], act, s->batch,
+                            s->inter, hs);
+            }
             FN(matvec)(act, (const T *)(intptr_t)p[P_WDOWN], NULL, hidden, s->batch,
                        hs, s->inter, 1);
+            if (adapters) FN(fused_lora)(lora, lora_shapes, layer, LK_DOWN, act, hidden, &plan);
         }
         FN(rms_norm)(hidden, final_norm, normed, s->batch, hs, eps);
         FN(matvec)(normed, lm_head, NULL, logits, s->batch, s->vocab, hs, 0);
     }
+    if (adapters) lora_plan_free(&plan);
     free(scratch);
     return 0;
 }

@@ -24,26 +24,7 @@
 #include "cpu_decode_simd.h"
 #include "cpu_template.h"
 
-/* The shape vector's fields, in kernels/cpu_lora.py's LORA_SHAPE_FIELDS order. */
-enum {
-    L_ROWS,       /* rows of x and out */
-    L_IN,         /* in features (columns of x and a) */
-    L_OUT,        /* out features (columns of out and b_t) */
-    L_X_STRIDE,   /* elements between rows of x */
-    L_OUT_STRIDE, /* elements between rows of out */
-    L_WIDTH,      /* factor rows a slot holds (rank x parts) */
-    L_RANK,       /* factor rows of one part */
-    L_PARTS,      /* parts of the merged projection (pairs in `parts`) */
-    L_SLOTS,      /* slots of the pool */
-    L_THREADS,
-    L_FIELDS
-};
-
-/* Rows of one slot a work item takes: 8 rows x 2 column vectors of accumulators in the expand
- * (16 registers), each factor vector loaded (and widened from bf16) once for the 8. */
-#define LORA_ROWS 8
-/* Output columns of one expand block: LORA_COLS_V vectors. */
-#define LORA_COLS_V 2
+#include "cpu_lora.h"
 
 #define SUFFIX bf16
 #define T uint16_t

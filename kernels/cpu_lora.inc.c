@@ -1,5 +1,12 @@
 /* Template (cpu_template.h; parameters SUFFIX and T, and LORA_DPBF16 for a bf16 shrink in
- * AVX-512-BF16 pair dot products): the batched LoRA update of cpu_lora.c. */
+ * AVX-512-BF16 pair dot products): the batched LoRA update of cpu_lora.c.
+ *
+ * Optional parameters, for the fused decode forwards (cpu_decode.c), whose activations are
+ * float32 over T weights: LORA_OUT_F32 makes out float32 and LORA_X_F32 x too (the factors
+ * stay T; the AMX forward passes its products' bf16 copy of x, so its shrink keeps the
+ * AVX-512-BF16 pair dot products), LORA_NAME names the instance's functions in place of
+ * SUFFIX, and LORA_NO_ENTRY leaves out lora_update (its own parallel region): the forwards
+ * call lora_run inside theirs. */
 #if !defined(SUFFIX) || !defined(T)
 #error "define SUFFIX and T before including this template (cpu_template.h)"
 #endif
@@ -7,14 +14,45 @@
 #include <omp.h>
 
 #include "cpu_decode_simd.h"
+#include "cpu_lora.h"
 #include "cpu_template.h"
+
+#ifdef LORA_NAME
+#define LFN(name) TPL_CAT(name##_, LORA_NAME)
+#else
+#define LFN(name) FN(name)
+#endif
+/* x: XT, read with XLOAD / XLOADV; out: OT, read and written with OLOAD / OLOADV / OSTORE /
+ * OSTOREV. */
+#ifdef LORA_X_F32
+#define XT float
+#define XLOAD f32_load
+#define XLOADV f32_loadv
+#else
+#define XT T
+#define XLOAD LOAD
+#define XLOADV LOADV
+#endif
+#ifdef LORA_OUT_F32
+#define OT float
+#define OLOAD f32_load
+#define OLOADV f32_loadv
+#define OSTORE f32_store
+#define OSTOREV f32_storev
+#else
+#define OT T
+#define OLOAD LOAD
+#define OLOADV LOADV
+#define OSTORE STORE
+#define OSTOREV STOREV
+#endif
 
 /* t[b * width + c] = x_b . a_c for the item's nb rows and the slot's width factor rows: dot
  * products along the in features, two factor rows at a time (each x load feeds both). */
-static ALWAYS_INLINE void FN(lora_shrink)(const T *const *xr, const T *a, int64_t k,
+static ALWAYS_INLINE void LFN(lora_shrink)(const XT *const *xr, const T *a, int64_t k,
                                           int64_t width, float *t, const int nb) {
     int64_t c = 0;
-#ifdef LORA_DPBF16
+#if defined(LORA_DPBF16) && !defined(LORA_X_F32)
     /* 32 bf16 products a lane pair per instruction, summed in float32; the last partial
      * chunk by masked loads (zeros add nothing). */
     const int64_t full = k & ~(int64_t)31;
@@ -55,7 +93,7 @@ static ALWAYS_INLINE void FN(lora_shrink)(const T *const *xr, const T *a, int64_
         for (; j + VW <= k; j += VW) {
             vf w0 = LOADV(a0 + j), w1 = LOADV(a1 + j);
             for (int b = 0; b < nb; b++) {
-                vf xv = LOADV(xr[b] + j);
+                vf xv = XLOADV(xr[b] + j);
                 acc0[b] += w0 * xv;
                 acc1[b] += w1 * xv;
             }
@@ -63,8 +101,8 @@ static ALWAYS_INLINE void FN(lora_shrink)(const T *const *xr, const T *a, int64_
         for (int b = 0; b < nb; b++) {
             float s0 = hsum(acc0[b]), s1 = hsum(acc1[b]);
             for (int64_t jj = j; jj < k; jj++) {
-                s0 += LOAD(a0[jj]) * LOAD(xr[b][jj]);
-                s1 += LOAD(a1[jj]) * LOAD(xr[b][jj]);
+                s0 += LOAD(a0[jj]) * XLOAD(xr[b][jj]);
+                s1 += LOAD(a1[jj]) * XLOAD(xr[b][jj]);
             }
             t[b * width + c] = s0;
             if (pair) t[b * width + c + 1] = s1;
@@ -76,7 +114,7 @@ static ALWAYS_INLINE void FN(lora_shrink)(const T *const *xr, const T *a, int64_
 /* out_b[j0, j1) += sum over factor columns [c0, c1) of t[b][c] * b_t[c][j0, j1): each factor
  * vector loaded once for the nb rows, LORA_COLS_V vectors of columns per block held in
  * registers over the part's rank, the output read and rounded once. */
-static ALWAYS_INLINE void FN(lora_expand)(T *const *orow, const float *t, int64_t width,
+static ALWAYS_INLINE void LFN(lora_expand)(OT *const *orow, const float *t, int64_t width,
                                           const T *bt, int64_t n_out, int64_t c0, int64_t c1,
                                           int64_t j0, int64_t j1, const int nb) {
     int64_t j = j0;
@@ -95,8 +133,8 @@ static ALWAYS_INLINE void FN(lora_expand)(T *const *orow, const float *t, int64_
         }
         for (int b = 0; b < nb; b++)
             for (int q = 0; q < LORA_COLS_V; q++) {
-                T *o = orow[b] + j + q * VW;
-                STOREV(o, LOADV(o) + acc[b][q]);
+                OT *o = orow[b] + j + q * VW;
+                OSTOREV(o, OLOADV(o) + acc[b][q]);
             }
     }
     for (; j + VW <= j1; j += VW) {
@@ -106,81 +144,47 @@ static ALWAYS_INLINE void FN(lora_expand)(T *const *orow, const float *t, int64_
             vf w = LOADV(bt + c * n_out + j);
             for (int b = 0; b < nb; b++) acc[b] += t[b * width + c] * w;
         }
-        for (int b = 0; b < nb; b++) STOREV(orow[b] + j, LOADV(orow[b] + j) + acc[b]);
+        for (int b = 0; b < nb; b++) OSTOREV(orow[b] + j, OLOADV(orow[b] + j) + acc[b]);
     }
     for (; j < j1; j++) {
         for (int b = 0; b < nb; b++) {
             float s = 0.0f;
             for (int64_t c = c0; c < c1; c++) s += t[b * width + c] * LOAD(bt[c * n_out + j]);
-            orow[b][j] = STORE(LOAD(orow[b][j]) + s);
+            orow[b][j] = OSTORE(OLOAD(orow[b][j]) + s);
         }
     }
 }
 
 /* One work item: nb rows (indices `rows`) of one slot, output columns [j0, j1). */
-static ALWAYS_INLINE void FN(lora_item)(const int64_t *shape, const T *x, T *out,
+static ALWAYS_INLINE void LFN(lora_item)(const int64_t *shape, const XT *x, OT *out,
                                         const T *a_slot, const T *bt_slot, const int32_t *rows,
                                         const int64_t *parts, int64_t j0, int64_t j1,
                                         const int nb) {
     const int64_t k = shape[L_IN], n_out = shape[L_OUT], width = shape[L_WIDTH];
     const int64_t rank = shape[L_RANK];
-    const T *xr[LORA_ROWS];
-    T *orow[LORA_ROWS];
+    const XT *xr[LORA_ROWS];
+    OT *orow[LORA_ROWS];
     for (int b = 0; b < nb; b++) {
         xr[b] = x + rows[b] * shape[L_X_STRIDE];
         orow[b] = out + rows[b] * shape[L_OUT_STRIDE];
     }
     float t[LORA_ROWS * width];
-    FN(lora_shrink)(xr, a_slot, k, width, t, nb);
+    LFN(lora_shrink)(xr, a_slot, k, width, t, nb);
     for (int64_t p = 0; p < shape[L_PARTS]; p++) {
         const int64_t lo = parts[2 * p] > j0 ? parts[2 * p] : j0;
         const int64_t end = parts[2 * p] + parts[2 * p + 1];
         const int64_t hi = end < j1 ? end : j1;
-        if (lo < hi) FN(lora_expand)(orow, t, width, bt_slot, n_out, p * rank, (p + 1) * rank, lo, hi, nb);
+        if (lo < hi) LFN(lora_expand)(orow, t, width, bt_slot, n_out, p * rank, (p + 1) * rank, lo, hi, nb);
     }
 }
 
-/* The update of every row of `slot_of_row` >= 0 (module comment, cpu_lora.c). Returns 0, or
- * -1 when out of memory for the row order. */
-int FN(lora_update)(const int64_t *shape, const T *x, T *out, const T *a, const T *bt,
-                    const int32_t *slot_of_row, const int64_t *parts) {
-    const int64_t rows = shape[L_ROWS], slots = shape[L_SLOTS], width = shape[L_WIDTH];
-    const int64_t k = shape[L_IN], n_out = shape[L_OUT];
-    /* The rows in slot order (a counting sort: each slot's rows stay in their order). */
-    int64_t *start = calloc((size_t)slots + 1, sizeof *start);
-    int32_t *order = malloc((size_t)(rows > 0 ? rows : 1) * sizeof *order);
-    if (!start || !order) {
-        free(start);
-        free(order);
-        return -1;
-    }
-    for (int64_t r = 0; r < rows; r++)
-        if (slot_of_row[r] >= 0) start[slot_of_row[r] + 1]++;
-    int64_t items = 0;
-    for (int64_t s = 0; s < slots; s++) {
-        items += (start[s + 1] + LORA_ROWS - 1) / LORA_ROWS;
-        start[s + 1] += start[s];
-    }
-    int64_t *fill = malloc((size_t)slots * sizeof *fill);
-    int64_t *item_first = malloc((size_t)(items > 0 ? items : 1) * 2 * sizeof *item_first);
-    if (!fill || !item_first) {
-        free(start);
-        free(order);
-        free(fill);
-        free(item_first);
-        return -1;
-    }
-    memcpy(fill, start, (size_t)slots * sizeof *fill);
-    for (int64_t r = 0; r < rows; r++)
-        if (slot_of_row[r] >= 0) order[fill[slot_of_row[r]]++] = (int32_t)r;
-    /* Items: (slot, first position in `order`), at most LORA_ROWS rows each. */
-    int64_t n = 0;
-    for (int64_t s = 0; s < slots; s++)
-        for (int64_t i = start[s]; i < start[s + 1]; i += LORA_ROWS) {
-            item_first[2 * n] = s;
-            item_first[2 * n + 1] = i;
-            n++;
-        }
+/* The update of every row the plan holds (module comment, cpu_lora.c), its tasks shared over
+ * the calling team: inside a parallel region (the fused forwards) or from lora_update's own.
+ * An orphaned worksharing loop: its closing barrier ends the update for the whole team. */
+static void LFN(lora_run)(const int64_t *shape, const XT *x, OT *out, const T *a, const T *bt,
+                          const LoraPlan *plan, const int64_t *parts) {
+    const int64_t width = shape[L_WIDTH], k = shape[L_IN], n_out = shape[L_OUT];
+    const int64_t items = plan->items;
     const int64_t threads = shape[L_THREADS] > 0 ? shape[L_THREADS] : 1;
     /* Fewer items than threads: each item's output columns split between threads (in whole
      * vectors), each part recomputing its item's shrink (the smaller half of the work). */
@@ -188,21 +192,20 @@ int FN(lora_update)(const int64_t *shape, const T *x, T *out, const T *a, const 
     const int64_t vecs = (n_out + VW - 1) / VW;
     if (splits > vecs) splits = vecs > 0 ? vecs : 1;
     const int64_t tasks = items * splits;
-    const int team = (int)(tasks < threads ? tasks : threads);
-    #pragma omp parallel for schedule(static) num_threads(team > 0 ? team : 1)
+    #pragma omp for schedule(static)
     for (int64_t task = 0; task < tasks; task++) {
         const int64_t item = task / splits, part = task % splits;
-        const int64_t s = item_first[2 * item], first = item_first[2 * item + 1];
-        const int64_t left = start[s + 1] - first;
+        const int64_t s = plan->item_first[2 * item], first = plan->item_first[2 * item + 1];
+        const int64_t left = plan->start[s + 1] - first;
         const int nb = (int)(left < LORA_ROWS ? left : LORA_ROWS);
         const int64_t j0 = (vecs * part / splits) * VW;
         const int64_t j1e = (vecs * (part + 1) / splits) * VW;
         const int64_t j1 = j1e < n_out ? j1e : n_out;
         const T *a_slot = a + s * width * k;
         const T *bt_slot = bt + s * width * n_out;
-        const int32_t *rows_of = order + first;
+        const int32_t *rows_of = plan->order + first;
         /* nb a constant in each call: the item's loops unroll, its accumulators in registers. */
-#define LORA_ITEM(NB) FN(lora_item)(shape, x, out, a_slot, bt_slot, rows_of, parts, j0, j1, NB)
+#define LORA_ITEM(NB) LFN(lora_item)(shape, x, out, a_slot, bt_slot, rows_of, parts, j0, j1, NB)
         switch (nb) {
             case 1: LORA_ITEM(1); break;
             case 2: LORA_ITEM(2); break;
@@ -215,12 +218,36 @@ int FN(lora_update)(const int64_t *shape, const T *x, T *out, const T *a, const 
         }
 #undef LORA_ITEM
     }
-    free(start);
-    free(order);
-    free(fill);
-    free(item_first);
-    return 0;
 }
 
+#ifndef LORA_NO_ENTRY
+/* The update of every row of `slot_of_row` >= 0 in one call (its own parallel region, a team
+ * no larger than its tasks). Returns 0, or -1 when out of memory for the row order. */
+int LFN(lora_update)(const int64_t *shape, const XT *x, OT *out, const T *a, const T *bt,
+                     const int32_t *slot_of_row, const int64_t *parts) {
+    LoraPlan plan;
+    if (lora_plan_build(&plan, slot_of_row, shape[L_ROWS], shape[L_SLOTS]) != 0) return -1;
+    const int64_t threads = shape[L_THREADS] > 0 ? shape[L_THREADS] : 1;
+    const int64_t vecs = (shape[L_OUT] + VW - 1) / VW;
+    int64_t splits = plan.items < threads ? threads : 1;
+    if (splits > vecs) splits = vecs > 0 ? vecs : 1;
+    const int64_t tasks = plan.items * splits;
+    const int team = (int)(tasks < threads ? tasks : threads);
+    #pragma omp parallel num_threads(team > 0 ? team : 1)
+    LFN(lora_run)(shape, x, out, a, bt, &plan, parts);
+    lora_plan_free(&plan);
+    return 0;
+}
+#endif
+
+#undef LFN
+#undef XT
+#undef XLOAD
+#undef XLOADV
+#undef OT
+#undef OLOAD
+#undef OLOADV
+#undef OSTORE
+#undef OSTOREV
 #undef SUFFIX
 #undef T

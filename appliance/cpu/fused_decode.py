@@ -11,19 +11,24 @@ where oneDNN's matmuls win once a step is compute-bound.
 from __future__ import annotations
 
 import ctypes
+import logging
 from typing import Any, Protocol, overload
 
 import torch
 import torch.nn.functional as F
 
 from appliance.cpu.amx_weights import PACKED_FIELDS, AmxDecodeWeights
+from appliance.cpu.fused_lora import FusedShapes, lora_descriptor
 from appliance.kernels import cpu_native
+from appliance.layers.lora import LoraLayerFactors
 from appliance.models.args import ModelArgs
 from appliance.models.llama import LlamaForCausalLM
 
 # Inputs of the kernel that are a few KB a layer (norms, biases): a float32 forward keeps them
 # in float32, the kernel reads them in its weight dtype, so it holds its own copies of those.
 SMALL_TENSORS = ("ln1", "bqkv", "ln2", "norm")
+
+log = logging.getLogger(__name__)
 
 
 class DecodeForward(Protocol):
@@ -53,9 +58,12 @@ def run_decode_forward(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     what: str,
+    lora: tuple[torch.Tensor | None, torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
     """One native decode call: float32 hidden [batch, hidden] in, float32 logits out; each
-    token's K/V is written into its slot. `lm_head`: the head's weight or packed descriptor."""
+    token's K/V is written into its slot. `lm_head`: the head's weight or packed descriptor.
+    `lora`: the dense forwards' last two arguments, (LoRA descriptor, each row's slot) or
+    (None, None) for none; the packed forward takes neither."""
     batch = hidden.shape[0]
     a = d.args
     logits = torch.empty(batch, d.vocab, dtype=torch.float32)
@@ -92,6 +100,7 @@ def run_decode_forward(
         ctypes.c_float(d.scale),
         p(hidden),
         p(logits),
+        *((p(lora[0]), p(lora[1])) if lora is not None else ()),
     )
     if rc != 0:
         raise MemoryError(f"{what}: out of memory for its scratch buffers")
@@ -160,6 +169,28 @@ class FusedCpuDecode:
             self._checked(name, t)
         self.layer_ptrs = torch.tensor(rows, dtype=torch.int64)
         self.vocab = tiles.vocab if tiles else self.lm_head.shape[0]
+        head_dim = args.head_dim
+        self.shapes = FusedShapes(
+            hidden=args.hidden_size,
+            qkv=(self.heads + 2 * self.kv_heads) * head_dim,
+            q=self.heads * head_dim,
+            inter=self.inter,
+        )
+        # The LoRA slot factors' descriptor once bound (appliance.cpu.fused_lora), and the
+        # factors it points into, kept alive with it.
+        self.lora_table: torch.Tensor | None = None
+        self._lora_layers: list[LoraLayerFactors] = []
+
+    def bind_lora(self, layers: list[LoraLayerFactors], slots: int) -> bool:
+        """Read the LoRA slot pool's factors from now on (steps with adapter rows stay on this
+        forward); False, with the reason logged, when their dtype or shapes do not fit it."""
+        try:
+            self.lora_table = lora_descriptor(layers, slots, self.dtype, self.shapes)
+        except ValueError as exc:
+            log.info("LoRA steps run the torch forward, not the native decode: %s", exc)
+            return False
+        self._lora_layers = layers
+        return True
 
     @overload
     def _own(self, t: torch.Tensor, name: str) -> torch.Tensor: ...
@@ -195,10 +226,30 @@ class FusedCpuDecode:
         slots: torch.Tensor,
         block_tables: torch.Tensor,
         seq_lens: torch.Tensor,
+        lora_slots: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One decode token per sequence -> float32 logits [batch, vocab]; writes each token's
-        K/V into its slot, as the torch forward does."""
+        K/V into its slot, as the torch forward does. `lora_slots`: each row's adapter slot
+        (int32, -1: the base model), once `bind_lora` has succeeded; None: no adapter row."""
         hidden = F.embedding(input_ids, self.embed).float().contiguous()
+        lora: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+        if lora_slots is not None:
+            if self.lora_table is None:
+                raise RuntimeError("native decode: adapter rows but no LoRA factors bound")
+            if lora_slots.dtype != torch.int32 or lora_slots.shape != (hidden.shape[0],):
+                raise ValueError(
+                    f"native decode: lora_slots must be {hidden.shape[0]} int32 slots "
+                    f"(got {lora_slots.dtype}, shape {tuple(lora_slots.shape)})"
+                )
+            lora = (self.lora_table, lora_slots.contiguous())
         return run_decode_forward(
-            self, self.lm_head, hidden, positions, slots, block_tables, seq_lens, "native decode"
+            self,
+            self.lm_head,
+            hidden,
+            positions,
+            slots,
+            block_tables,
+            seq_lens,
+            "native decode",
+            lora,
         )

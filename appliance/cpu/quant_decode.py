@@ -14,6 +14,7 @@ import torch
 from appliance.cpu.fused_decode import run_decode_forward
 from appliance.kernels import cpu_native, cpu_quant
 from appliance.kernels.quant_weight import QuantWeight
+from appliance.layers.lora import LoraLayerFactors
 from appliance.models.llama import LlamaForCausalLM
 
 
@@ -119,6 +120,12 @@ class QuantFusedCpuDecode:
             )
         return t.data_ptr()
 
+    def bind_lora(self, layers: list[LoraLayerFactors], slots: int) -> bool:
+        """The packed forward (kernels/cpu_quant.c) adds no LoRA updates: a step with adapter
+        rows over a quantized base runs the torch forward (its packed matmuls plus the
+        per-linear updates), steps of base rows only stay here."""
+        return False
+
     def __call__(
         self,
         input_ids: torch.Tensor,
@@ -126,9 +133,14 @@ class QuantFusedCpuDecode:
         slots: torch.Tensor,
         block_tables: torch.Tensor,
         seq_lens: torch.Tensor,
+        lora_slots: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One decode token per sequence -> float32 logits [batch, vocab]; writes each token's
-        K/V into its slot."""
+        K/V into its slot. No adapter rows (`bind_lora` refuses them)."""
+        if lora_slots is not None:
+            raise RuntimeError(
+                "quantized native decode: adapter rows reached a forward without LoRA"
+            )
         table = self.embedding.quant
         # A packed table is dequantized straight to float32 (the lookup would round to the
         # model dtype first).

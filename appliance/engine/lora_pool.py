@@ -7,8 +7,12 @@ re-wired to a LoraMatmul (appliance.layers.lora) around that strategy, with the 
 backend chose for it (`make_update`: the CPU's native kernel, or torch). Each step the runner
 hands over its batch (`begin_step`): an adapter whose slot holds something else is copied in
 (the scheduler gave it that slot: core/lora_slots.py), and the rows' slots are grouped for the
-forward. The fused native CPU decode does not know LoRA: a step with adapter rows runs the
-torch forward (the runner asks `begin_step`'s answer).
+forward. The CPU's fused native decode adds the same updates from the same factors itself
+(`layer_factors`, bound once by the runner); where it cannot (a packed base's decode), a step
+with adapter rows runs the torch forward (the runner asks `begin_step`'s answer).
+
+The factors' tensors are allocated once and filled in place (`_fill` copies into them), so
+their addresses never change: the fused decode keeps them.
 
 Tensor parallelism: each rank holds its shard of the factors, cut as the base weights are:
 a column-parallel part (q/k/v, gate/up) keeps A whole and its rows of B; a row-parallel
@@ -28,6 +32,7 @@ from appliance.layers.linear import MatmulWeight, MergedColumnLinear, RowParalle
 from appliance.layers.lora import (
     LoraBatch,
     LoraFactors,
+    LoraLayerFactors,
     LoraMatmul,
     LoraUpdate,
     ReferenceMatmul,
@@ -56,6 +61,7 @@ class _Target:
     # B transposed: (slots * width, out features on this rank).
     b_t: torch.Tensor
     row_parallel: bool
+    factors: LoraFactors
 
 
 # (a linear's factors, slots) -> how it adds its rows' updates: the backend's `lora_update`.
@@ -124,7 +130,20 @@ class LoraSlotPool:
         factors = LoraFactors(a, b_t, rank, [(offset, rows) for _, offset, rows, _ in parts])
         update = self.make_update(factors, slots)
         linear.wire(LoraMatmul(inner, factors, self.batch, update))
-        self.targets.append(_Target(layer, linear, parts, a, b_t, row_parallel))
+        self.targets.append(_Target(layer, linear, parts, a, b_t, row_parallel, factors))
+
+    def layer_factors(self) -> list[LoraLayerFactors]:
+        """Every layer's four targeted linears' factors, in layer order (the fused decode's)."""
+        by_part = {(t.layer, t.parts[0][0]): t.factors for t in self.targets}
+        return [
+            LoraLayerFactors(
+                qkv=by_part[(layer, "q_proj")],
+                o=by_part[(layer, "o_proj")],
+                gate_up=by_part[(layer, "gate_proj")],
+                down=by_part[(layer, "down_proj")],
+            )
+            for layer in range(self.args.num_layers)
+        ]
 
     @property
     def nbytes(self) -> int:

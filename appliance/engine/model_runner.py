@@ -21,6 +21,7 @@ from appliance.engine.pooling import PooledChunk, pool_chunks
 from appliance.engine.sampler import Sampler, SampleRequest, TokenLogprobs
 from appliance.engine.spec_verify import as_decode_rows, sample_verified
 from appliance.layers.attention import AttentionMetadata, PagedBatch
+from appliance.layers.lora import LoraLayerFactors
 from appliance.models.llama import LlamaForCausalLM
 
 
@@ -40,7 +41,7 @@ class RunnerOutput:
 
 class FusedDecode(Protocol):
     """A whole decode step in one native call: (input_ids, positions, slots, block_tables,
-    seq_lens) -> logits of every row."""
+    seq_lens, each row's LoRA slot or None) -> logits of every row."""
 
     def __call__(
         self,
@@ -49,7 +50,13 @@ class FusedDecode(Protocol):
         slots: torch.Tensor,
         block_tables: torch.Tensor,
         seq_lens: torch.Tensor,
+        lora_slots: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
+
+    def bind_lora(self, layers: list[LoraLayerFactors], slots: int) -> bool:
+        """Add the LoRA slot pool's updates from now on; False: steps with adapter rows must
+        run the torch forward."""
+        ...
 
 
 class ForwardHooks(Protocol):
@@ -110,8 +117,15 @@ class ModelRunner:
         self.block_tables: dict[str, list[int]] = {}
         # Grammar matchers of constrained requests (the driver's runner only, which samples).
         self.guided = guided
-        # The LoRA adapters' device slots (None: LoRA off).
+        # The LoRA adapters' device slots (None: LoRA off), and whether the fused decode adds
+        # their updates itself (else a step with adapter rows runs the torch forward).
         self.lora = lora
+        fused = self.hooks.fused_decode
+        self.fused_lora = (
+            lora is not None
+            and fused is not None
+            and fused.bind_lora(lora.layer_factors(), lora.config.max_loras)
+        )
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         self._update_block_tables(out)
@@ -146,8 +160,9 @@ class ModelRunner:
         row_list = sample_rows + score_rows
         decode = meta.decode
         pooled: dict[str, PooledChunk] = {}
-        # The fused native decode knows no LoRA: a step with adapter rows runs the torch path.
+        # A step with adapter rows stays on the fused decode where it adds LoRA (fused_lora).
         adapters = self.lora is not None and self.lora.begin_step(batch)
+        lora_slots = self.lora.batch.slot_ids if adapters and self.lora is not None else None
         # A drafting request is 1 + n decode rows here (as_decode_rows): a step of drafts is
         # still a decode step, on the fused CPU decode when its rows fit.
         if (
@@ -156,11 +171,16 @@ class ModelRunner:
             and decode.num_tokens <= self.fused_max_batch
             and not scoring
             and not pooling
-            and not adapters
+            and (not adapters or self.fused_lora)
         ):
             assert self.hooks.fused_decode is not None
             logits = self.hooks.fused_decode(
-                input_ids, positions, meta.slot_mapping, decode.block_tables, decode.seq_lens
+                input_ids,
+                positions,
+                meta.slot_mapping,
+                decode.block_tables,
+                decode.seq_lens,
+                lora_slots,
             )
             if not row_list:  # nothing sampled nor scored (the load-time warm-up's steps)
                 return RunnerOutput({}, {})

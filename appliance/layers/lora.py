@@ -117,6 +117,18 @@ class LoraFactors:
         return self.rank * len(self.parts)
 
 
+@dataclass
+class LoraLayerFactors:
+    """One decoder layer's targeted linears' slot factors, for a forward that adds the updates
+    itself rather than through each linear's LoraMatmul (the CPU's fused native decode:
+    appliance.cpu.fused_lora)."""
+
+    qkv: LoraFactors
+    o: LoraFactors
+    gate_up: LoraFactors
+    down: LoraFactors
+
+
 class LoraUpdate(Protocol):
     def __call__(
         self, out: torch.Tensor, x: torch.Tensor, factors: LoraFactors, batch: LoraBatch
