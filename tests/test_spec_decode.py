@@ -325,3 +325,29 @@ def test_drafts_keep_a_step_within_the_fused_decode_rows() -> None:
     # A step over the limit already pays the general path: no cap.
     spec.fused_decode_rows = 1
     assert sum(len(d) for d in spec.plan(decodes, cheap).values()) == 8
+
+
+def test_no_lookup_runs_where_no_draft_can_pay() -> None:
+    """Where even a sure draft would not pay (compute-bound, or the step already fills the fused
+    decode's rows), the planner decides before looking any draft up: no request's n-gram index
+    is touched, and the indexes catch up once drafting pays again."""
+    spec = SpecDecoder(SpeculativeConfig(method="ngram", num_speculative_tokens=4), 4096, 64)
+    decodes = []
+    for i in range(32):
+        req = Request(f"r{i}", [5, 6, 7, 8, 9] * 4 + [5, 6], SamplingParams(max_tokens=100))
+        req.num_computed_tokens = req.num_tokens - 1
+        decodes.append(req)
+    compute_bound = synthetic_cost(step_s=0.001, row_s=0.010, token_s=0.010)
+    assert spec.plan(decodes, compute_bound) == {}
+    assert spec.stats.decision == "off: no draft can pay at this batch"
+    assert all(r.spec is not None and r.spec.index.indexed == 0 for r in decodes)
+    memory_bound = synthetic_cost(step_s=0.030, row_s=0.0002, token_s=0.0002)
+    # A step whose rows already fill the fused decode: nothing looked up either.
+    spec.fused_decode_rows = 32
+    assert spec.plan(decodes, memory_bound) == {}
+    assert all(r.spec is not None and r.spec.index.indexed == 0 for r in decodes)
+    spec.fused_decode_rows = 64
+    plan = spec.plan(decodes, memory_bound)
+    # Drafts again, within the 32 rows the fused decode has left; every index caught up.
+    assert plan and sum(len(d) for d in plan.values()) <= 32
+    assert all(r.spec and r.spec.index.indexed > 0 for r in decodes)

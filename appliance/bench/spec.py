@@ -93,10 +93,11 @@ def run_one(
     prompts: list[list[int]],
     concurrency: int,
     max_tokens: int,
+    ignore_eos: bool = False,
 ) -> tuple[int, float, Engine]:
     """Output tokens and seconds of `prompts` run with at most `concurrency` in flight."""
     engine = Engine(load_config(template, overrides), loaded)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
     pending = list(prompts)
     in_flight: set[str] = set()
     tokens = 0
@@ -122,7 +123,13 @@ def measure(
     prompts: list[list[int]],
 ) -> Row:
     tokens, seconds, engine = run_one(
-        loaded, ns.template, {**overrides, **MODES[mode]}, prompts, concurrency, ns.max_tokens
+        loaded,
+        ns.template,
+        {**overrides, **MODES[mode]},
+        prompts,
+        concurrency,
+        ns.max_tokens,
+        ns.ignore_eos,
     )
     s = engine.scheduler.spec.stats
     return Row(
@@ -196,6 +203,15 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--concurrency", nargs="+", type=int, default=[1, 16, 64])
     p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
     p.add_argument("--max-tokens", type=int, default=128)
+    # In bf16 a decode that shares a step with a prefill chunk runs the torch forward (bf16
+    # between ops) instead of the fused decode (float32 activations), and drafting changes which
+    # decodes share those steps: greedy answers can then differ in length between the modes, and
+    # tok/s would compare different work. Every answer running to --max-tokens compares the same.
+    p.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="every answer runs to --max-tokens (the same tokens decoded in every mode)",
+    )
     p.add_argument("--min-requests", type=int, default=4, help="requests per run at least")
     p.add_argument("--rounds", type=int, default=2, help="alternating runs, best kept")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")

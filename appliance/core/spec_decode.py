@@ -100,38 +100,64 @@ class SpecDecoder:
         """Drafts per request id for this step's decode rows (absent: no drafting)."""
         stats = self.stats
         stats.decode_rows, stats.drafting_rows = len(decodes), 0
-        candidates = [(r, d) for r in decodes if (d := self._drafts(r))]
-        if not candidates:
-            stats.decision = "no match"
-            return {}
         if not self.cfg.adaptive or cost.coef is None:
+            candidates = [(r, d) for r in decodes if (d := self._drafts(r))]
+            if not candidates:
+                stats.decision = "no match"
+                return {}
             stats.decision = "on (not adaptive)" if not self.cfg.adaptive else "on (no cost model)"
             stats.drafting_rows = len(candidates)
             return {r.request_id: d for r, d in candidates}
-        base = StepShape()
-        for r in decodes:
-            base = base.with_decode(r.num_computed_tokens)
-        base_s = cost.estimate(base) or 0.0
+        limit = self.fused_decode_rows
+        if not decodes or (limit > 0 and len(decodes) == limit):
+            # No fused-decode row to spare: nothing is looked up (below).
+            stats.decision = "off: no draft can pay at this batch"
+            return {}
+        row_s, context_s = cost.decode_row_terms()
+        context = sum(r.num_computed_tokens + 1 for r in decodes)
+        base_s = cost.estimate(StepShape(decode_rows=len(decodes), decode_context=context)) or 0.0
         # Tokens per second without drafting: one per decode row.
         tokens, seconds = float(len(decodes)), base_s
         options = []
-        for req, drafts in candidates:
-            best = self._best(cost, req, len(drafts), tokens, seconds)
+        looked_up = matched = 0
+        for req in decodes:
+            rate = self.state(req).acceptance_rate
+            # A draft gains at most its request's rate (rate^i <= rate) and costs at least one
+            # row at the request's context: where that cannot beat the batch's own rate, the
+            # request is not looked up at all. The lookups and pricing of every request's drafts
+            # cost tens of us a request a step, which on a batch that drafts nothing made it
+            # 4-7% slower than drafting off (64 and 16 chats); the n-gram indexes catch up on
+            # the tokens when lookups resume.
+            first_row_s = row_s + context_s * (req.num_computed_tokens + 2)
+            if rate * seconds <= tokens * first_row_s:
+                continue
+            looked_up += 1
+            drafts = self._drafts(req)
+            if not drafts:
+                continue
+            matched += 1
+            best = self._best(req, len(drafts), tokens, seconds, row_s, context_s)
             if best is not None:
                 options.append((req, drafts, best))
+        if not options:
+            stats.decision = (
+                "off: no draft can pay at this batch"
+                if not looked_up
+                else ("off: drafting costs more than it gains" if matched else "no match")
+            )
+            return {}
         # Most tokens per extra second first; each one taken raises the bar for the next.
         options.sort(key=lambda o: o[2][0] / max(o[2][1], 1e-12), reverse=True)
         # A step the fused decode takes stays within its rows: past them every row of the step
         # takes the slower path, a jump the linear cost model does not see.
-        limit = self.fused_decode_rows
-        unlimited = sum(len(d) for _, d in candidates)
+        unlimited = sum(len(d) for _, d, _ in options)
         spare = limit - len(decodes) if 0 < len(decodes) <= limit else unlimited
         chosen: dict[str, list[int]] = {}
         for req, drafts, best in options:
             if spare <= 0:
                 break
             if best[2] > spare:
-                capped = self._best(cost, req, spare, tokens, seconds)
+                capped = self._best(req, spare, tokens, seconds, row_s, context_s)
                 if capped is None:
                     continue
                 best = capped
@@ -151,22 +177,27 @@ class SpecDecoder:
         return chosen
 
     def _best(
-        self, cost: StepCostModel, req: Request, most: int, tokens: float, seconds: float
+        self,
+        req: Request,
+        most: int,
+        tokens: float,
+        seconds: float,
+        row_s: float,
+        context_s: float,
     ) -> tuple[float, float, int] | None:
         """(expected gain, extra seconds, drafts) of the most worthwhile draft length up to
-        `most` for a batch making `tokens` in `seconds` without it; None when none pays."""
+        `most` for a batch making `tokens` in `seconds` without it; None when none pays.
+
+        Each draft is one more decode row (the runner feeds a drafting request's tokens as
+        decode rows of one sequence), priced by the step cost model's row and context terms:
+        draft j attends over start + j + 1 tokens."""
         rate = self.state(req).acceptance_rate
         start = req.num_computed_tokens
-        # Each draft is one more decode row (the runner feeds a drafting request's tokens as
-        # decode rows of one sequence): its cost beyond the step's fixed part.
-        empty_s = cost.estimate(StepShape()) or 0.0
-        rows = StepShape()
         best: tuple[float, float, int] | None = None
-        best_net = 0.0
+        best_net = gain = extra_s = 0.0
         for n in range(1, most + 1):
-            gain = expected_accepted(rate, n)
-            rows = rows.with_decode(start + n)
-            extra_s = max((cost.estimate(rows) or 0.0) - empty_s, 0.0)
+            gain += rate**n
+            extra_s += row_s + context_s * (start + n + 1)
             # Worth it when it adds tokens faster than the batch makes them without drafts.
             net = gain * seconds - tokens * extra_s
             if net > best_net:

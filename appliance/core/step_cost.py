@@ -193,6 +193,12 @@ class StepCostModel:
         """Seconds the step is expected to take (None until fitted)."""
         return self._dot(shape.features()) if self.coef is not None else None
 
+    def decode_row_terms(self) -> tuple[float, float]:
+        """(seconds a decode row adds, seconds per context token it attends over): what the
+        speculative planner prices each draft row with, without building shapes."""
+        assert self.coef is not None
+        return self.coef[1] * SCALES[1], self.coef[2] * SCALES[2]
+
     def max_chunk(self, shape: StepShape, start: int, remaining: int, limit_s: float) -> int:
         """The largest chunk of a prompt at `start` (at most `remaining` tokens) that keeps a step
         of `shape` plus the chunk within `limit_s`; never below MIN_CHUNK (nor above
