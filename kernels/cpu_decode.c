@@ -34,6 +34,7 @@
 #include "cpu_decode_simd.h"
 #include "cpu_decode_attention.h"
 #include "cpu_template.h"
+#include "cpu_lora.h"
 
 #define SUFFIX bf16
 #define T uint16_t
@@ -53,7 +54,7 @@
 #define LORA_NAME amx_bf16
 #define SUFFIX bf16
 #define T uint16_t
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#if LORA_BF16_PAIR_DOTS
 #define LORA_DPBF16 1
 #endif
 #include "cpu_lora.inc.c"

@@ -28,7 +28,7 @@
 
 #define SUFFIX bf16
 #define T uint16_t
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#if LORA_BF16_PAIR_DOTS
 #define LORA_DPBF16 1
 #endif
 #include "cpu_lora.inc.c"
@@ -39,10 +39,4 @@
 #include "cpu_lora.inc.c"
 
 /* Whether the bf16 shrink uses AVX-512-BF16's pair dot products in this build. */
-int lora_dpbf16(void) {
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-    return 1;
-#else
-    return 0;
-#endif
-}
+int lora_dpbf16(void) { return LORA_BF16_PAIR_DOTS; }

@@ -26,6 +26,14 @@ enum {
     L_FIELDS
 };
 
+/* Whether this build's bf16 shrink can use AVX-512-BF16's pair dot products: the instances
+ * with bf16 x (cpu_lora.c's bf16 update, the AMX forward's) define LORA_DPBF16 from it. */
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define LORA_BF16_PAIR_DOTS 1
+#else
+#define LORA_BF16_PAIR_DOTS 0
+#endif
+
 /* Rows of one slot a work item takes: 8 rows x 2 column vectors of accumulators in the expand
  * (16 registers), each factor vector loaded (and widened from bf16) once for the 8. */
 #define LORA_ROWS 8

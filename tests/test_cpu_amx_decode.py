@@ -23,9 +23,9 @@ from appliance.cpu.fused_decode import FusedCpuDecode
 from appliance.engine.executor import load_model
 from appliance.engine.llm_engine import Engine
 from appliance.engine.loader import LoadedModel
-from appliance.layers.attention import AttentionMetadata, PagedBatch
 from appliance.sampling_params import SamplingParams
 from appliance.tools.smollm2 import ModelUnavailable, build_smollm2
+from tests.paged_fixtures import decode_metadata, fill_random_kv
 
 UNMASKED = read_features("")
 HAS_AMX = UNMASKED.has("amx_bf16") and UNMASKED.has("amx_tile")
@@ -216,20 +216,14 @@ def test_amx_forward_matches_the_native_and_torch_forwards(
     plain = runner.hooks.fused_decode
     assert plain is not None and plain.tiles is None
     gen = torch.Generator().manual_seed(rows)
-    for c in caches:
-        c.k.copy_(torch.randn(c.k.shape, generator=gen).to(c.k.dtype))
-        c.v.copy_(torch.randn(c.v.shape, generator=gen).to(c.v.dtype))
+    fill_random_kv(caches, gen)
     width = 6
     tables = torch.randperm(rows * width, generator=gen).view(rows, width)
     lens = torch.randint(1, width * 16, (rows,), generator=gen)
     pos = lens - 1
     slots = tables[torch.arange(rows), pos // 16] * 16 + pos % 16
     ids = torch.randint(0, model.args.vocab_size, (rows,), generator=gen)
-    meta = AttentionMetadata(
-        slot_mapping=slots,
-        decode=PagedBatch(tables, lens, torch.arange(rows + 1), 1, int(lens.max()), rows),
-        prefill=None,
-    )
+    meta = decode_metadata(slots, tables, lens)
     got = amx(ids, pos, slots, tables, lens)
     new_kv = [(c.k.view(-1, *c.k.shape[2:])[slots].clone()) for c in caches]
     reference = plain(ids, pos, slots, tables, lens)

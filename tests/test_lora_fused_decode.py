@@ -26,10 +26,10 @@ from appliance.engine.executor import load_model
 from appliance.engine.llm_engine import Engine
 from appliance.engine.loader import LoadedModel
 from appliance.engine.lora_pool import LoraSlotPool
-from appliance.layers.attention import AttentionMetadata, PagedBatch
 from appliance.layers.lora import LoraMatmul, TorchLoraUpdate
 from appliance.sampling_params import SamplingParams
 from tests.lora_fixtures import peft_greedy, save_random_adapter
+from tests.paged_fixtures import decode_metadata, fill_random_kv
 
 SLOTS, RANK = 4, 8
 UNMASKED = read_features("")
@@ -124,9 +124,7 @@ def decode_step(loaded: LoadedModel, rows: int, seed: int) -> tuple[torch.Tensor
     """A random paged context in the cache and one decode token per row."""
     model, caches = loaded.model, loaded.runner.kv.device_caches
     gen = torch.Generator().manual_seed(seed)
-    for c in caches:
-        c.k.copy_(torch.randn(c.k.shape, generator=gen).to(c.k.dtype))
-        c.v.copy_(torch.randn(c.v.shape, generator=gen).to(c.v.dtype))
+    fill_random_kv(caches, gen)
     width = 4
     tables = torch.randperm(rows * width, generator=gen).view(rows, width)
     lens = torch.randint(1, width * 16, (rows,), generator=gen)
@@ -141,11 +139,7 @@ def torch_logits(loaded: LoadedModel, step: tuple[torch.Tensor, ...]) -> torch.T
     (the pool's batch already holds this step's rows)."""
     ids, pos, slots, tables, lens = step
     rows = ids.shape[0]
-    meta = AttentionMetadata(
-        slot_mapping=slots,
-        decode=PagedBatch(tables, lens, torch.arange(rows + 1), 1, int(lens.max()), rows),
-        prefill=None,
-    )
+    meta = decode_metadata(slots, tables, lens)
     pool = loaded.runner.lora
     assert pool is not None
     wired = [t.linear.matmul for t in pool.targets]

@@ -19,7 +19,7 @@ from appliance.kernels import cpu_native
 from appliance.config import load_config
 from appliance.engine.executor import load_model
 from appliance.engine.loader import LoadedModel
-from appliance.layers.attention import AttentionMetadata, PagedBatch
+from tests.paged_fixtures import decode_metadata, fill_random_kv
 
 pytestmark = pytest.mark.skipif(
     cpu_native.load() is None, reason=f"native kernels unavailable: {cpu_native.load_error()}"
@@ -61,9 +61,7 @@ def draft_step(
     """ids, positions, slots, block tables and lengths of one step over random caches: every
     row of a sequence has the sequence's table and its own position and length."""
     gen = torch.Generator().manual_seed(seed)
-    for c in loaded.runner.kv.device_caches:
-        c.k.copy_(torch.randn(c.k.shape, generator=gen).to(c.k.dtype))
-        c.v.copy_(torch.randn(c.v.shape, generator=gen).to(c.v.dtype))
+    fill_random_kv(loaded.runner.kv.device_caches, gen)
     width = max(-(-(ctx + rows) // BLOCK) for ctx, rows in SEQUENCES)
     blocks = torch.randperm(len(SEQUENCES) * width, generator=gen).view(len(SEQUENCES), width)
     tables, positions = [], []
@@ -87,11 +85,7 @@ def test_draft_rows_in_one_pass_match_the_torch_forward(loaded: LoadedModel) -> 
     assert rows <= runner.fused_max_batch
     got = fused(ids, pos, slots, tables, lens)
     written = [c.k.view(-1, *c.k.shape[2:])[slots].clone() for c in runner.kv.device_caches]
-    meta = AttentionMetadata(
-        slot_mapping=slots,
-        decode=PagedBatch(tables, lens, torch.arange(rows + 1), 1, int(lens.max()), rows),
-        prefill=None,
-    )
+    meta = decode_metadata(slots, tables, lens)
     with runner.hooks.matmuls(rows):
         want = model.compute_logits(model(ids, pos, meta, runner.kv.device_caches)).float()
     if loaded.compute_dtype == torch.float32:

@@ -221,6 +221,16 @@ def test_rejected_drafts_leave_no_block_and_no_prefix_cache_entry() -> None:
 # -- the adaptive switch ------------------------------------------------------------------------
 
 
+def repeating_decodes(count: int) -> list[Request]:
+    """Decoding requests whose prompts repeat (5 6 7 8 9 ... 5 6): each has a 4-token draft."""
+    decodes = []
+    for i in range(count):
+        req = Request(f"r{i}", [5, 6, 7, 8, 9] * 4 + [5, 6], SamplingParams(max_tokens=100))
+        req.num_computed_tokens = req.num_tokens - 1
+        decodes.append(req)
+    return decodes
+
+
 def synthetic_cost(step_s: float, row_s: float, token_s: float) -> StepCostModel:
     """A fitted cost model with the given per-step, per-decode-row and per-prefill-token
     seconds (attention and prefill-step terms zero)."""
@@ -233,11 +243,7 @@ def synthetic_cost(step_s: float, row_s: float, token_s: float) -> StepCostModel
 def test_drafting_turns_off_when_the_step_is_compute_bound_and_on_again() -> None:
     spec = SpecDecoder(SpeculativeConfig(method="ngram", num_speculative_tokens=4), 4096)
     # 32 decoding requests whose prompts repeat: each has a 4-token draft.
-    decodes = []
-    for i in range(32):
-        req = Request(f"r{i}", [5, 6, 7, 8, 9] * 4 + [5, 6], SamplingParams(max_tokens=100))
-        req.num_computed_tokens = req.num_tokens - 1
-        decodes.append(req)
+    decodes = repeating_decodes(32)
     # Weight reads dominate (a memory-bound step): extra query tokens are almost free.
     memory_bound = synthetic_cost(step_s=0.030, row_s=0.0002, token_s=0.0002)
     # Arithmetic dominates: each token, decode row or draft, costs the same 10 ms.
@@ -311,11 +317,8 @@ def test_the_request_body_opts_out_with_speculative_false(schema: str) -> None:
 
 def test_drafts_keep_a_step_within_the_fused_decode_rows() -> None:
     spec = SpecDecoder(SpeculativeConfig(method="ngram", num_speculative_tokens=4), 4096, 6)
-    decodes = []
-    for i in range(2):
-        req = Request(f"r{i}", [5, 6, 7, 8, 9] * 4 + [5, 6], SamplingParams(max_tokens=100))
-        req.num_computed_tokens = req.num_tokens - 1
-        decodes.append(req)
+    decodes = repeating_decodes(2)
+    for req in decodes:
         for _ in range(10):
             spec.record(req, 4, 4)
     cheap = synthetic_cost(step_s=0.030, row_s=0.0002, token_s=0.0002)
@@ -332,11 +335,7 @@ def test_no_lookup_runs_where_no_draft_can_pay() -> None:
     decode's rows), the planner decides before looking any draft up: no request's n-gram index
     is touched, and the indexes catch up once drafting pays again."""
     spec = SpecDecoder(SpeculativeConfig(method="ngram", num_speculative_tokens=4), 4096, 64)
-    decodes = []
-    for i in range(32):
-        req = Request(f"r{i}", [5, 6, 7, 8, 9] * 4 + [5, 6], SamplingParams(max_tokens=100))
-        req.num_computed_tokens = req.num_tokens - 1
-        decodes.append(req)
+    decodes = repeating_decodes(32)
     compute_bound = synthetic_cost(step_s=0.001, row_s=0.010, token_s=0.010)
     assert spec.plan(decodes, compute_bound) == {}
     assert spec.stats.decision == "off: no draft can pay at this batch"

@@ -262,6 +262,20 @@ def _free(ctx: StageContext) -> None:
         torch.cuda.empty_cache()
 
 
+def run_cli(ctx: StageContext, argv: list[str]) -> tuple[int, str]:
+    """`appliance ARGV` in a child process (the CLI imports every tool, this one included):
+    its exit code and standard output, which is echoed; the exit code and seconds as figures."""
+    print("  appliance " + " ".join(argv), flush=True)
+    start = time.monotonic()
+    cli = "import sys; from appliance.cli import main; sys.exit(main(sys.argv[1:]))"
+    done = subprocess.run(
+        [sys.executable, "-c", cli, *argv], stdout=subprocess.PIPE, text=True, check=False
+    )
+    print(done.stdout[-6000:], flush=True)
+    ctx.figure(exit_code=done.returncode, seconds=round(time.monotonic() - start, 1))
+    return done.returncode, done.stdout
+
+
 def run_bench(ctx: StageContext) -> None:
     """`appliance bench offline` through the CLI (a child process: the CLI imports every tool,
     this one included), then its decode rate against the bandwidth bound: (weights + KV of the
@@ -276,15 +290,7 @@ def run_bench(ctx: StageContext) -> None:
     argv += ["--output-len", str(run.output_len), "--static-batch", str(run.static_batch)]
     for k, v in sets.items():
         argv += ["--set", f"{k}={v}"]
-    print("  appliance " + " ".join(argv), flush=True)
-    start = time.monotonic()
-    cli = "import sys; from appliance.cli import main; sys.exit(main(sys.argv[1:]))"
-    done = subprocess.run(
-        [sys.executable, "-c", cli, *argv], stdout=subprocess.PIPE, text=True, check=False
-    )
-    rc, text = done.returncode, done.stdout
-    print(text[-6000:], flush=True)
-    ctx.figure(exit_code=rc, seconds=round(time.monotonic() - start, 1))
+    rc, text = run_cli(ctx, argv)
     line = next((x for x in reversed(text.splitlines()) if x.startswith("{")), "")
     if rc != 0 or not line:
         ctx.fail(f"bench offline exited {rc} (output above)")
@@ -365,15 +371,7 @@ def run_bench_lora(ctx: StageContext) -> None:
     sets = {"hardware.device": ctx.device, "cache.block_size": run.block_size, **run.sets}
     for k, v in sets.items():
         argv += ["--set", f"{k}={v}"]
-    print("  appliance " + " ".join(argv), flush=True)
-    start = time.monotonic()
-    cli = "import sys; from appliance.cli import main; sys.exit(main(sys.argv[1:]))"
-    done = subprocess.run(
-        [sys.executable, "-c", cli, *argv], stdout=subprocess.PIPE, text=True, check=False
-    )
-    rc, text = done.returncode, done.stdout
-    print(text[-6000:], flush=True)
-    ctx.figure(exit_code=rc, seconds=round(time.monotonic() - start, 1))
+    rc, text = run_cli(ctx, argv)
     # The JSON report is the output's last top-level object (indent=2: "{" on a line alone).
     lines = text.splitlines()
     first = next((i for i in reversed(range(len(lines))) if lines[i] == "{"), len(lines))
