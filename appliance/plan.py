@@ -75,8 +75,10 @@ class TPPlan:
     # backend would pick on this machine.
     matmul_copy_bytes: int = 0
     cpu_path: str = ""
-    # [lora]: the device slot pool of adapter factors (lora.max_loras x max_lora_rank).
+    # [lora]: the device slot pool of adapter factors (lora.max_loras x max_lora_rank), with
+    # the CPU's tile copy of them where it keeps one (lora_tiles).
     lora_slot_bytes: int = 0
+    lora_tiles: bool = False
 
 
 @dataclass
@@ -240,6 +242,22 @@ def _lora_elem_bytes(spec: ModelArgs, config: ApplianceConfig) -> int:
     return BYTES[_cpu_choice(spec, config).compute]
 
 
+def _lora_tiles_kept(spec: ModelArgs, config: ApplianceConfig) -> bool:
+    """Whether the CPU backend keeps a tile-packed bf16 copy of the slot factors beside them
+    (CpuBackend.lora_tiles): native kernels, bf16 compute, a CPU with AMX, a rank of 16s."""
+    from appliance.cpu.lora_tiles import RANK_GRANULE
+    from appliance.kernels.cpu_features import detect
+
+    choice, features = _cpu_choice(spec, config), detect()
+    return (
+        choice.native_ops
+        and choice.compute == "bfloat16"
+        and features.has("amx_bf16")
+        and features.has("amx_tile")
+        and config.lora.max_lora_rank % RANK_GRANULE == 0
+    )
+
+
 def cpu_weight_bytes(spec: ModelArgs, config: ApplianceConfig, tp: int) -> tuple[int, int, str]:
     """(stored weight bytes, matmul copy bytes, the path) of a CPU rank, as the CPU backend
     would lay them out on this machine (appliance.cpu.backend): the matmuls read a prepacked
@@ -279,6 +297,23 @@ def lora_slot_params(spec: ModelArgs, tp: int, slots: int, rank: int) -> int:
     gate_up = 2 * rank * (h + 2 * inter)
     o_down = rank * (q + h) + rank * (inter + h)
     return slots * spec.num_layers * (qkv + gate_up + o_down)
+
+
+def lora_tile_params(spec: ModelArgs, tp: int, slots: int, rank: int) -> int:
+    """Elements of the CPU's tile-packed copy of that pool (appliance.cpu.lora_tiles): A with
+    its in features padded to 32, each part's own block of B with its rows padded to 16, and
+    each linear's two copies' zero tail."""
+    from appliance.cpu.lora_tiles import TAIL
+
+    def up(x: int, m: int) -> int:
+        return -(-x // m) * m
+
+    h, inter = spec.hidden_size, spec.intermediate_size // tp
+    q = spec.num_heads * spec.head_dim // tp
+    kv = spec.kv_heads_per_rank(tp) * spec.head_dim
+    a = 3 * rank * up(h, 32) + 2 * rank * up(h, 32) + rank * up(q, 32) + rank * up(inter, 32)
+    b = rank * (up(q, 16) + 2 * up(kv, 16) + 2 * up(inter, 16) + 2 * up(h, 16))
+    return slots * spec.num_layers * (a + b) + spec.num_layers * 4 * 2 * TAIL
 
 
 def plan_tp(
@@ -330,6 +365,10 @@ def plan_tp(
     if lora.active:
         compute = elem if on_gpu or fmt else _lora_elem_bytes(spec, config)
         p.lora_slot_bytes = compute * lora_slot_params(spec, tp, lora.max_loras, lora.max_lora_rank)
+        if not (on_gpu or fmt) and _lora_tiles_kept(spec, config):
+            tiles = lora_tile_params(spec, tp, lora.max_loras, lora.max_lora_rank)
+            p.lora_slot_bytes += 2 * tiles
+            p.lora_tiles = True
     if on_gpu:
         p.activation_reserve_bytes = activation_bytes(
             spec, tp, elem, sched.max_num_batched_tokens, sched.max_num_seqs

@@ -62,7 +62,8 @@ def render(plan: Plan) -> str:
                 (
                     "LoRA slot pool",
                     _gib(c.lora_slot_bytes),
-                    "lora.max_loras x max_lora_rank factors on every projection",
+                    "lora.max_loras x max_lora_rank factors on every projection"
+                    + (" (and their AMX tile copy)" if c.lora_tiles else ""),
                 ),
             ]
         if plan.device == "cuda":

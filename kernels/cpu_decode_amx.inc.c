@@ -31,32 +31,12 @@
 #include <unistd.h>
 
 #define AMX_COMPILED 1
+#include "cpu_amx_tiles.h"
 /* Linux: the permission to use the AMX tile data state (XFEATURE_XTILEDATA). */
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 /* Rows of the batch one pass of tile products takes (two A tiles of 16). */
 #define AMX_PASS_ROWS 32
-
-/* Tile configuration, palette 1: every tile 16 rows x 64 bytes (C: 16 x 16 float32; A: 16
- * rows x 32 bf16; B: 16 K pairs x 16 columns x 2 bf16). Layout fixed by the ISA: 64 bytes. */
-typedef struct {
-    uint8_t palette;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed, aligned(64))) TileConfig;
-
-static void amx_configure(void) {
-    TileConfig cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.colsb[t] = 64;
-        cfg.rows[t] = 16;
-    }
-    _tile_loadconfig(&cfg);
-}
 
 /* Tiles: 0-3 C (row group g, column block b at 2g+b), 4-5 A (row groups), 6-7 B (blocks).
  * out [groups * 16][32] floats receives C, column block b at columns 16b. G and NB are
@@ -104,15 +84,34 @@ static void amx_products(const uint16_t *a, int64_t a_stride_bytes, const uint16
 
 static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
+#include "cpu_lora_amx.inc.c"
+
+/* Where a step's LoRA updates read and work: the descriptor, each kind's shape vector, the
+ * rows' plan, and with tile-packed factors (`tiles`) each thread's scratch for them. */
+typedef struct {
+    const int64_t *lora;
+    int64_t shapes[LK_COUNT * L_FIELDS];
+    LoraPlan plan;
+    int tiles;
+    char *scratch;
+    size_t scratch_bytes;
+} AmxLora;
+
 /* Layer `layer`'s LoRA update of one kind of linear (LK_*, cpu_lora.h) after its product: x
  * read from `a`, the product's bf16 copy of its input (rows round_up(in, 32) apart: the
- * shapes' x strides say so), out float32. */
-static void amx_lora(const int64_t *lora, const int64_t *shapes, int64_t layer, int kind,
-                     const uint16_t *a, float *out, const LoraPlan *plan) {
-    const int64_t *factors = lora + LORA_HEADER + (layer * LK_COUNT + kind) * 2;
-    lora_run_amx_bf16(shapes + kind * L_FIELDS, a, out, (const uint16_t *)(intptr_t)factors[0],
-                      (const uint16_t *)(intptr_t)factors[1], plan,
-                      lora + kind * LORA_KIND_FIELDS + L_FIELDS);
+ * shapes' x strides say so), out float32. On tiles where the decode keeps tile-packed factors,
+ * else in vectors (cpu_lora.inc.c). */
+static void amx_lora(const AmxLora *l, int64_t layer, int kind, const uint16_t *a, float *out) {
+    const int64_t *factors = lora_factors(l->lora, layer, kind);
+    const int64_t *shape = l->shapes + kind * L_FIELDS;
+    const int64_t *parts = l->lora + kind * LORA_KIND_FIELDS + L_FIELDS;
+    if (l->tiles)
+        lora_run_tiles(shape, parts, a, out, 0, (const uint16_t *)(intptr_t)factors[LP_A_TILES],
+                       (const uint16_t *)(intptr_t)factors[LP_B_TILES], &l->plan, l->scratch,
+                       l->scratch_bytes, l->shapes, LK_COUNT);
+    else
+        lora_run_amx_bf16(shape, a, out, (const uint16_t *)(intptr_t)factors[LP_A],
+                          (const uint16_t *)(intptr_t)factors[LP_B_T], &l->plan, parts);
 }
 
 /* x [batch, k] float32 -> a [rows_pad, k_pad] bf16, zeros past batch and k (split across the
@@ -213,13 +212,14 @@ int decode_forward_amx_bf16(const int64_t *shape, const int64_t *layer_ptrs,
     const Shape *s = (const Shape *)shape;
     const int64_t hs = s->hidden, qkv_w = (s->heads + 2 * s->kv_heads) * s->head_dim;
     const int64_t q_w = s->heads * s->head_dim;
-    LoraPlan plan;
-    int64_t lora_shapes[LK_COUNT * L_FIELDS];
-    const int adapters = lora_fused_begin(lora, lora_slots, s->batch, s->threads, lora_shapes,
-                                          &plan);
+    AmxLora l = {.lora = lora};
+    /* Tile-packed factors in the descriptor: all kinds have them or none (fused_lora.py). */
+    l.tiles = lora && lora_factors(lora, 0, LK_QKV)[LP_A_TILES] != 0;
+    const int adapters = lora_fused_begin(lora, lora_slots, s->batch, s->threads, l.shapes,
+                                          &l.plan, l.tiles ? LORA_TILE_ROWS : LORA_ROWS);
     if (adapters < 0) return -1;
     for (int k = 0; adapters && k < LK_COUNT; k++)
-        lora_shapes[k * L_FIELDS + L_X_STRIDE] = round_up(lora_shapes[k * L_FIELDS + L_IN], 32);
+        l.shapes[k * L_FIELDS + L_X_STRIDE] = round_up(l.shapes[k * L_FIELDS + L_IN], 32);
     size_t floats = (size_t)s->batch * (hs + qkv_w + q_w + s->inter) + attention_scratch_floats(s);
     if (adapters) floats += (size_t)s->batch * 2 * s->inter;
     float *scratch = calloc(floats, sizeof(float)); /* zeros: the split's counters */
@@ -228,10 +228,17 @@ int decode_forward_amx_bf16(const int64_t *shape, const int64_t *layer_ptrs,
     widest = widest > s->inter ? widest : s->inter;
     size_t a_bytes = (size_t)round_up(s->batch, 16) * round_up(widest, 32) * 2;
     uint16_t *a = aligned_alloc(64, round_up((int64_t)a_bytes, 64));
-    if (!scratch || !a) {
+    if (adapters && l.tiles) {
+        l.scratch_bytes = lora_tile_scratch_bytes(l.shapes, LK_COUNT);
+        l.scratch = aligned_alloc(64, l.scratch_bytes * (size_t)s->threads);
+        /* zeros: the shrink's bf16 copy is never written past the rank */
+        if (l.scratch) memset(l.scratch, 0, l.scratch_bytes * (size_t)s->threads);
+    }
+    if (!scratch || !a || (adapters && l.tiles && !l.scratch)) {
         free(scratch);
         free(a);
-        if (adapters) lora_plan_free(&plan);
+        free(l.scratch);
+        if (adapters) lora_plan_free(&l.plan);
         return -1;
     }
     float *normed = scratch, *qkv = normed + s->batch * hs;
@@ -248,28 +255,29 @@ int decode_forward_amx_bf16(const int64_t *shape, const int64_t *layer_ptrs,
             rms_norm_bf16(hidden, (const uint16_t *)(intptr_t)p[P_LN1], normed, s->batch, hs, eps);
             amx_matmul(normed, (const uint16_t *)(intptr_t)p[P_WQKV],
                        (const uint16_t *)(intptr_t)p[P_BQKV], qkv, s->batch, qkv_w, hs, 0, a);
-            if (adapters) amx_lora(lora, lora_shapes, layer, LK_QKV, a, qkv, &plan);
+            if (adapters) amx_lora(&l, layer, LK_QKV, a, qkv);
             rope_attention_bf16(qkv, cos_table, sin_table, positions, slots, k_cache, v_cache,
                                 tables, seq_lens, s, scale, attn, split);
             amx_matmul(attn, (const uint16_t *)(intptr_t)p[P_WO], NULL, hidden, s->batch, hs,
                        q_w, 1, a);
-            if (adapters) amx_lora(lora, lora_shapes, layer, LK_O, a, hidden, &plan);
+            if (adapters) amx_lora(&l, layer, LK_O, a, hidden);
             rms_norm_bf16(hidden, (const uint16_t *)(intptr_t)p[P_LN2], normed, s->batch, hs, eps);
             amx_gate_up(normed, (const uint16_t *)(intptr_t)p[P_WGU], act, gate_up, s->batch,
                         s->inter, hs, a);
             if (adapters) {
-                amx_lora(lora, lora_shapes, layer, LK_GATE_UP, a, gate_up, &plan);
+                amx_lora(&l, layer, LK_GATE_UP, a, gate_up);
                 lora_silu_mul(gate_up, act, s->batch, s->inter);
             }
             amx_matmul(act, (const uint16_t *)(intptr_t)p[P_WDOWN], NULL, hidden, s->batch, hs,
                        s->inter, 1, a);
-            if (adapters) amx_lora(lora, lora_shapes, layer, LK_DOWN, a, hidden, &plan);
+            if (adapters) amx_lora(&l, layer, LK_DOWN, a, hidden);
         }
         rms_norm_bf16(hidden, final_norm, normed, s->batch, hs, eps);
         amx_matmul(normed, lm_head, NULL, logits, s->batch, s->vocab, hs, 0, a);
         _tile_release();
     }
-    if (adapters) lora_plan_free(&plan);
+    if (adapters) lora_plan_free(&l.plan);
+    free(l.scratch);
     free(a);
     free(scratch);
     return 0;

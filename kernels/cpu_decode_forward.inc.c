@@ -85,10 +85,10 @@ static void FN(gate_up)(const float *x, const T *w, float *act, int64_t batch,
  * out[b] += x[b] A_s^T B_s^T for each row b of slot s >= 0 in the plan, over the team. */
 static void FN(fused_lora)(const int64_t *lora, const int64_t *shapes, int64_t layer, int kind,
                            const float *x, float *out, const LoraPlan *plan) {
-    const int64_t *factors = lora + LORA_HEADER + (layer * LK_COUNT + kind) * 2;
+    const int64_t *factors = lora_factors(lora, layer, kind);
     TPL_CAT(lora_run_fused_, SUFFIX)(shapes + kind * L_FIELDS, x, out,
-                                     (const T *)(intptr_t)factors[0],
-                                     (const T *)(intptr_t)factors[1], plan,
+                                     (const T *)(intptr_t)factors[LP_A],
+                                     (const T *)(intptr_t)factors[LP_B_T], plan,
                                      lora + kind * LORA_KIND_FIELDS + L_FIELDS);
 }
 
@@ -109,7 +109,7 @@ int FN(decode_forward)(const int64_t *shape, const int64_t *layer_ptrs,
     LoraPlan plan;
     int64_t lora_shapes[LK_COUNT * L_FIELDS];
     const int adapters = lora_fused_begin(lora, lora_slots, s->batch, s->threads, lora_shapes,
-                                          &plan);
+                                          &plan, LORA_ROWS);
     if (adapters < 0) return -1;
     /* With adapter rows, gate|up's pre-activations too: its update lands before the SiLU. */
     size_t floats = (size_t)s->batch * (hs + qkv_w + q_w + s->inter) + attention_scratch_floats(s);

@@ -16,7 +16,8 @@
  * are split between threads instead. Sums in float32; the output rounds once, at the add.
  *
  * Both dtypes from one template (cpu_template.h): bf16 (x, factors and out bfloat16; the
- * shrink in AVX-512-BF16 pair dot products where the CPU has them) and f32. */
+ * shrink in AVX-512-BF16 pair dot products where the CPU has them) and f32; and on AMX the
+ * bf16 update on tiles (lora_update_tiles_bf16, cpu_lora_amx.inc.c). */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -40,3 +41,20 @@
 
 /* Whether the bf16 shrink uses AVX-512-BF16's pair dot products in this build. */
 int lora_dpbf16(void) { return LORA_BF16_PAIR_DOTS; }
+
+/* The bf16 update on AMX tiles from the factors' tile-packed copies (cpu_lora_amx.inc.c),
+ * where the build targets AMX; lora_tiles_compiled says whether it does. */
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+#define LORA_TILES_ENTRY
+#include "cpu_lora_amx.inc.c"
+int lora_tiles_compiled(void) { return 1; }
+#else
+int lora_tiles_compiled(void) { return 0; }
+int lora_update_tiles_bf16(const int64_t *shape, const uint16_t *x, uint16_t *out,
+                           const uint16_t *a_tiles, const uint16_t *b_tiles,
+                           const int32_t *slot_of_row, const int64_t *parts) {
+    (void)shape, (void)x, (void)out, (void)a_tiles, (void)b_tiles, (void)slot_of_row;
+    (void)parts;
+    return -2; /* not built for AMX: the Python side never calls it then */
+}
+#endif

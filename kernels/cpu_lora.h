@@ -39,10 +39,13 @@ enum {
 #define LORA_ROWS 8
 /* Output columns of one expand block: LORA_COLS_V vectors. */
 #define LORA_COLS_V 2
+/* Rows of one slot a work item of the tile update takes (cpu_lora_amx.inc.c): one A tile. */
+#define LORA_TILE_ROWS 16
 
 /* The rows of a batch grouped by slot: `order` the rows in slot order (each slot's rows in
- * their order), slot s's at [start[s], start[s + 1]); `items` work items of at most LORA_ROWS
- * rows of one slot, item i = (slot item_first[2i], first position item_first[2i + 1]). */
+ * their order), slot s's at [start[s], start[s + 1]); `items` work items of at most
+ * `per_item` rows of one slot (LORA_ROWS, or LORA_TILE_ROWS for the tile update), item i =
+ * (slot item_first[2i], first position item_first[2i + 1]). */
 typedef struct {
     int64_t *start, *item_first;
     int32_t *order;
@@ -56,10 +59,10 @@ static inline void lora_plan_free(LoraPlan *plan) {
     memset(plan, 0, sizeof *plan);
 }
 
-/* Group `rows` rows by their slot (-1: none) over `slots` slots. Returns 0, or -1 when out of
- * memory (nothing left allocated). */
+/* Group `rows` rows by their slot (-1: none) over `slots` slots, at most `per_item` rows an
+ * item. Returns 0, or -1 when out of memory (nothing left allocated). */
 static inline int lora_plan_build(LoraPlan *plan, const int32_t *slot_of_row, int64_t rows,
-                                  int64_t slots) {
+                                  int64_t slots, int64_t per_item) {
     memset(plan, 0, sizeof *plan);
     plan->start = calloc((size_t)slots + 1, sizeof *plan->start);
     plan->order = malloc((size_t)(rows > 0 ? rows : 1) * sizeof *plan->order);
@@ -74,7 +77,7 @@ static inline int lora_plan_build(LoraPlan *plan, const int32_t *slot_of_row, in
         if (slot_of_row[r] >= 0) start[slot_of_row[r] + 1]++;
     int64_t items = 0;
     for (int64_t s = 0; s < slots; s++) {
-        items += (start[s + 1] + LORA_ROWS - 1) / LORA_ROWS;
+        items += (start[s + 1] + per_item - 1) / per_item;
         start[s + 1] += start[s];
     }
     memcpy(fill, start, (size_t)slots * sizeof *fill);
@@ -88,7 +91,7 @@ static inline int lora_plan_build(LoraPlan *plan, const int32_t *slot_of_row, in
     }
     int64_t n = 0;
     for (int64_t s = 0; s < slots; s++)
-        for (int64_t i = start[s]; i < start[s + 1]; i += LORA_ROWS) {
+        for (int64_t i = start[s]; i < start[s + 1]; i += per_item) {
             plan->item_first[2 * n] = s;
             plan->item_first[2 * n + 1] = i;
             n++;
@@ -100,28 +103,37 @@ static inline int lora_plan_build(LoraPlan *plan, const int32_t *slot_of_row, in
 /* The fused decode's LoRA descriptor (appliance.cpu.fused_lora builds it), int64 throughout:
  * for each kind of linear (LK_*) LORA_KIND_FIELDS values: its shape vector (L_FIELDS; rows and
  * threads are the forward's own) and its parts' (first output column, columns) pairs, padded
- * to LORA_MAX_PARTS; then for every layer and kind the addresses of its slot factors a and
- * b_t. A kind's x and out rows are contiguous (its strides are its in and out features); the
+ * to LORA_MAX_PARTS; then for every layer and kind LORA_POINTERS addresses: its slot factors a
+ * and b_t, and their tile-packed copies for the AMX forward (cpu_lora_amx.inc.c; 0 where the
+ * decode keeps none). A kind's x and out rows are contiguous (its strides are its in and out features); the
  * gate|up kind's out is the pre-activation [gate | up] of every row. */
 enum { LK_QKV, LK_O, LK_GATE_UP, LK_DOWN, LK_COUNT };
 #define LORA_MAX_PARTS 3
 #define LORA_KIND_FIELDS (L_FIELDS + 2 * LORA_MAX_PARTS)
 #define LORA_HEADER (LK_COUNT * LORA_KIND_FIELDS)
+#define LORA_POINTERS 4
+enum { LP_A, LP_B_T, LP_A_TILES, LP_B_TILES };
+
+/* Layer `layer`'s addresses of kind `kind` in descriptor `lora` (LP_* order). */
+static inline const int64_t *lora_factors(const int64_t *lora, int64_t layer, int kind) {
+    return lora + LORA_HEADER + (layer * LK_COUNT + kind) * LORA_POINTERS;
+}
 
 /* Before a fused forward over `batch` rows of slots `slot_of_row` with descriptor `lora`: each
- * kind's shape vector for this batch into `shapes` (LK_COUNT x L_FIELDS) and the rows' plan.
+ * kind's shape vector for this batch into `shapes` (LK_COUNT x L_FIELDS) and the rows' plan
+ * (`per_item` rows an item).
  * Returns 1 when some row runs an adapter, 0 when none does or there is no descriptor (nothing
  * to free), -1 when out of memory. */
 static inline int lora_fused_begin(const int64_t *lora, const int32_t *slot_of_row,
                                    int64_t batch, int64_t threads, int64_t *shapes,
-                                   LoraPlan *plan) {
+                                   LoraPlan *plan, int64_t per_item) {
     if (!lora || !slot_of_row) return 0;
     for (int k = 0; k < LK_COUNT; k++) {
         memcpy(shapes + k * L_FIELDS, lora + k * LORA_KIND_FIELDS, L_FIELDS * sizeof *shapes);
         shapes[k * L_FIELDS + L_ROWS] = batch;
         shapes[k * L_FIELDS + L_THREADS] = threads;
     }
-    if (lora_plan_build(plan, slot_of_row, batch, lora[L_SLOTS]) != 0) return -1;
+    if (lora_plan_build(plan, slot_of_row, batch, lora[L_SLOTS], per_item) != 0) return -1;
     if (plan->items == 0) {
         lora_plan_free(plan);
         return 0;

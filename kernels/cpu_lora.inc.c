@@ -226,7 +226,8 @@ static void LFN(lora_run)(const int64_t *shape, const XT *x, OT *out, const T *a
 int LFN(lora_update)(const int64_t *shape, const XT *x, OT *out, const T *a, const T *bt,
                      const int32_t *slot_of_row, const int64_t *parts) {
     LoraPlan plan;
-    if (lora_plan_build(&plan, slot_of_row, shape[L_ROWS], shape[L_SLOTS]) != 0) return -1;
+    if (lora_plan_build(&plan, slot_of_row, shape[L_ROWS], shape[L_SLOTS], LORA_ROWS) != 0)
+        return -1;
     const int64_t threads = shape[L_THREADS] > 0 ? shape[L_THREADS] : 1;
     const int64_t vecs = (shape[L_OUT] + VW - 1) / VW;
     int64_t splits = plan.items < threads ? threads : 1;

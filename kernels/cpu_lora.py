@@ -5,6 +5,8 @@ and expand (appliance.layers.lora's TorchLoraUpdate, the reference the tests hol
 
 `LoraKernel` binds one linear's factors once (their pointers and shapes); each call passes the
 forward's x, the base output it adds to in place, and the slot of each row (int32, -1: none).
+Given the factors' tile-packed copy (appliance.cpu.lora_tiles) on a build that targets AMX, a
+bf16 call runs the update on tiles (kernels/cpu_lora_amx.inc.c) instead of in vectors.
 """
 
 from __future__ import annotations
@@ -62,6 +64,9 @@ def load(features: CpuFeatures | None = None) -> ctypes.CDLL | None:
                 fn.restype = ctypes.c_int
                 fn.argtypes = [ctypes.c_void_p] * 7
             lib.lora_dpbf16.restype = ctypes.c_int
+            lib.lora_tiles_compiled.restype = ctypes.c_int
+            lib.lora_update_tiles_bf16.restype = ctypes.c_int
+            lib.lora_update_tiles_bf16.argtypes = [ctypes.c_void_p] * 7
         _loaded[key] = (lib, error)
     return _loaded[key][0]
 
@@ -73,6 +78,15 @@ def load_error(features: CpuFeatures | None = None) -> str | None:
 
 def forget_builds() -> None:
     _loaded.clear()
+
+
+def tiles_ready(features: CpuFeatures | None = None) -> bool:
+    """Whether the update can run on AMX tiles here: this library built for them and the
+    process granted the tile state (cpu_native.amx_ready asks Linux once)."""
+    lib = load(features)
+    if lib is None or not lib.lora_tiles_compiled():
+        return False
+    return cpu_native.amx_ready(features)[0]
 
 
 def uses_dpbf16(features: CpuFeatures | None = None) -> bool:
@@ -95,6 +109,7 @@ class LoraKernel:
         rank: int,
         slots: int,
         features: CpuFeatures | None = None,
+        tiles: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         lib = load(features)
         assert lib is not None, "native LoRA kernel unavailable"
@@ -104,6 +119,11 @@ class LoraKernel:
         assert width == rank * len(parts) and b_t.shape[0] == a.shape[0]
         self.a, self.b_t, self.dtype = a, b_t, a.dtype
         self._fn = getattr(lib, f"lora_update_{SUFFIX[a.dtype]}")
+        # The tile-packed (a, b) copy and the tile entry, where the caller has one (bf16, AMX).
+        self.tiles = tiles
+        if tiles is not None:
+            assert a.dtype == torch.bfloat16 and lib.lora_tiles_compiled()
+            self._fn = lib.lora_update_tiles_bf16
         self._parts = torch.tensor([v for part in parts for v in part], dtype=torch.int64)
         self._shape = (ctypes.c_int64 * len(LORA_SHAPE_FIELDS))()
         fixed = {
@@ -129,12 +149,13 @@ class LoraKernel:
         shape[_X_STRIDE] = x.stride(0)
         shape[_OUT_STRIDE] = out.stride(0)
         shape[_THREADS] = torch.get_num_threads()
+        a, b = self.tiles if self.tiles is not None else (self.a, self.b_t)
         rc = self._fn(
             shape,
             x.data_ptr(),
             out.data_ptr(),
-            self.a.data_ptr(),
-            self.b_t.data_ptr(),
+            a.data_ptr(),
+            b.data_ptr(),
             slot_of_row.data_ptr(),
             self._parts.data_ptr(),
         )

@@ -3,9 +3,11 @@ appliance.cpu.fused_lora): a decode step whose rows mix adapter slots and base r
 logits of the torch forward with torch's own LoRA update (TorchLoraUpdate, the reference of
 appliance.layers.lora) from the same slot factors, and the same greedy tokens, for 1..33 rows:
 the float32 forward, the bf16 forward with float32 activations (AMX masked off) and the bf16
-AMX forward (where the CPU has it). A step of base rows only with the LoRA arguments is the
-plain forward bit for bit; the slot pool's factors keep their addresses through a fill; and
-through the engine, mixed batches now count as native decode steps and still give peft's tokens.
+AMX forward (where the CPU has it), the latter at rank 8 (its vector update) and at rank 16
+(its tile update over the tile-packed copy, appliance.cpu.lora_tiles). A step of base rows
+only with the LoRA arguments is the plain forward bit for bit; the slot pool's factors keep
+their addresses through a fill, and a fill reaches the tile copy; and through the engine,
+mixed batches now count as native decode steps and still give peft's tokens.
 The engine-level peft equality on SmolLM2 (bf16 and float32) is tests/test_lora_exact.py."""
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 from appliance.kernels import cpu_native
 from appliance.kernels.cpu_features import MASK_ENV, read_features
 
-from appliance.config import load_config
+from appliance.config import ApplianceConfig, load_config
 from appliance.cpu.fused_decode import FusedCpuDecode
 from appliance.engine.executor import load_model
 from appliance.engine.llm_engine import Engine
@@ -31,7 +33,10 @@ from appliance.sampling_params import SamplingParams
 from tests.lora_fixtures import peft_greedy, save_random_adapter
 from tests.paged_fixtures import decode_metadata, fill_random_kv
 
-SLOTS, RANK = 4, 8
+SLOTS = 4
+# The pool's rank per fixture: 8 keeps the AMX forward on its vector update, 16 (a multiple of
+# the tiles' rank granule) puts it on tiles.
+RANKS = {"float32": 8, "bfloat16": 8, "bfloat16-amx": 8, "bfloat16-amx-tiles": 16}
 UNMASKED = read_features("")
 AMX_READY, AMX_WHY = (
     cpu_native.amx_ready(UNMASKED)
@@ -57,7 +62,7 @@ def slots_of(rows: int) -> list[int]:
     return [(i * 3) % (SLOTS + 1) - 1 for i in range(rows)]
 
 
-def lora_config(model_dir: Path, dtype: str) -> object:
+def lora_config(model_dir: Path, dtype: str, rank: int) -> ApplianceConfig:
     return load_config(
         None,
         {
@@ -68,7 +73,7 @@ def lora_config(model_dir: Path, dtype: str) -> object:
             "hardware.device": "cpu",
             "lora.enabled": True,
             "lora.max_loras": SLOTS,
-            "lora.max_lora_rank": RANK,
+            "lora.max_lora_rank": rank,
         },
     )
 
@@ -76,27 +81,33 @@ def lora_config(model_dir: Path, dtype: str) -> object:
 def fill_random_slots(pool: LoraSlotPool, seed: int) -> None:
     """Random factors in every slot, written in place as the pool's own fill writes them, B
     block-diagonal over a merged projection's parts (part p's rank rows feed only its own
-    columns), scaled so that the adapters move the logits well beyond the tolerances."""
+    columns), scaled so that the adapters move the logits well beyond the tolerances; then
+    each tile copy refilled, as after the pool's own fill."""
     gen = torch.Generator().manual_seed(seed)
+    rank = pool.max_rank
     for t in pool.targets:
         t.a.copy_((torch.randn(t.a.shape, generator=gen) / t.a.shape[1] ** 0.5).to(t.a.dtype))
         b_t = torch.zeros(t.b_t.shape)
-        width = RANK * len(t.parts)
+        width = rank * len(t.parts)
         for slot in range(SLOTS):
             for p, (_, offset, cols, _) in enumerate(t.parts):
-                lo = slot * width + p * RANK
-                block = torch.randn(RANK, cols, generator=gen) * 0.3 / RANK**0.5
-                b_t[lo : lo + RANK, offset : offset + cols] = block
+                lo = slot * width + p * rank
+                block = torch.randn(rank, cols, generator=gen) * 0.3 / rank**0.5
+                b_t[lo : lo + rank, offset : offset + cols] = block
         t.b_t.copy_(b_t.to(t.b_t.dtype))
+        for slot in range(SLOTS):
+            if t.factors.tiles is not None:
+                t.factors.tiles.refill(slot)
 
 
-@pytest.fixture(scope="module", params=["float32", "bfloat16", "bfloat16-amx"])
+@pytest.fixture(scope="module", params=list(RANKS))
 def loaded(request: pytest.FixtureRequest, tiny_model_dir: Path) -> Iterator[LoadedModel]:
     """The tiny Llama with a LoRA slot pool of random factors: float32; bf16 with AMX masked
     off (the float32-activation bf16 forward); bf16 on AMX (the runner's fused decode is then
-    the AMX forward)."""
+    the AMX forward), with its vector update and with its tile update."""
     name = str(request.param)
-    if name.endswith("amx") and not AMX_READY:
+    amx = "amx" in name
+    if amx and not AMX_READY:
         pytest.skip(f"the AMX forward cannot run here: {AMX_WHY}")
     before = os.environ.get(MASK_ENV)
     if name == "bfloat16":
@@ -104,7 +115,8 @@ def loaded(request: pytest.FixtureRequest, tiny_model_dir: Path) -> Iterator[Loa
     else:
         os.environ.pop(MASK_ENV, None)
     try:
-        result = load_model(lora_config(tiny_model_dir, name.removesuffix("-amx")))
+        dtype = name.split("-")[0]
+        result = load_model(lora_config(tiny_model_dir, dtype, RANKS[name]))
     finally:
         os.environ.pop(MASK_ENV, None) if before is None else os.environ.update({MASK_ENV: before})
     fused = result.runner.hooks.fused_decode
@@ -112,8 +124,11 @@ def loaded(request: pytest.FixtureRequest, tiny_model_dir: Path) -> Iterator[Loa
         result.close()
         pytest.skip("no fused native decode on this box (no compiler, or kernels off)")
     assert isinstance(fused, FusedCpuDecode)
-    assert (fused.tiles is not None) == name.endswith("amx")
+    assert (fused.tiles is not None) == amx
     assert result.runner.fused_lora, "the fused decode refused the slot pool's factors"
+    assert result.runner.lora is not None
+    tiles = [t.factors.tiles is not None for t in result.runner.lora.targets]
+    assert all(tiles) if name.endswith("tiles") else not any(tiles), tiles
     assert result.runner.lora is not None
     fill_random_slots(result.runner.lora, seed=7)
     yield result
@@ -223,14 +238,27 @@ def test_slot_factors_keep_their_addresses_through_a_fill(
     loaded: LoadedModel, tmp_path: Path, tiny_model_dir: Path
 ) -> None:
     """The fused decode holds the factors' addresses: filling a slot from an adapter writes
-    into the same tensors."""
+    into the same tensors, and the next step adds the new adapter's update (the AMX tile copy
+    refreshed: a stale copy gives the old factors' logits)."""
     pool = loaded.runner.lora
-    assert pool is not None
+    fused = loaded.runner.hooks.fused_decode
+    assert pool is not None and isinstance(fused, FusedCpuDecode)
     before = [(t.a.data_ptr(), t.b_t.data_ptr()) for t in pool.targets]
-    adapter = pool.read("x", str(save_random_adapter(tiny_model_dir, tmp_path / "x", seed=3)))
+    rank = pool.max_rank
+    saved = save_random_adapter(tiny_model_dir, tmp_path / "x", seed=3, rank=rank)
+    adapter = pool.read("x", str(saved))
     pool._fill(1, adapter)
-    assert [(t.a.data_ptr(), t.b_t.data_ptr()) for t in pool.targets] == before
-    fill_random_slots(pool, seed=7)  # back to the module's factors
+    try:
+        assert [(t.a.data_ptr(), t.b_t.data_ptr()) for t in pool.targets] == before
+        step = decode_step(loaded, 6, seed=5)
+        pool.batch.set_rows([1, -1, 1, 1, 0, 1], torch.device("cpu"))
+        assert pool.batch.slot_ids is not None
+        got = fused(*step, pool.batch.slot_ids)
+        reference = torch_logits(loaded, step)
+        tolerance = TOLERANCE["float32" if fused.dtype == torch.float32 else "bfloat16"]
+        assert relative(got, reference) < tolerance
+    finally:
+        fill_random_slots(pool, seed=7)  # back to the module's factors
 
 
 def test_mixed_batches_stay_on_the_native_decode_and_match_peft(
@@ -275,3 +303,25 @@ def test_mixed_batches_stay_on_the_native_decode_and_match_peft(
         got = [r.token_ids for n, r in zip(names, results, strict=True) if n == name]
         want = peft_greedy(tiny_model_dir, adapters.get(name), prompts, new_tokens)
         assert got == want, f"adapter {name or 'base'!r} diverged"
+
+
+def test_the_plan_counts_the_tile_copy(loaded: LoadedModel, tiny_model_dir: Path) -> None:
+    """Where the factors have their AMX tile copy, `appliance plan` knows it and counts it: the
+    pool's bytes (factors and copies) are the plan's slot-pool bytes; elsewhere it counts none."""
+    from appliance.plan import _lora_tiles_kept, lora_slot_params, lora_tile_params
+
+    pool = loaded.runner.lora
+    assert pool is not None
+    args, rank = loaded.args, pool.max_rank
+    tiles = pool.targets[0].factors.tiles is not None
+    fused = loaded.runner.hooks.fused_decode
+    assert isinstance(fused, FusedCpuDecode)
+    config = lora_config(
+        tiny_model_dir, "bfloat16" if fused.dtype == torch.bfloat16 else "float32", rank
+    )
+    if fused.dtype == torch.bfloat16 and fused.tiles is None:
+        return  # AMX masked off for this fixture only: the plan reads the CPU, not the mask
+    assert _lora_tiles_kept(args, config) == tiles
+    elem = 2 if fused.dtype == torch.bfloat16 else 4
+    copies = 2 * lora_tile_params(args, 1, SLOTS, rank) if tiles else 0
+    assert pool.nbytes == elem * lora_slot_params(args, 1, SLOTS, rank) + copies

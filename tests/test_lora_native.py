@@ -153,3 +153,73 @@ def test_cpu_engine_wires_the_native_update(tiny_model_dir: Path) -> None:
             assert isinstance(matmul.update, NativeLoraUpdate)
     finally:
         engine.loaded.close()
+
+
+# The update on AMX tiles (kernels/cpu_lora_amx.inc.c) from the factors' tile-packed copy
+# (appliance.cpu.lora_tiles): rank 16 (half a tile's K: the next block's half multiplied by
+# zeros) and 48 (a whole block and a half), the same odd parts and in features, 40 rows of one
+# slot (three work items of at most 16 rows).
+TILE_ROW_SLOTS = {**ROW_SLOTS, "forty rows of one slot": [1] * 20 + [-1] + [1] * 20}
+
+
+def tile_factors(rank: int, seed: int) -> LoraFactors:
+    """slot_factors at another rank: random A, B block-diagonal over PARTS, bf16; slot
+    PADDED_SLOT holds an adapter of a lower rank (zero rows past it)."""
+    g = torch.Generator().manual_seed(seed)
+    width = rank * len(PARTS)
+    a = torch.randn(SLOTS * width, IN_FEATURES, generator=g) / IN_FEATURES**0.5
+    b_t = torch.zeros(SLOTS * width, sum(n for _, n in PARTS))
+    for s in range(SLOTS):
+        held = rank - 3 if s == PADDED_SLOT else rank
+        for p, (first, n) in enumerate(PARTS):
+            lo = s * width + p * rank
+            b_t[lo : lo + held, first : first + n] = torch.randn(held, n, generator=g) * 0.5
+            a[lo + held : lo + rank] = 0.0
+    bf16 = torch.bfloat16
+    return LoraFactors(a.to(bf16).contiguous(), b_t.to(bf16).contiguous(), rank, PARTS)
+
+
+@pytest.mark.parametrize("rank", [16, 48])
+@pytest.mark.parametrize("case", list(TILE_ROW_SLOTS))
+def test_tile_update_matches_a_float64_reference(rank: int, case: str, threads: int) -> None:
+    """out_i + bf16(x_i A_s^T) B_s^T within one bf16 rounding of the sum (the tiles round the
+    shrink to bf16 before the expand, as torch's bf16 path does), base rows untouched; and
+    close to the vector update (which keeps the shrink in float32)."""
+    from appliance.kernels.cpu_features import detect
+
+    from appliance.cpu.lora_tiles import LoraTileCopy
+    from appliance.cpu.lora_update import NativeLoraUpdate
+
+    cpu_lora.forget_builds()
+    if not cpu_lora.tiles_ready():
+        pytest.skip("no AMX tiles here (CPU, compiler or APPLIANCE_CPU_MASK)")
+    slots = TILE_ROW_SLOTS[case]
+    plain = tile_factors(rank, seed=len(slots) + rank)
+    tiled = LoraFactors(plain.a, plain.b_t, rank, PARTS, LoraTileCopy(plain, SLOTS))
+    g = torch.Generator().manual_seed(11)
+    rows = len(slots)
+    x = torch.randn(rows, IN_FEATURES + 12, generator=g).to(torch.bfloat16)[:, 5 : 5 + IN_FEATURES]
+    base = torch.randn(rows, sum(n for _, n in PARTS), generator=g).to(torch.bfloat16)
+    batch = LoraBatch(SLOTS)
+    batch.set_rows(slots, torch.device("cpu"))
+
+    update = NativeLoraUpdate(tiled, SLOTS, detect())
+    assert update.kernel.tiles is not None
+    got = update(base.clone(), x, tiled, batch)
+    vector = NativeLoraUpdate(plain, SLOTS, detect())(base.clone(), x, plain, batch)
+
+    w = rank * len(PARTS)
+    expected = base.double().clone()
+    for i, s in enumerate(slots):
+        if s >= 0:
+            a, b_t = plain.a[s * w : (s + 1) * w].double(), plain.b_t[s * w : (s + 1) * w].double()
+            shrunk = (x[i].double() @ a.T).to(torch.bfloat16).double()
+            expected[i] += shrunk @ b_t
+    for i, s in enumerate(slots):
+        if s < 0:
+            assert torch.equal(got[i], base[i])
+    ulp = expected.abs().clamp_min(1e-3) * 2**-8
+    assert ((got.double() - expected).abs() <= ulp + 1e-3).all()
+    torch.testing.assert_close(got.float(), vector.float(), rtol=0.03, atol=0.03)
+    moved = (got.double() - base.double()).abs().amax(dim=1)
+    assert all(moved[i] > 1e-2 for i, s in enumerate(slots) if s >= 0)

@@ -30,7 +30,7 @@ from appliance.kernels import cpu_native
 from appliance.layers.attention import PlainKV
 from appliance.layers.kv_cache import KVStorage, LayerCache
 from appliance.layers.linear import MatmulWeight
-from appliance.layers.lora import LoraFactors, LoraUpdate, TorchLoraUpdate
+from appliance.layers.lora import LoraFactors, LoraUpdate, SlotCopy, TorchLoraUpdate
 from appliance.layers.matmul import (
     CopyMatmul,
     Matmul,
@@ -61,6 +61,8 @@ class CpuBackend:
     def __init__(self, plan: CpuPlan, act8: bool = False, kv_cache_memory: float = 0.0) -> None:
         self.plan = plan
         self.device = torch.device("cpu")
+        # Whether lora_tiles has logged why the factors stay off the tiles (once a load).
+        self._lora_tiles_refused = False
         self.weight_dtype = plan.weight_dtype
         self.compute_dtype = plan.compute_dtype
         self.kv_dtype = plan.kv_dtype
@@ -282,6 +284,24 @@ class CpuBackend:
             self.primitive_caches,
             self.warm_matmuls,
         )
+
+    def lora_tiles(self, factors: LoraFactors, slots: int) -> SlotCopy | None:
+        """On AMX, with the native kernels on and built for tiles, a tile-packed copy of the
+        factors (appliance.cpu.lora_tiles) for the update on tiles, per linear and in the AMX
+        decode forward: ~4x faster than the vector update (docs/benchmarks.md). None where the
+        rank or dtype does not fit the tiles (logged once)."""
+        from appliance.cpu.lora_tiles import LoraTileCopy
+        from appliance.kernels import cpu_lora
+
+        if not (self.plan.native_ops and cpu_lora.tiles_ready(self.plan.features)):
+            return None
+        why_not = LoraTileCopy.fits(factors)
+        if why_not is not None:
+            if not self._lora_tiles_refused:
+                log.info("LoRA on AMX: the vector update, not tiles: %s", why_not)
+                self._lora_tiles_refused = True
+            return None
+        return LoraTileCopy(factors, slots)
 
     def lora_update(self, factors: LoraFactors, slots: int) -> LoraUpdate:
         """The native kernel (one call a linear: appliance.cpu.lora_update) where the native

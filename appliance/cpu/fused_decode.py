@@ -183,9 +183,13 @@ class FusedCpuDecode:
 
     def bind_lora(self, layers: list[LoraLayerFactors], slots: int) -> bool:
         """Read the LoRA slot pool's factors from now on (steps with adapter rows stay on this
-        forward); False, with the reason logged, when their dtype or shapes do not fit it."""
+        forward); False, with the reason logged, when their dtype or shapes do not fit it. The
+        AMX forward adds the updates on tiles where the factors have their tile copy
+        (appliance.cpu.lora_tiles)."""
         try:
-            self.lora_table = lora_descriptor(layers, slots, self.dtype, self.shapes)
+            self.lora_table = lora_descriptor(
+                layers, slots, self.dtype, self.shapes, tiles=self.tiles is not None
+            )
         except ValueError as exc:
             log.info("LoRA steps run the torch forward, not the native decode: %s", exc)
             return False

@@ -63,12 +63,20 @@ def _kind_fields(factors: LoraFactors, slots: int) -> list[int]:
 
 
 def lora_descriptor(
-    layers: list[LoraLayerFactors], slots: int, dtype: torch.dtype, shapes: FusedShapes
+    layers: list[LoraLayerFactors],
+    slots: int,
+    dtype: torch.dtype,
+    shapes: FusedShapes,
+    tiles: bool = False,
 ) -> torch.Tensor:
-    """The int64 descriptor of kernels/cpu_lora.h for these layers' factors; ValueError naming
-    what the fused forward cannot take (the runner then keeps adapter steps on torch)."""
+    """The int64 descriptor of kernels/cpu_lora.h for these layers' factors, with the
+    addresses of their tile copies (`tiles`: for the AMX forward, where every linear has one;
+    else zeros: the vector update); ValueError naming what the fused forward cannot take (the
+    runner then keeps adapter steps on torch)."""
     header: list[int] = []
     pointers: list[int] = []
+    copies = [getattr(layer, kind).tiles for layer in layers for kind in LORA_KINDS]
+    tiles = tiles and all(c is not None for c in copies)
     for kind in LORA_KINDS:
         first = getattr(layers[0], kind)
         if len(first.parts) > MAX_PARTS:
@@ -93,5 +101,7 @@ def lora_descriptor(
                 raise ValueError(f"{where}: rank or parts differ from layer 0's")
             if f.a.shape[0] != slots * f.width or f.b_t.shape[0] != slots * f.width:
                 raise ValueError(f"{where}: {f.a.shape[0]} factor rows, not {slots} slots")
-            pointers += [f.a.data_ptr(), f.b_t.data_ptr()]
+            copy = f.tiles if tiles else None
+            packed = [copy.a.data_ptr(), copy.b.data_ptr()] if copy is not None else [0, 0]
+            pointers += [f.a.data_ptr(), f.b_t.data_ptr(), *packed]
     return torch.tensor(header + pointers, dtype=torch.int64)

@@ -5,7 +5,8 @@ cost ~100 us a linear on two cores in op calls and thread wake-ups, 120 linears 
 SmolLM2 (docs/benchmarks.md); the kernel does the same arithmetic in one call.
 
 Chosen once at load by CpuBackend.lora_update where the native kernels are on and built and
-the factors are bf16 or float32; a pass whose activations are of another dtype or laid out
+the factors are bf16 or float32 (on AMX tiles where the factors have their tile copy:
+CpuBackend.lora_tiles); a pass whose activations are of another dtype or laid out
 with strided columns (none in this model's forward) takes the torch update instead."""
 
 from __future__ import annotations
@@ -19,8 +20,15 @@ from appliance.layers.lora import LoraBatch, LoraFactors, TorchLoraUpdate
 
 class NativeLoraUpdate:
     def __init__(self, factors: LoraFactors, slots: int, features: CpuFeatures) -> None:
+        copy = factors.tiles
         self.kernel = LoraKernel(
-            factors.a, factors.b_t, factors.parts, factors.rank, slots, features
+            factors.a,
+            factors.b_t,
+            factors.parts,
+            factors.rank,
+            slots,
+            features,
+            tiles=(copy.a, copy.b) if copy is not None else None,
         )
         self.torch_update = TorchLoraUpdate()
 

@@ -16,7 +16,7 @@ import torch
 from appliance.config import ApplianceConfig, ConfigError
 from appliance.engine.model_runner import ForwardHooks
 from appliance.layers.kv_cache import KVStorage, LayerCache
-from appliance.layers.lora import LoraFactors, LoraUpdate
+from appliance.layers.lora import LoraFactors, LoraUpdate, SlotCopy
 from appliance.layers.parallel import tp_rank
 from appliance.models.args import ModelArgs
 from appliance.models.llama import LlamaForCausalLM
@@ -79,6 +79,11 @@ class Backend(ForwardHooks, Protocol):
 
     def lora_update(self, factors: LoraFactors, slots: int) -> LoraUpdate:
         """How one LoRA linear adds its rows' low-rank updates (appliance.layers.lora)."""
+        ...
+
+    def lora_tiles(self, factors: LoraFactors, slots: int) -> SlotCopy | None:
+        """The backend's own copy of a LoRA linear's factors for its update, kept up to date
+        by the slot pool; None where it reads the factors themselves."""
         ...
 
 

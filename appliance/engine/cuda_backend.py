@@ -17,7 +17,7 @@ from appliance.engine import memory
 from appliance.engine.model_runner import FusedDecode
 from appliance.layers.attention import PlainKV
 from appliance.layers.kv_cache import KVStorage, LayerCache
-from appliance.layers.lora import LoraFactors, LoraUpdate, TorchLoraUpdate
+from appliance.layers.lora import LoraFactors, LoraUpdate, SlotCopy, TorchLoraUpdate
 from appliance.layers.matmul import PackedMatmul
 from appliance.layers.ops import LayerOps
 from appliance.models.args import ModelArgs
@@ -112,6 +112,10 @@ class CudaBackend:
 
     def fused_max_batch(self) -> int:
         return 0
+
+    def lora_tiles(self, factors: LoraFactors, slots: int) -> SlotCopy | None:
+        """None: Triton reads the factors themselves."""
+        return None
 
     def lora_update(self, factors: LoraFactors, slots: int) -> LoraUpdate:
         """Triton's segment shrink and expand (appliance.engine.cuda_lora), every linear

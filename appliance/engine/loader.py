@@ -334,7 +334,12 @@ def wire_backend(
         samples=driver,
         # After the warm-up: LoRA wraps the matmul strategies the backend chose.
         lora=make_lora_pool(
-            config.lora, w.model, backend.compute_dtype, backend.device, backend.lora_update
+            config.lora,
+            w.model,
+            backend.compute_dtype,
+            backend.device,
+            backend.lora_update,
+            backend.lora_tiles,
         ),
     )
     return LoadedModel(

@@ -36,6 +36,7 @@ from appliance.layers.lora import (
     LoraMatmul,
     LoraUpdate,
     ReferenceMatmul,
+    SlotCopy,
     TorchLoraUpdate,
 )
 from appliance.layers.parallel import tp_rank
@@ -66,10 +67,16 @@ class _Target:
 
 # (a linear's factors, slots) -> how it adds its rows' updates: the backend's `lora_update`.
 UpdateFactory = Callable[[LoraFactors, int], LoraUpdate]
+# (a linear's factors, slots) -> the backend's own copy of them, or None: its `lora_tiles`.
+CopyFactory = Callable[[LoraFactors, int], SlotCopy | None]
 
 
 def torch_update(factors: LoraFactors, slots: int) -> LoraUpdate:
     return TorchLoraUpdate()
+
+
+def no_copy(factors: LoraFactors, slots: int) -> SlotCopy | None:
+    return None
 
 
 class LoraSlotPool:
@@ -80,9 +87,11 @@ class LoraSlotPool:
         dtype: torch.dtype,
         device: torch.device,
         make_update: UpdateFactory = torch_update,
+        make_copy: CopyFactory = no_copy,
     ) -> None:
         self.config = config
         self.make_update = make_update
+        self.make_copy = make_copy
         self.args: ModelArgs = model.args
         self.max_rank = config.max_lora_rank
         self.device = device
@@ -128,6 +137,7 @@ class LoraSlotPool:
         b_t = torch.zeros(slots * width, out_f, dtype=dtype, device=self.device)
         inner = linear.matmul if linear.matmul is not None else ReferenceMatmul(linear)
         factors = LoraFactors(a, b_t, rank, [(offset, rows) for _, offset, rows, _ in parts])
+        factors.tiles = self.make_copy(factors, slots)
         update = self.make_update(factors, slots)
         linear.wire(LoraMatmul(inner, factors, self.batch, update))
         self.targets.append(_Target(layer, linear, parts, a, b_t, row_parallel, factors))
@@ -148,10 +158,14 @@ class LoraSlotPool:
     @property
     def nbytes(self) -> int:
         """Device bytes of the slot pool (what `appliance plan` counts)."""
-        return sum(
-            t.a.numel() * t.a.element_size() + t.b_t.numel() * t.b_t.element_size()
-            for t in self.targets
-        )
+        total = 0
+        for t in self.targets:
+            total += t.a.numel() * t.a.element_size() + t.b_t.numel() * t.b_t.element_size()
+            tiles = t.factors.tiles
+            if tiles is not None:
+                total += tiles.a.numel() * tiles.a.element_size()
+                total += tiles.b.numel() * tiles.b.element_size()
+        return total
 
     # -- adapters on the host --------------------------------------------------------------------
     def read(self, name: str, path: str) -> LoraAdapter:
@@ -211,6 +225,8 @@ class LoraSlotPool:
                 lo = base + i * rank
                 t.a[lo : lo + r].copy_(a)
                 t.b_t[lo : lo + r, offset : offset + rows].copy_(b.t())
+            if t.factors.tiles is not None:
+                t.factors.tiles.refill(slot)
         self.slot_names[slot] = adapter.name
 
 
@@ -220,11 +236,12 @@ def make_lora_pool(
     dtype: torch.dtype,
     device: torch.device,
     make_update: UpdateFactory = torch_update,
+    make_copy: CopyFactory = no_copy,
 ) -> LoraSlotPool | None:
     """The slot pool with the template's adapters read, or None when LoRA is off."""
     if not config.active:
         return None
-    pool = LoraSlotPool(config, model, dtype, device, make_update)
+    pool = LoraSlotPool(config, model, dtype, device, make_update, make_copy)
     for name, path in config.adapters.items():
         try:
             pool.add(pool.read(name, path))

@@ -99,18 +99,31 @@ class ReferenceMatmul:
         return F.linear(x, self.module.weight, bias)
 
 
+class SlotCopy(Protocol):
+    """A backend's own copy of a linear's factors in another layout (the CPU's AMX tiles:
+    appliance.cpu.lora_tiles), `a` and `b` its flat tensors; the pool refills a slot of it
+    whenever it has written that slot of the factors."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+
+    def refill(self, slot: int) -> None: ...
+
+
 @dataclass
 class LoraFactors:
     """One targeted linear's slot factors on the device (this rank's shards). `a`:
     (slots * width, in_features), slot s's rows at s * width; `b_t`: (slots * width,
     out_features), B transposed so that a slot's factor rows are contiguous, the adapter's
     scaling folded in. `parts`: each part's (first output column, output columns), part p
-    owning factor rows [p * rank, (p + 1) * rank) of its slot (B is block-diagonal)."""
+    owning factor rows [p * rank, (p + 1) * rank) of its slot (B is block-diagonal). `tiles`:
+    the backend's copy of them for its tile update, where it keeps one."""
 
     a: torch.Tensor
     b_t: torch.Tensor
     rank: int
     parts: list[tuple[int, int]]
+    tiles: SlotCopy | None = None
 
     @property
     def width(self) -> int:
