@@ -151,21 +151,59 @@ def test_a_decoding_class_with_a_tpot_target_cuts_a_long_prefill_by_time() -> No
     assert next(len(r.token_ids) for r in out.scheduled if r.request_id == "long") == 3000
 
 
-def test_a_summary_on_an_idle_box_is_cut_to_the_target_of_the_classes_outranking_it() -> None:
-    """No chat decodes, yet a chat arriving during the step would wait for it: a batch
-    prompt's chunk keeps the step within interactive's TPOT target. An interactive prompt of
-    the same length, which no class with a target outranks, takes the token budget."""
-    s = seeded(SLO)
-    s.add_request(req("summary", 3000, max_tokens=4, cls="batch", base=5000))
+def first_chunk(s: object, request_id: str, prompt: int, cls: str) -> tuple[int, str | None]:
+    """Queue a prompt of `prompt` tokens on scheduler `s` and step once: (its chunk, what
+    bound the step)."""
+    s.add_request(req(request_id, prompt, max_tokens=4, cls=cls, base=5000))  # type: ignore[attr-defined]
     out = step(s)
-    chunk = next(len(r.token_ids) for r in out.scheduled if r.request_id == "summary")
-    assert out.bound_by == "time_budget"
+    return next(len(r.token_ids) for r in out.scheduled if r.request_id == request_id), out.bound_by
+
+
+def test_a_summary_on_an_idle_box_is_cut_to_the_target_of_the_present_classes_outranking_it() -> (
+    None
+):
+    """No chat decodes, yet a chat arriving during the step would wait for it: where chats
+    came in the last CLASS_PRESENCE_S seconds, a batch prompt's chunk keeps the step within
+    interactive's TPOT target. An interactive prompt of the same length, which no class with a
+    target outranks, takes the token budget; so does the summary where no chat was ever seen,
+    or none for longer than CLASS_PRESENCE_S (a box serving one class)."""
+    s = seeded(SLO)
+    s.add_request(req("chat", 32, max_tokens=1, cls="interactive"))
+    while s.has_unfinished():
+        step(s)
+    chunk, bound = first_chunk(s, "summary", 3000, "batch")
+    assert bound == "time_budget"
     assert 16 <= chunk < 3000
-    assert true_seconds(StepShape.of(out)) <= 0.060 * 1.05
     chat = seeded(SLO)
-    chat.add_request(req("pasted", 3000, max_tokens=4, cls="interactive", base=5000))
-    out = step(chat)
-    assert next(len(r.token_ids) for r in out.scheduled if r.request_id == "pasted") == 3000
+    assert first_chunk(chat, "pasted", 3000, "interactive")[0] == 3000
+    never = seeded(SLO)
+    assert first_chunk(never, "summary", 3000, "batch")[0] == 3000
+
+
+def test_a_class_stops_protecting_once_absent_for_the_presence_window(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The same summary, CLASS_PRESENCE_S seconds and a bit after the last chat: uncut. The
+    clock is the scheduler module's."""
+    from appliance.core import scheduler as scheduler_module
+
+    s = seeded(SLO)
+    s.add_request(req("chat", 32, max_tokens=1, cls="interactive"))
+    while s.has_unfinished():
+        step(s)
+    later = scheduler_module.time.monotonic() + scheduler_module.CLASS_PRESENCE_S + 1.0
+
+    class Clock:
+        @staticmethod
+        def monotonic() -> float:
+            return later
+
+    monkeypatch.setattr(scheduler_module, "time", Clock)
+    assert not s.class_present("interactive")
+    assert first_chunk(s, "summary", 3000, "batch")[0] == 3000
+    # A chat arriving now makes the class present again.
+    s.add_request(req("chat-2", 32, max_tokens=1, cls="interactive", base=9000))
+    assert s.class_present("interactive")
 
 
 def test_a_short_request_behind_a_long_prompt_gets_its_first_token_before_that_prefill_ends() -> (

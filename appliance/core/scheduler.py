@@ -24,6 +24,12 @@ from appliance.core.step_cost import StepCostModel, StepShape
 from appliance.core.ttft_estimate import estimate_ttft_s
 from appliance.stats import SchedulerCounters
 
+# How long a priority class counts as present after its last request arrived, ran or waited
+# (Scheduler.class_present): its TPOT target cuts the chunks of the classes it outranks only
+# then. A request of a class absent that long waits for at most one uncut step (~0.3-0.8 s on
+# 2 cores), within the TTFT targets the templates set.
+CLASS_PRESENCE_S = 60.0
+
 
 @dataclass
 class FinishedRequest:
@@ -69,6 +75,9 @@ class Scheduler:
         self._started: list[str] = []
         # Priority classes paused by the operator: their queued requests are not admitted.
         self.held_classes: set[str] = set()
+        # When each priority class last had a request arrive, run or wait (monotonic seconds):
+        # whether it is present, for chunk_limit_s.
+        self._class_seen: dict[str, float] = {}
 
     def reconfigure(self, config: ApplianceConfig) -> None:
         """Live knobs, between two steps: the next step reads them. Running requests above a
@@ -103,6 +112,8 @@ class Scheduler:
         later than its class's ttft_slo_s."""
         if req.request_id in self.requests:
             raise ValueError(f"request_id {req.request_id!r} is already in use")
+        # Traffic of its class, admitted or not: chunks of the classes it outranks are cut.
+        self._class_seen[req.priority_class] = time.monotonic()
         limit = self.config.class_limits(req.priority_class).max_waiting_requests
         if limit:
             same_class = sum(1 for r in self.waiting if r.priority_class == req.priority_class)
@@ -191,6 +202,10 @@ class Scheduler:
         seq_limit = max(self.cfg.max_num_seqs, len(self.running))
         self._expire_timeouts()
         self._update_pressure()
+        now = time.monotonic()
+        for queue in (self.running, self.waiting, self.swapped):
+            for r in queue:
+                self._class_seen[r.priority_class] = now
         out.schedule_running()
         out.admit()
         result = out.build()
@@ -203,20 +218,31 @@ class Scheduler:
         targets = [t for r in decodes if (t := self.config.tpot_slo_s(r.priority_class))]
         return min(targets) if targets else None
 
+    def class_present(self, priority_class: str, now: float | None = None) -> bool:
+        """Whether a class has traffic: a request of it running or waiting, or one that arrived
+        within the last CLASS_PRESENCE_S seconds."""
+        seen = self._class_seen.get(priority_class)
+        now = time.monotonic() if now is None else now
+        return seen is not None and now - seen <= CLASS_PRESENCE_S
+
     def chunk_limit_s(self, step_limit: float | None, priority_class: str) -> float | None:
         """The time limit of a step that runs a prefill chunk of `priority_class`: the step's
-        own (its decodes'), and the tightest TPOT target among the classes that outrank the
-        chunk's. A request of theirs that arrives during the step waits for it, so a summary's
-        prefill never holds the box longer than a chat's token may take, even while no chat
-        runs (measured: a 1,024-token chunk of an idle box's summary held the chats arriving
-        behind it for up to 0.8 s, docs/benchmarks.md)."""
+        own (its decodes'), and the tightest TPOT target among the present classes that
+        outrank the chunk's (class_present). A request of theirs that arrives during the step
+        waits for it, so a summary's prefill never holds the box longer than a chat's token
+        may take, even while no chat runs (measured: a 1,024-token chunk of an idle box's
+        summary held the chats arriving behind it for up to 0.8 s, docs/benchmarks.md). A class
+        with no traffic protects nothing: on a box serving one class its prompts' chunks take
+        the token budget (cut to realtime's 100 ms that nobody sent, 64 chats' prompts
+        prefilled at 2,900 tok/s instead of 4,800: docs/benchmarks.md)."""
         rank = self.config.priority_classes.get(priority_class)
         if rank is None:
             return step_limit
+        now = time.monotonic()
         limits = [
             cls.tpot_slo_ms / 1e3
-            for cls in self.config.priority_classes.values()
-            if cls.tpot_slo_ms and cls.priority < rank.priority
+            for name, cls in self.config.priority_classes.items()
+            if cls.tpot_slo_ms and cls.priority < rank.priority and self.class_present(name, now)
         ]
         if step_limit is not None:
             limits.append(step_limit)
