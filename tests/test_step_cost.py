@@ -229,6 +229,31 @@ def test_a_short_request_behind_a_long_prompt_gets_its_first_token_before_that_p
     assert first_token_step < summary_done_step
 
 
+def test_a_chat_queued_behind_a_summary_gets_its_prompt_before_the_summary_s_next_chunk() -> None:
+    """Under the priority policy, while a chat decodes under a TPOT target and a summary's
+    prefill runs in time-cut chunks, a chat that arrives gets its whole prompt in the next step: its admission comes
+    before the summary's chunk, which takes what the step's time has left (16-token scraps of
+    the chat's prompt otherwise). The step stays within the target; the TTFT estimate at the
+    chat's arrival counts the summary's chunks as lengthening its steps, not as ahead of it."""
+    from appliance.core.ttft_estimate import estimate_ttft_s
+
+    s = seeded({**SLO, "scheduler.policy": "priority"})
+    s.add_request(req("chat-1", 32, max_tokens=200, priority=5, cls="interactive"))
+    step(s)
+    s.add_request(req("summary", 3500, max_tokens=4, priority=10, cls="batch", base=5000))
+    alone = next(len(r.token_ids) for r in step(s).scheduled if r.request_id == "summary")
+    chat = req("chat-2", 24, max_tokens=8, priority=5, cls="interactive", base=20000)
+    estimate = estimate_ttft_s(s, chat)
+    s.add_request(chat)
+    out = step(s)
+    granted = {r.request_id: len(r.token_ids) for r in out.scheduled}
+    assert granted["chat-2"] == 24
+    assert granted.get("summary", 0) < alone
+    assert true_seconds(StepShape.of(out)) <= 0.060 * 1.05
+    # One step: the estimate is that step's cost, not the summary's remaining prefill.
+    assert estimate is not None and estimate <= 0.060 * 1.1
+
+
 @pytest.mark.parametrize(
     ("overrides", "key"),
     [
@@ -296,7 +321,7 @@ def test_a_chat_behind_a_running_summary_is_estimated_to_share_its_steps() -> No
     chunk too (at least MIN_CHUNK tokens), so its first token is a few steps away."""
     from appliance.core.ttft_estimate import estimate_ttft_s
 
-    s = seeded(SLO)
+    s = seeded({**SLO, "scheduler.policy": "priority"})
     s.add_request(req("chat-1", 32, max_tokens=200, cls="interactive"))
     step(s)
     s.add_request(req("summary", 3500, max_tokens=4, cls="batch", base=5000))

@@ -208,6 +208,7 @@ class Scheduler:
                 self._class_seen[r.priority_class] = now
         out.schedule_running()
         out.admit()
+        out.schedule_deferred()
         result = out.build()
         assert result.num_scheduled_tokens <= self.cfg.max_num_batched_tokens
         assert len(self.running) <= seq_limit

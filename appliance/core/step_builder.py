@@ -1,7 +1,9 @@
 """One step's decisions (`Scheduler.schedule`): decodes first, then prefill chunks, then
 admissions, under the token budget, the sequence limit, the KV blocks and, where the classes
 being decoded set a TPOT target, a time budget: each prefill chunk is cut to what the engine's
-cost model of this box (core/step_cost.py) expects the step to fit in."""
+cost model of this box (core/step_cost.py) expects the step to fit in. A running prefill that
+a waiting request outranks (a summary's, with a chat queued) takes its chunk after the
+admissions, from what they leave of the step."""
 
 from __future__ import annotations
 
@@ -38,6 +40,8 @@ class StepBuilder:
         self.drafts: dict[str, list[int]] = {}
         # Adapters that running requests use: their slots are not given up this step.
         self.lora_busy = {r.lora_name for r in sched.running if r.lora_name}
+        # Running prefills outranked by a waiting request: scheduled after the admissions.
+        self.deferred: list[Request] = []
 
     def _bound(self, limit: str) -> None:
         # The first limit hit is the one that bound the step.
@@ -98,7 +102,32 @@ class StepBuilder:
         prefills = [r for r in running if r.num_tokens - r.num_computed_tokens > 1]
         self.limit_s = s.time_limit_s(decodes)
         drafts = s.spec.plan(decodes, s.cost) if s.spec.enabled else {}
-        for req in decodes + prefills:
+        # A chat queued behind a summary's chunks: measured, a chat arriving while chats
+        # decode got 16-token chunks from what the summary's chunk left of the time budget,
+        # its first token several steps later. Its admission now comes first.
+        urgent = self._most_urgent_waiting()
+        self.deferred = [r for r in prefills if urgent is not None and self._rank(r) > urgent]
+        self._serve(decodes + [r for r in prefills if r not in self.deferred], drafts)
+
+    def schedule_deferred(self) -> None:
+        """The running prefills a waiting request outranked, after the admissions."""
+        self._serve(self.deferred, {})
+
+    def _rank(self, req: Request) -> int:
+        return self.s.policy.queue_key(req)[0]
+
+    def _most_urgent_waiting(self) -> int | None:
+        s = self.s
+        ranks = [
+            self._rank(r)
+            for r in s.waiting + s.swapped
+            if r.status is not RequestStatus.FINISHED and r.priority_class not in s.held_classes
+        ]
+        return min(ranks, default=None)
+
+    def _serve(self, requests: list[Request], drafts: dict[str, list[int]]) -> None:
+        s = self.s
+        for req in requests:
             if req not in s.running:
                 continue  # preempted earlier in this step
             remaining = req.num_tokens - req.num_computed_tokens

@@ -2,8 +2,9 @@
 (core/step_cost.py): the steps are simulated as the step builder makes them. Each step decodes
 the running requests and then spends what its time limit leaves (the tightest TPOT target among
 the running classes and the classes outranking the chunk's; else the token budget) on prefill
-chunks in serve order: running requests still prefilling, then the waiting and swapped requests
-admitted before the new one (its policy's queue order), then the new one; every chunk gets at
+chunks in serve order: running requests still prefilling (those the new one does not outrank),
+then the waiting and swapped requests admitted before the new one (its policy's queue order),
+then the new one, then the running prefills it outranks; every chunk gets at
 least MIN_CHUNK tokens, as the builder gives it. The estimate is the sum of the simulated
 steps' costs until the new request's prompt is done.
 
@@ -34,18 +35,23 @@ def estimate_ttft_s(sched: Scheduler, req: Request) -> float | None:
     key = sched.policy.queue_key
     mine = key(req)
     # [start, remaining] of each prefill in the order the steps serve them; req's is last.
-    ahead = [r for r in sched.running if r.num_tokens - r.num_computed_tokens > 1]
+    prefilling = [r for r in sched.running if r.num_tokens - r.num_computed_tokens > 1]
+    ahead = [r for r in prefilling if key(r)[0] <= mine[0]]
     ahead += [r for r in sorted(sched.waiting + sched.swapped, key=key) if key(r) <= mine]
+    # Outranked by the new request: they take their chunks after its (the step builder's
+    # deferral), but still lengthen the steps it waits for.
+    behind = [r for r in prefilling if key(r)[0] > mine[0]]
     work = [[r.num_computed_tokens, r.num_tokens - r.num_computed_tokens] for r in ahead]
     own = [0, req.num_tokens]
     work.append(own)
+    work += [[r.num_computed_tokens, r.num_tokens - r.num_computed_tokens] for r in behind]
     decoding = [r for r in sched.running if r.num_tokens - r.num_computed_tokens <= 1]
     decodes = StepShape()
     for r in decoding:
         decodes = decodes.with_decode(r.num_computed_tokens)
     step_limit = sched.time_limit_s(decoding)
     # Each chunk's limit also holds the TPOT targets of the classes outranking its own.
-    limits = [sched.chunk_limit_s(step_limit, r.priority_class) for r in [*ahead, req]]
+    limits = [sched.chunk_limit_s(step_limit, r.priority_class) for r in [*ahead, req, *behind]]
     total, steps = 0.0, 0
     while own[1] > 0:
         shape, budget = decodes, sched.cfg.max_num_batched_tokens - decodes.decode_rows
