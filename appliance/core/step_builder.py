@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from appliance.core.block_pool import KVBlock
 from appliance.core.request import FinishReason, Request, RequestStatus
 from appliance.core.scheduler_output import ScheduledRequest, SchedulerOutput
-from appliance.core.step_cost import StepShape
+from appliance.core.step_cost import MIN_CHUNK, StepShape
 
 if TYPE_CHECKING:
     from appliance.core.scheduler import Scheduler
@@ -40,8 +40,11 @@ class StepBuilder:
         self.drafts: dict[str, list[int]] = {}
         # Adapters that running requests use: their slots are not given up this step.
         self.lora_busy = {r.lora_name for r in sched.running if r.lora_name}
-        # Running prefills outranked by a waiting request: scheduled after the admissions.
+        # Running prefills outranked by a waiting request: scheduled after the admissions,
+        # in at most `chunk_cap` tokens each when one of those was admitted.
         self.deferred: list[Request] = []
+        self.started: list[Request] = []
+        self.chunk_cap: int | None = None
 
     def _bound(self, limit: str) -> None:
         # The first limit hit is the one that bound the step.
@@ -52,7 +55,7 @@ class StepBuilder:
         """Tokens `req` computes this step out of its `remaining` ones (its last `remaining`
         positions: it starts at num_tokens - remaining)."""
         limit = self.s.cfg.long_prefill_token_threshold or remaining
-        tokens = min(remaining, self.budget, limit)
+        tokens = min(remaining, self.budget, limit, self.chunk_cap or remaining)
         limit_s = self.s.chunk_limit_s(self.limit_s, req.priority_class)
         if tokens > 1 and limit_s is not None:
             start = req.num_tokens - remaining
@@ -110,8 +113,17 @@ class StepBuilder:
         self._serve(decodes + [r for r in prefills if r not in self.deferred], drafts)
 
     def schedule_deferred(self) -> None:
-        """The running prefills a waiting request outranked, after the admissions."""
+        """The running prefills a waiting request outranked, after the admissions; where one
+        of those was admitted, only MIN_CHUNK tokens each: the step that prefills a chat's
+        prompt stays short, its first token not held for a summary's chunk (which still
+        progresses)."""
+        if not self.deferred:
+            return
+        least = min(self._rank(r) for r in self.deferred)
+        if any(self._rank(r) < least for r in self.started):
+            self.chunk_cap = MIN_CHUNK
         self._serve(self.deferred, {})
+        self.chunk_cap = None
 
     def _rank(self, req: Request) -> int:
         return self.s.policy.queue_key(req)[0]
@@ -290,6 +302,7 @@ class StepBuilder:
             s._started.append(req.request_id)
         req.status = RequestStatus.RUNNING
         s.running.append(req)
+        self.started.append(req)
         if req.lora_name:
             self.lora_busy.add(req.lora_name)
         if tokens < req.num_tokens - req.num_computed_tokens:
