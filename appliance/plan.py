@@ -245,7 +245,7 @@ def _lora_elem_bytes(spec: ModelArgs, config: ApplianceConfig) -> int:
 def _lora_tiles_kept(spec: ModelArgs, config: ApplianceConfig) -> bool:
     """Whether the CPU backend keeps a tile-packed bf16 copy of the slot factors beside them
     (CpuBackend.lora_tiles): native kernels, bf16 compute, a CPU with AMX, a rank of 16s."""
-    from appliance.cpu.lora_tiles import RANK_GRANULE
+    from appliance.cpu.lora_tile_layout import RANK_GRANULE
     from appliance.kernels.cpu_features import detect
 
     choice, features = _cpu_choice(spec, config), detect()
@@ -303,7 +303,7 @@ def lora_tile_params(spec: ModelArgs, tp: int, slots: int, rank: int) -> int:
     """Elements of the CPU's tile-packed copy of that pool (appliance.cpu.lora_tiles): A with
     its in features padded to 32, each part's own block of B with its rows padded to 16, and
     each linear's two copies' zero tail."""
-    from appliance.cpu.lora_tiles import TAIL
+    from appliance.cpu.lora_tile_layout import TAIL
 
     def up(x: int, m: int) -> int:
         return -(-x // m) * m

@@ -20,12 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from appliance.cpu.amx_weights import tile_pack
+from appliance.cpu.lora_tile_layout import RANK_GRANULE, TAIL
 from appliance.layers.lora import LoraFactors
-
-# The tile update's rank granule: half a tile's K.
-RANK_GRANULE = 16
-# Zero elements after each copy: half a 1 KB tile (module docstring).
-TAIL = 256
 
 
 def _round_up(x: int, m: int) -> int:
