@@ -24,6 +24,7 @@ from appliance.config import (
     shipped_template_dir,
 )
 from appliance.kv_layout import kv_bytes_per_token as kv_layout_bytes_per_token
+from appliance.lora_sizes import RANK_GRANULE, lora_slot_params, lora_tile_params
 from appliance.models.args import ModelArgs
 from appliance.plan_render import GiB, render
 from appliance.quant_sizes import quantized_weight_bytes, weight_format
@@ -245,7 +246,6 @@ def _lora_elem_bytes(spec: ModelArgs, config: ApplianceConfig) -> int:
 def _lora_tiles_kept(spec: ModelArgs, config: ApplianceConfig) -> bool:
     """Whether the CPU backend keeps a tile-packed bf16 copy of the slot factors beside them
     (CpuBackend.lora_tiles): native kernels, bf16 compute, a CPU with AMX, a rank of 16s."""
-    from appliance.cpu.lora_tile_layout import RANK_GRANULE
     from appliance.kernels.cpu_features import detect
 
     choice, features = _cpu_choice(spec, config), detect()
@@ -284,36 +284,6 @@ def cpu_weight_bytes(spec: ModelArgs, config: ApplianceConfig, tp: int) -> tuple
         f"weights {cpu.weight}, compute {cpu.compute}, matmuls {layout} {cpu.compute}"
         + (", decode on AMX tiles (tile-packed copy)" if cpu.amx_decode else ""),
     )
-
-
-def lora_slot_params(spec: ModelArgs, tp: int, slots: int, rank: int) -> int:
-    """Elements of one rank's LoRA slot pool, as engine/lora_pool.py stacks them: per layer
-    and slot, A and B of q|k|v and gate|up (parts stacked along the rank) and of o and down,
-    each cut to this rank's shard."""
-    h, inter = spec.hidden_size, spec.intermediate_size // tp
-    q = spec.num_heads * spec.head_dim // tp
-    kv = spec.kv_heads_per_rank(tp) * spec.head_dim
-    qkv = 3 * rank * (h + q + 2 * kv)
-    gate_up = 2 * rank * (h + 2 * inter)
-    o_down = rank * (q + h) + rank * (inter + h)
-    return slots * spec.num_layers * (qkv + gate_up + o_down)
-
-
-def lora_tile_params(spec: ModelArgs, tp: int, slots: int, rank: int) -> int:
-    """Elements of the CPU's tile-packed copy of that pool (appliance.cpu.lora_tiles): A with
-    its in features padded to 32, each part's own block of B with its rows padded to 16, and
-    each linear's two copies' zero tail."""
-    from appliance.cpu.lora_tile_layout import TAIL
-
-    def up(x: int, m: int) -> int:
-        return -(-x // m) * m
-
-    h, inter = spec.hidden_size, spec.intermediate_size // tp
-    q = spec.num_heads * spec.head_dim // tp
-    kv = spec.kv_heads_per_rank(tp) * spec.head_dim
-    a = 3 * rank * up(h, 32) + 2 * rank * up(h, 32) + rank * up(q, 32) + rank * up(inter, 32)
-    b = rank * (up(q, 16) + 2 * up(kv, 16) + 2 * up(inter, 16) + 2 * up(h, 16))
-    return slots * spec.num_layers * (a + b) + spec.num_layers * 4 * 2 * TAIL
 
 
 def plan_tp(

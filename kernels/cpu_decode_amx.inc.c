@@ -94,7 +94,7 @@ typedef struct {
     LoraPlan plan;
     int tiles;
     char *scratch;
-    size_t scratch_bytes;
+    LoraTileLayout layout;
 } AmxLora;
 
 /* Layer `layer`'s LoRA update of one kind of linear (LK_*, cpu_lora.h) after its product: x
@@ -108,7 +108,7 @@ static void amx_lora(const AmxLora *l, int64_t layer, int kind, const uint16_t *
     if (l->tiles)
         lora_run_tiles(shape, parts, a, out, 0, (const uint16_t *)(intptr_t)factors[LP_A_TILES],
                        (const uint16_t *)(intptr_t)factors[LP_B_TILES], &l->plan, l->scratch,
-                       l->scratch_bytes, l->shapes, LK_COUNT);
+                       &l->layout);
     else
         lora_run_amx_bf16(shape, a, out, (const uint16_t *)(intptr_t)factors[LP_A],
                           (const uint16_t *)(intptr_t)factors[LP_B_T], &l->plan, parts);
@@ -229,10 +229,10 @@ int decode_forward_amx_bf16(const int64_t *shape, const int64_t *layer_ptrs,
     size_t a_bytes = (size_t)round_up(s->batch, 16) * round_up(widest, 32) * 2;
     uint16_t *a = aligned_alloc(64, round_up((int64_t)a_bytes, 64));
     if (adapters && l.tiles) {
-        l.scratch_bytes = lora_tile_scratch_bytes(l.shapes, LK_COUNT);
-        l.scratch = aligned_alloc(64, l.scratch_bytes * (size_t)s->threads);
+        l.layout = lora_tile_layout(l.shapes, LK_COUNT);
+        l.scratch = aligned_alloc(64, l.layout.bytes * (size_t)s->threads);
         /* zeros: the shrink's bf16 copy is never written past the rank */
-        if (l.scratch) memset(l.scratch, 0, l.scratch_bytes * (size_t)s->threads);
+        if (l.scratch) memset(l.scratch, 0, l.layout.bytes * (size_t)s->threads);
     }
     if (!scratch || !a || (adapters && l.tiles && !l.scratch)) {
         free(scratch);

@@ -100,6 +100,30 @@ static inline int lora_plan_build(LoraPlan *plan, const int32_t *slot_of_row, in
     return 0;
 }
 
+/* The team's threads from a shape vector (at least 1). */
+static inline int64_t lora_threads(const int64_t *shape) {
+    return shape[L_THREADS] > 0 ? shape[L_THREADS] : 1;
+}
+
+/* Ways each work item is split: with fewer items than threads, each item's `units` (vectors
+ * or column blocks of its output) are split between the threads, each part recomputing the
+ * item's shrink (the smaller half of the work); at most `units` ways. */
+static inline int64_t lora_splits(int64_t items, int64_t threads, int64_t units) {
+    int64_t splits = items < threads ? threads : 1;
+    if (splits > units) splits = units > 0 ? units : 1;
+    return splits;
+}
+
+/* Work item `item` of `plan`: its slot and first position in the row order (`*slot`, `*at`);
+ * returns its rows (at most `per_item`). */
+static inline int lora_item(const LoraPlan *plan, int64_t item, int64_t per_item, int64_t *slot,
+                            int64_t *at) {
+    *slot = plan->item_first[2 * item];
+    *at = plan->item_first[2 * item + 1];
+    const int64_t left = plan->start[*slot + 1] - *at;
+    return (int)(left < per_item ? left : per_item);
+}
+
 /* The fused decode's LoRA descriptor (appliance.cpu.fused_lora builds it), int64 throughout:
  * for each kind of linear (LK_*) LORA_KIND_FIELDS values: its shape vector (L_FIELDS; rows and
  * threads are the forward's own) and its parts' (first output column, columns) pairs, padded

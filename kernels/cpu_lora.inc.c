@@ -184,20 +184,15 @@ static ALWAYS_INLINE void LFN(lora_item)(const int64_t *shape, const XT *x, OT *
 static void LFN(lora_run)(const int64_t *shape, const XT *x, OT *out, const T *a, const T *bt,
                           const LoraPlan *plan, const int64_t *parts) {
     const int64_t width = shape[L_WIDTH], k = shape[L_IN], n_out = shape[L_OUT];
-    const int64_t items = plan->items;
-    const int64_t threads = shape[L_THREADS] > 0 ? shape[L_THREADS] : 1;
-    /* Fewer items than threads: each item's output columns split between threads (in whole
-     * vectors), each part recomputing its item's shrink (the smaller half of the work). */
-    int64_t splits = items < threads ? threads : 1;
+    /* Fewer items than threads: output columns split in whole vectors. */
     const int64_t vecs = (n_out + VW - 1) / VW;
-    if (splits > vecs) splits = vecs > 0 ? vecs : 1;
-    const int64_t tasks = items * splits;
+    const int64_t splits = lora_splits(plan->items, lora_threads(shape), vecs);
+    const int64_t tasks = plan->items * splits;
     #pragma omp for schedule(static)
     for (int64_t task = 0; task < tasks; task++) {
         const int64_t item = task / splits, part = task % splits;
-        const int64_t s = plan->item_first[2 * item], first = plan->item_first[2 * item + 1];
-        const int64_t left = plan->start[s + 1] - first;
-        const int nb = (int)(left < LORA_ROWS ? left : LORA_ROWS);
+        int64_t s, first;
+        const int nb = lora_item(plan, item, LORA_ROWS, &s, &first);
         const int64_t j0 = (vecs * part / splits) * VW;
         const int64_t j1e = (vecs * (part + 1) / splits) * VW;
         const int64_t j1 = j1e < n_out ? j1e : n_out;
@@ -228,11 +223,9 @@ int LFN(lora_update)(const int64_t *shape, const XT *x, OT *out, const T *a, con
     LoraPlan plan;
     if (lora_plan_build(&plan, slot_of_row, shape[L_ROWS], shape[L_SLOTS], LORA_ROWS) != 0)
         return -1;
-    const int64_t threads = shape[L_THREADS] > 0 ? shape[L_THREADS] : 1;
+    const int64_t threads = lora_threads(shape);
     const int64_t vecs = (shape[L_OUT] + VW - 1) / VW;
-    int64_t splits = plan.items < threads ? threads : 1;
-    if (splits > vecs) splits = vecs > 0 ? vecs : 1;
-    const int64_t tasks = plan.items * splits;
+    const int64_t tasks = plan.items * lora_splits(plan.items, threads, vecs);
     const int team = (int)(tasks < threads ? tasks : threads);
     #pragma omp parallel num_threads(team > 0 ? team : 1)
     LFN(lora_run)(shape, x, out, a, bt, &plan, parts);

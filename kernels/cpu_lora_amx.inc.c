@@ -33,48 +33,48 @@
 #include "cpu_decode_simd.h"
 #include "cpu_lora.h"
 
-/* Per thread: x rows [16][in_pad] bf16, shrink [16][width] f32, shrink per part [parts][16]
- * [rank_pad] bf16 (zero past the rank: never written there), one C tile [16][16] f32. */
+/* Per thread: x rows [16][in_pad] bf16, shrink [16][width] f32, one C tile [16][16] f32, the
+ * shrink per part [parts][16][rank_pad] bf16 (zero past the rank: never written there). */
 typedef struct {
     uint16_t *x;
     float *t;
-    uint16_t *t_bf;
     float *c;
+    uint16_t *t_bf;
 } LoraTileScratch;
+
+/* Where one thread's scratch puts each of those, sized for the widest of some shape vectors
+ * (computed once per call by the caller), and its bytes (threads' scratch `bytes` apart). */
+typedef struct {
+    size_t t_at, c_at, t_bf_at, bytes;
+} LoraTileLayout;
 
 static inline int64_t lora_tile_round(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-/* Bytes of one thread's scratch for the widest of `n_shapes` shape vectors (L_FIELDS apart). */
-static size_t lora_tile_scratch_bytes(const int64_t *shapes, int64_t n_shapes) {
+/* The layout for the widest of `n_shapes` shape vectors (L_FIELDS apart). */
+static LoraTileLayout lora_tile_layout(const int64_t *shapes, int64_t n_shapes) {
     int64_t in_pad = 0, width = 0, rank_pad = 0, parts = 0;
     for (int64_t k = 0; k < n_shapes; k++) {
         const int64_t *sh = shapes + k * L_FIELDS;
-        const int64_t i = lora_tile_round(sh[L_IN], 32);
+        const int64_t i = lora_tile_round(sh[L_IN], 32), r = lora_tile_round(sh[L_RANK], 32);
         in_pad = i > in_pad ? i : in_pad;
         width = sh[L_WIDTH] > width ? sh[L_WIDTH] : width;
-        const int64_t r = lora_tile_round(sh[L_RANK], 32);
         rank_pad = r > rank_pad ? r : rank_pad;
         parts = sh[L_PARTS] > parts ? sh[L_PARTS] : parts;
     }
-    const size_t bytes = (size_t)(16 * in_pad * 2 + 16 * width * 4 + parts * 16 * rank_pad * 2 +
-                                  16 * 16 * 4);
-    return (size_t)lora_tile_round((int64_t)bytes + 4 * 64, 64);
+    LoraTileLayout l;
+    l.t_at = (size_t)lora_tile_round(16 * in_pad * 2, 64);
+    l.c_at = l.t_at + (size_t)lora_tile_round(16 * width * 4, 64);
+    l.t_bf_at = l.c_at + 16 * 16 * 4;
+    l.bytes = (size_t)lora_tile_round((int64_t)l.t_bf_at + parts * 16 * rank_pad * 2, 64);
+    return l;
 }
 
-static inline LoraTileScratch lora_tile_scratch(char *base, const int64_t *shapes,
-                                                int64_t n_shapes) {
-    int64_t in_pad = 0, width = 0;
-    for (int64_t k = 0; k < n_shapes; k++) {
-        const int64_t i = lora_tile_round(shapes[k * L_FIELDS + L_IN], 32);
-        in_pad = i > in_pad ? i : in_pad;
-        const int64_t w = shapes[k * L_FIELDS + L_WIDTH];
-        width = w > width ? w : width;
-    }
+static inline LoraTileScratch lora_tile_scratch(char *base, const LoraTileLayout *l) {
     LoraTileScratch s;
     s.x = (uint16_t *)base;
-    s.t = (float *)(base + lora_tile_round(16 * in_pad * 2, 64));
-    s.c = (float *)((char *)s.t + lora_tile_round(16 * width * 4, 64));
-    s.t_bf = (uint16_t *)((char *)s.c + 16 * 16 * 4);
+    s.t = (float *)(base + l->t_at);
+    s.c = (float *)(base + l->c_at);
+    s.t_bf = (uint16_t *)(base + l->t_bf_at);
     return s;
 }
 
@@ -122,11 +122,11 @@ static inline void lora_tile_add(const float *c, void *out, int out_bf16, int64_
 /* The update of one kind of linear for every row of the plan (x: bf16 rows shape[L_X_STRIDE]
  * apart; out float32, or bf16 with `out_bf16`), over the calling team: an orphaned
  * worksharing loop, whose closing barrier ends it. `parts`: the kind's (first column,
- * columns) pairs; `shapes`: every kind's shape vector the scratch was sized for. */
+ * columns) pairs; `scratch`: every thread's, laid out by `layout`. */
 static void lora_run_tiles(const int64_t *shape, const int64_t *parts, const uint16_t *x,
                            void *out, int out_bf16, const uint16_t *a_tiles,
                            const uint16_t *b_tiles, const LoraPlan *plan, char *scratch,
-                           size_t scratch_bytes, const int64_t *shapes, int64_t n_shapes) {
+                           const LoraTileLayout *layout) {
     const int64_t in = shape[L_IN], in_pad = lora_tile_round(in, 32);
     const int64_t x_stride = shape[L_X_STRIDE], width = shape[L_WIDTH], rank = shape[L_RANK];
     const int64_t n_parts = shape[L_PARTS], out_stride = shape[L_OUT_STRIDE];
@@ -140,18 +140,15 @@ static void lora_run_tiles(const int64_t *shape, const int64_t *parts, const uin
         b_off[p + 1] = b_off[p] + blocks * rank * 16;
     }
     const int64_t col_blocks = first[n_parts], a_slot = width * in_pad, b_slot = b_off[n_parts];
-    const int64_t threads = shape[L_THREADS] > 0 ? shape[L_THREADS] : 1;
-    int64_t splits = plan->items < threads ? threads : 1;
-    if (splits > col_blocks) splits = col_blocks > 0 ? col_blocks : 1;
+    const int64_t splits = lora_splits(plan->items, lora_threads(shape), col_blocks);
     const int64_t tasks = plan->items * splits;
-    LoraTileScratch s = lora_tile_scratch(scratch + (size_t)omp_get_thread_num() * scratch_bytes,
-                                          shapes, n_shapes);
+    LoraTileScratch s =
+        lora_tile_scratch(scratch + (size_t)omp_get_thread_num() * layout->bytes, layout);
     #pragma omp for schedule(static)
     for (int64_t task = 0; task < tasks; task++) {
         const int64_t item = task / splits, part = task % splits;
-        const int64_t slot = plan->item_first[2 * item], at = plan->item_first[2 * item + 1];
-        const int64_t left = plan->start[slot + 1] - at;
-        const int nb = (int)(left < LORA_TILE_ROWS ? left : LORA_TILE_ROWS);
+        int64_t slot, at;
+        const int nb = lora_item(plan, item, LORA_TILE_ROWS, &slot, &at);
         const int32_t *rows = plan->order + at;
         for (int b = 0; b < nb; b++) {
             memcpy(s.x + b * in_pad, x + rows[b] * x_stride, (size_t)in * 2);
@@ -197,20 +194,19 @@ int lora_update_tiles_bf16(const int64_t *shape, const uint16_t *x, uint16_t *ou
     LoraPlan plan;
     if (lora_plan_build(&plan, slot_of_row, shape[L_ROWS], shape[L_SLOTS], LORA_TILE_ROWS) != 0)
         return -1;
-    const int64_t threads = shape[L_THREADS] > 0 ? shape[L_THREADS] : 1;
     /* Fewer items than threads split their column blocks: every thread has work. */
-    const int team = (int)threads;
-    const size_t bytes = lora_tile_scratch_bytes(shape, 1);
-    char *scratch = aligned_alloc(64, bytes * (size_t)threads);
+    const int64_t threads = lora_threads(shape);
+    const LoraTileLayout layout = lora_tile_layout(shape, 1);
+    char *scratch = aligned_alloc(64, layout.bytes * (size_t)threads);
     if (!scratch) {
         lora_plan_free(&plan);
         return -1;
     }
-    memset(scratch, 0, bytes * (size_t)threads);
-    #pragma omp parallel num_threads(team)
+    memset(scratch, 0, layout.bytes * (size_t)threads);
+    #pragma omp parallel num_threads((int)threads)
     {
         amx_configure();
-        lora_run_tiles(shape, parts, x, out, 1, a_tiles, b_tiles, &plan, scratch, bytes, shape, 1);
+        lora_run_tiles(shape, parts, x, out, 1, a_tiles, b_tiles, &plan, scratch, &layout);
         _tile_release();
     }
     free(scratch);

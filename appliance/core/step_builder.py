@@ -109,8 +109,10 @@ class StepBuilder:
         # decode got 16-token chunks from what the summary's chunk left of the time budget,
         # its first token several steps later. Its admission now comes first.
         urgent = self._most_urgent_waiting()
-        self.deferred = [r for r in prefills if urgent is not None and self._rank(r) > urgent]
-        self._serve(decodes + [r for r in prefills if r not in self.deferred], drafts)
+        now: list[Request] = []
+        for r in prefills:
+            (self.deferred if urgent is not None and self._rank(r) > urgent else now).append(r)
+        self._serve(decodes + now, drafts)
 
     def schedule_deferred(self) -> None:
         """The running prefills a waiting request outranked, after the admissions; where one

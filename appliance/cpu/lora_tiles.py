@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from appliance.cpu.amx_weights import tile_pack
-from appliance.cpu.lora_tile_layout import RANK_GRANULE, TAIL
 from appliance.layers.lora import LoraFactors
+from appliance.lora_sizes import RANK_GRANULE, TAIL
 
 
 def _round_up(x: int, m: int) -> int:
