@@ -178,6 +178,10 @@ class SchedulerConfig(_Section):
     # long_prompt_class (named priorities win; 0 / "": off; docs/admission.md).
     long_prompt_tokens: NonNegInt = 0
     long_prompt_class: str = ""
+    # A step that prefills pauses between two layers when a request arrives that outranks its
+    # prefills (a chat behind a summary's chunk), runs that request's prefill, then finishes:
+    # the request waits for one layer instead of the whole step (docs/admission.md).
+    cut_in: bool = True
 
     def __post_init__(self) -> None:
         # One name inside the appliance for one behaviour.

@@ -37,6 +37,9 @@ class SchedulerCounters(msgspec.Struct, kw_only=True):
     # "reason/class" -> count, e.g. "queue_full/realtime".
     rejected_by: dict[str, int] = msgspec.field(default_factory=dict)
     time_preempted_s: float = 0.0
+    # Steps run while a prefill step was paused between two layers, for the requests that
+    # outranked it (Scheduler.schedule_cut_in).
+    cut_in_steps: int = 0
 
     def count_preemption(self, mode: str, priority_class: str) -> None:
         self.preemptions += 1

@@ -214,6 +214,43 @@ class Scheduler:
         assert len(self.running) <= seq_limit
         return result
 
+    # -- cut-in steps (engine: a step paused between two layers) ---------------------------------
+    def cut_in_rank(self, step: SchedulerOutput) -> int | None:
+        """The queue rank a waiting request must beat to cut into `step`: that of the most
+        urgent request the step prefills. None: it prefills nothing (a decode step is short)."""
+        key = self.policy.queue_key
+        ranks = [
+            key(req)[0]
+            for sr in step.scheduled
+            if len(sr.token_ids) > 1 and not sr.draft_token_ids
+            if (req := self.requests.get(sr.request_id)) is not None
+        ]
+        return min(ranks, default=None)
+
+    def cuts_in(self, req: Request, rank: int) -> bool:
+        """Whether a waiting request may cut into a paused step of `rank`: it outranks the
+        step's prefills, its class is not held, and it runs on the base model (a cut-in step
+        must not refill a LoRA slot the paused step reads)."""
+        return (
+            self.policy.queue_key(req)[0] < rank
+            and not req.lora_name
+            and req.status is not RequestStatus.FINISHED
+            and req.priority_class not in self.held_classes
+        )
+
+    def wants_cut_in(self, rank: int) -> bool:
+        return any(self.cuts_in(r, rank) for r in self.waiting)
+
+    def schedule_cut_in(self, rank: int) -> SchedulerOutput:
+        """A step of the waiting requests that cut into a paused step of `rank`, admitted as
+        `schedule` would admit them but into free blocks only: the paused step's requests
+        keep theirs, and none of them is scheduled again before it ends."""
+        out = StepBuilder(self, may_preempt=False)
+        out.admit(lambda r: self.cuts_in(r, rank))
+        step = out.build()
+        self.counters.cut_in_steps += bool(step.scheduled)
+        return step
+
     def time_limit_s(self, decodes: list[Request]) -> float | None:
         """A step's time limit: the tightest TPOT target among the classes it decodes."""
         targets = [t for r in decodes if (t := self.config.tpot_slo_s(r.priority_class))]

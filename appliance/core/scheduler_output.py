@@ -58,6 +58,9 @@ class SchedulerOutput:
     # max_num_seqs | kv_blocks | lora_slots
     bound_by: str = "none"
 
+    def request_ids(self) -> frozenset[str]:
+        return frozenset(r.request_id for r in self.scheduled)
+
     @property
     def is_empty(self) -> bool:
         return not self.scheduled and not self.blocks_to_swap_out and not self.blocks_to_swap_in

@@ -8,6 +8,7 @@ admissions, from what they leave of the step."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from appliance.core.block_pool import KVBlock
@@ -22,8 +23,11 @@ if TYPE_CHECKING:
 class StepBuilder:
     """The decisions of one `Scheduler.schedule()` call."""
 
-    def __init__(self, sched: Scheduler) -> None:
+    def __init__(self, sched: Scheduler, may_preempt: bool = True) -> None:
         self.s = sched
+        # False for a cut-in step (Scheduler.schedule_cut_in): a paused step holds the
+        # running requests' blocks, so nobody is preempted and only free blocks are used.
+        self.may_preempt = may_preempt
         self.kv = sched.kv
         self.budget = sched.cfg.max_num_batched_tokens
         self.granted: dict[str, int] = {}
@@ -191,11 +195,13 @@ class StepBuilder:
         return self.kv.blocks_needed(req, tokens) > self.kv.num_free_blocks
 
     # Waiting and swapped requests, most urgent first.
-    def admit(self) -> None:
+    def admit(self, only: Callable[[Request], bool] | None = None) -> None:
+        """`only`: admit none but the waiting requests it accepts (a cut-in step's)."""
         s = self.s
         if not s.policy.may_admit(bool(s.running or self.order)):
             return  # a static batch runs until all of its members finish
-        candidates = sorted(s.waiting + s.swapped, key=s.policy.queue_key)
+        queued = s.waiting + s.swapped if only is None else [r for r in s.waiting if only(r)]
+        candidates = sorted(queued, key=s.policy.queue_key)
         for req in candidates:
             if req.status is RequestStatus.FINISHED or req.priority_class in s.held_classes:
                 continue
@@ -221,6 +227,8 @@ class StepBuilder:
     def _make_room(self, req: Request, cause: str) -> bool:
         """Arrival-triggered preemption, as far as the policy allows it (whom, and when)."""
         s = self.s
+        if not self.may_preempt:
+            return False
         victim = s.policy.arrival_victim(req, s.running, cause, s._pressure_steps)
         if victim is None:
             return False

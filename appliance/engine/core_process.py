@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
@@ -94,14 +95,25 @@ def live_request_objects() -> dict[str, int]:
 def _slow_forward(engine: Engine, delay_s: float) -> None:
     """The fault injection of STEP_DELAY_ENV: every forward pass takes `delay_s` longer (after
     scheduling, as a long prefill or a loaded box would)."""
-    execute = engine.executor.execute
+    runner = engine.runner
+    if engine.executor is runner:
+        # Both of the runner's entries (execute and the pausable step) go through this one.
+        run = runner.execute_or_pause
 
-    def slow_execute(out: SchedulerOutput) -> RunnerOutput:
-        time.sleep(delay_s)
-        return execute(out)
+        def slow_run(out: SchedulerOutput, pause: Callable[[], bool] | None) -> RunnerOutput | None:
+            time.sleep(delay_s)
+            return run(out, pause)
 
-    # Fault injection: the instance's method, replaced on this instance only.
-    engine.executor.execute = slow_execute  # type: ignore[method-assign]
+        # Fault injection: the instance's method, replaced on this instance only.
+        runner.execute_or_pause = slow_run  # type: ignore[method-assign]
+    else:
+        execute = engine.executor.execute
+
+        def slow_execute(out: SchedulerOutput) -> RunnerOutput:
+            time.sleep(delay_s)
+            return execute(out)
+
+        engine.executor.execute = slow_execute  # type: ignore[method-assign]
     log.warning("fault injection: every engine step sleeps %.1fs (%s)", delay_s, STEP_DELAY_ENV)
 
 
@@ -127,6 +139,12 @@ class _Core:
         from appliance.engine.lora_admin import LoraAdmin  # torch: the child only
 
         self.lora: LoraAdmin = LoraAdmin(engine)
+        # Between two layers of a step, the core takes new requests (a cut-in, Engine.step);
+        # every other message waits here for the step's end: an abort then could free blocks
+        # the rest of the step writes.
+        self._frame = ipc.Frame()
+        self._held: list[ipc.ToCore] = []
+        engine.take_arrivals = self._take_arrivals
         delay = float(os.environ.get(STEP_DELAY_ENV, "0") or 0)
         if delay > 0:
             _slow_forward(engine, delay)
@@ -181,12 +199,15 @@ class _Core:
     def run(self) -> None:
         engine = self.engine
         while self.running:
-            out = ipc.Frame()
+            out = self._frame = ipc.Frame()
+            held, self._held = self._held, []
+            for msg in held:
+                self._handle(msg, out)
             busy = not self.paused and (engine.has_unfinished() or bool(engine.scheduler.finished))
             if not busy:
                 self.heap.idle()
             # Block only when idle; while busy, take what has arrived and step.
-            if self.conn.poll(0 if busy else IDLE_POLL_S):
+            if self.running and self.conn.poll(0 if busy else IDLE_POLL_S):
                 while True:
                     self._handle(ipc.decode_to_core(self.conn.recv_bytes()), out)
                     if not self.running or not self.conn.poll(0):
@@ -207,6 +228,21 @@ class _Core:
             if stepped:  # after the send: a trim never delays a step's tokens
                 self.heap.stepped()
 
+    def _take_arrivals(self) -> bool:
+        """Engine.take_arrivals: the requests that arrived since the step began, added now;
+        pings and stats answered; the rest held for the step's end."""
+        added = False
+        while self.conn.poll(0):
+            msg = ipc.decode_to_core(self.conn.recv_bytes())
+            if isinstance(msg, ipc.AddRequest):
+                self._frame.added.append(self._add(msg))
+                added = True
+            elif isinstance(msg, ipc.GetStats | ipc.Ping):
+                self._handle(msg, self._frame)
+            else:
+                self._held.append(msg)
+        return added
+
     def _send_started(self, request_ids: list[str]) -> None:
         _send(self.conn, ipc.Frame(started=request_ids))
 
@@ -224,7 +260,7 @@ class _Core:
             reason = FinishReason(msg.reason)
             for rid in msg.request_ids:
                 if reason is FinishReason.QUEUE_TIMEOUT:
-                    self.engine.scheduler.expire(rid, msg.detail)
+                    self.engine.expire(rid, msg.detail)
                 else:
                     self.engine.abort(rid, reason)
         elif isinstance(msg, ipc.GetStats):

@@ -13,6 +13,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from appliance.config import ApplianceConfig, ConfigError, load_config
@@ -24,6 +25,7 @@ from appliance.core.wait_estimate import DepartureRate
 from appliance.engine import request_checks
 from appliance.engine.executor import load_model
 from appliance.engine.loader import LoadedModel, StepExecutor
+from appliance.engine.model_runner import RunnerOutput
 from appliance.engine.output_processor import OutputProcessor
 from appliance.engine.outputs import CompletionResult, EngineOutput, Logprob
 from appliance.engine.pooling import PoolingSums
@@ -36,6 +38,18 @@ from appliance.stats import EngineStats, PreemptionEvent, StepRecord
 log = logging.getLogger("appliance.engine")
 
 Prompt = str | list[int]
+
+
+@dataclass
+class _PausedStep:
+    """A step whose forward paused between two layers for a cut-in step (Engine.step)."""
+
+    out: SchedulerOutput
+    started: float
+    paused_at: float
+    request_ids: frozenset[str]
+    # Finishes (aborts, queue timeouts) asked for while it was paused, done when it ends.
+    finishes: list[tuple[str, FinishReason, str]] = field(default_factory=list)
 
 
 class Engine:
@@ -86,6 +100,11 @@ class Engine:
         # a request that is being served look queued to the API's queue-timeout timer).
         self.on_started: Callable[[list[str]], None] | None = None
         self.history = StepHistory()
+        # Takes the requests that arrived since it was last asked; True when any did (the core
+        # process drains its pipe). Asked between layers of a step that prefills, so a request
+        # that outranks the step's prefills cuts into it (step()). None: no step pauses.
+        self.take_arrivals: Callable[[], bool] | None = None
+        self._paused: _PausedStep | None = None
         # Embedding requests' pooled hidden states, summed over their prefill chunks.
         self.pooling_sums = PoolingSums()
         # Started requests leaving per busy second: the queue's estimated wait (wait_estimate).
@@ -186,22 +205,90 @@ class Engine:
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
         """Finish a request now (its blocks return at once); STOP is how a stop string that the
-        output processor found ends it."""
+        output processor found ends it. One in a paused step finishes when that step ends:
+        its forward still writes the request's blocks."""
+        if self._paused is not None and request_id in self._paused.request_ids:
+            self._paused.finishes.append((request_id, reason, ""))
+            return request_id in self.scheduler.requests
         return self.scheduler.finish_request(request_id, reason)
+
+    def expire(self, request_id: str, detail: str) -> bool:
+        """The API's queue timer fired (Scheduler.expire); deferred as `abort` is."""
+        if self._paused is not None and request_id in self._paused.request_ids:
+            self.scheduler.counters.count_rejected(
+                self.scheduler.requests[request_id].priority_class, FinishReason.QUEUE_TIMEOUT
+            )
+            self._paused.finishes.append((request_id, FinishReason.QUEUE_TIMEOUT, detail))
+            return True
+        return self.scheduler.expire(request_id, detail)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     # -- the step --------------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
+        """One step's outputs. A step that prefills may pause between two layers for requests
+        that arrived during it and outrank its prefills (a chat behind a summary's chunk):
+        then this call runs their cut-in step and returns its outputs (their first tokens),
+        and the next call finishes the paused step."""
+        if self._paused is not None:
+            return self._resume()
         started = time.perf_counter()
         sched = self.scheduler
         out = sched.schedule()
-        first_scheduled = sched.take_started()
+        self._announce_started()
+        trim_forbidden_drafts(out, self.runner.guided)
+        rank = self._cut_in_rank(out)
+        if rank is None:
+            return self._finish(out, self.executor.execute(out), started)
+        result = self.runner.execute_or_pause(out, lambda: self._should_pause(rank))
+        if result is not None:
+            return self._finish(out, result, started)
+        self._paused = _PausedStep(out, started, time.perf_counter(), out.request_ids())
+        cut_in = time.perf_counter()
+        step = sched.schedule_cut_in(rank)
+        self._announce_started()
+        return self._finish(step, self.executor.execute(step), cut_in)
+
+    def _announce_started(self) -> None:
+        first_scheduled = self.scheduler.take_started()
         if first_scheduled and self.on_started is not None:
             self.on_started(first_scheduled)
-        trim_forbidden_drafts(out, self.runner.guided)
-        result = self.executor.execute(out)
+
+    def _cut_in_rank(self, out: SchedulerOutput) -> int | None:
+        """The rank that cuts into this step, or None where it never pauses: no arrivals to
+        take mid-step (the offline API), cut-ins off, a tensor-parallel step (its ranks run
+        the layers in lockstep), or nothing prefilled."""
+        if self.take_arrivals is None or not self.config.scheduler.cut_in:
+            return None
+        if self.executor is not self.runner:
+            return None
+        return self.scheduler.cut_in_rank(out)
+
+    def _should_pause(self, rank: int) -> bool:
+        """Asked between two layers: take the requests that arrived; pause for any of them
+        that cuts in."""
+        assert self.take_arrivals is not None
+        return self.take_arrivals() and self.scheduler.wants_cut_in(rank)
+
+    def _resume(self) -> list[EngineOutput]:
+        paused, self._paused = self._paused, None
+        assert paused is not None
+        resumed = time.perf_counter()
+        outputs = self._finish(
+            paused.out, self.runner.resume(), paused.started, resumed - paused.paused_at
+        )
+        # Finishes asked for while the step was paused: its requests' blocks were in use.
+        for request_id, reason, detail in paused.finishes:
+            self.scheduler.finish_request(request_id, reason, detail)
+        return outputs
+
+    def _finish(
+        self, out: SchedulerOutput, result: RunnerOutput, started: float, excluded: float = 0.0
+    ) -> list[EngineOutput]:
+        """A step's outputs from its runner output; `excluded`: seconds within the step's
+        wall time that other steps took (a cut-in), not counted as its duration."""
+        sched = self.scheduler
         self.pooling_sums.add(result.pooled)
         new_tokens = sched.update_from_output(out, result.sampled, result.accepted)
 
@@ -254,7 +341,7 @@ class Engine:
             eo.num_prompt_tokens = req.num_prompt_tokens
             eo.num_cached_tokens = req.num_cached_prompt_tokens
 
-        duration = time.perf_counter() - started
+        duration = time.perf_counter() - started - excluded
         if out.scheduled:
             sched.observe_step(out, duration)
         self._record_step(out, duration, sum(len(a) for a in result.accepted.values()))

@@ -6,6 +6,7 @@ then prefill chunks, so attention runs as at most two batched calls per layer.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -22,7 +23,7 @@ from appliance.engine.sampler import Sampler, SampleRequest, TokenLogprobs
 from appliance.engine.spec_verify import as_decode_rows, sample_verified
 from appliance.layers.attention import AttentionMetadata, PagedBatch
 from appliance.layers.lora import LoraLayerFactors
-from appliance.models.llama import LlamaForCausalLM
+from appliance.models.llama import ForwardState, LlamaForCausalLM
 
 
 @dataclass
@@ -37,6 +38,26 @@ class RunnerOutput:
     accepted_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     # Embedding requests: each one's chunk of pooled hidden states (engine/pooling.py).
     pooled: dict[str, PooledChunk] = field(default_factory=dict)
+
+
+@dataclass
+class _Step:
+    """One step as the runner carries it from its tensors to its sampled tokens (across a
+    pause, when its forward stops between two layers)."""
+
+    batch: list[ScheduledRequest]
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    last_rows: list[int]
+    pooling: list[tuple[int, ScheduledRequest]]
+    sampling: list[tuple[int, ScheduledRequest]]
+    scoring: list[tuple[int, ScheduledRequest]]
+    sample_rows: list[int]
+    # Sampled rows, then the scored prompt rows: the rows whose logits are computed.
+    row_list: list[int]
+    adapters: bool
+    forward: ForwardState | None = None
 
 
 class FusedDecode(Protocol):
@@ -113,6 +134,8 @@ class ModelRunner:
         self.hooks: ForwardHooks = hooks if hooks is not None else PlainForward()
         self.fused_max_batch = self.hooks.fused_max_batch()
         self.native_decode_steps = 0
+        # A step that execute() paused between two layers, until resume().
+        self.paused: _Step | None = None
         # Block table per live request, kept up to date from what each step changed.
         self.block_tables: dict[str, list[int]] = {}
         # Grammar matchers of constrained requests (the driver's runner only, which samples).
@@ -128,6 +151,19 @@ class ModelRunner:
         )
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        """Run one scheduled step."""
+        result = self.execute_or_pause(out, None)
+        assert result is not None
+        return result
+
+    def execute_or_pause(
+        self, out: SchedulerOutput, pause: Callable[[], bool] | None
+    ) -> RunnerOutput | None:
+        """Run one scheduled step; a step on the torch forward asks `pause` between two layers
+        and stops there when it says so: None comes back, the step waits in `paused` and
+        `resume()` finishes it. Other steps, over other requests, may run in between (the
+        engine's cut-in steps). A step with adapter rows never pauses: a step in between could
+        refill one of its slots."""
         self._update_block_tables(out)
         if self.guided is not None and out.done_request_ids:
             self.guided.release(out.done_request_ids)
@@ -135,6 +171,34 @@ class ModelRunner:
         self.kv.swap_in(out.blocks_to_swap_in)
         if not out.scheduled:
             return RunnerOutput({}, {})
+        step = self._plan(out)
+        decode = step.meta.decode
+        # A drafting request is 1 + n decode rows here (as_decode_rows): a step of drafts is
+        # still a decode step, on the fused CPU decode when its rows fit.
+        if (
+            step.meta.prefill is None
+            and decode is not None
+            and decode.num_tokens <= self.fused_max_batch
+            and not step.scoring
+            and not step.pooling
+            and (not step.adapters or self.fused_lora)
+        ):
+            return self._fused_step(step)
+        step.forward = self.model.start_forward(step.input_ids, step.positions)
+        return self._run_layers(step, None if step.adapters else pause)
+
+    def resume(self) -> RunnerOutput:
+        """Finish the paused step (execute's None)."""
+        step, self.paused = self.paused, None
+        if step is None:
+            raise RuntimeError("resume() with no paused step")
+        if self.lora is not None:
+            self.lora.begin_step(step.batch)  # the steps in between set their own rows
+        result = self._run_layers(step, None)
+        assert result is not None
+        return result
+
+    def _plan(self, out: SchedulerOutput) -> _Step:
         batch = sorted(as_decode_rows(out.scheduled), key=lambda r: len(r.token_ids) > 1)
         input_ids, positions, meta, last_rows = self._prepare(batch)
         # Embedding requests are pooled, never sampled (their last chunk finishes them).
@@ -157,46 +221,52 @@ class ModelRunner:
             for i, r in sampling
             for row in range(last_rows[i] - len(r.draft_token_ids), last_rows[i] + 1)
         ]
-        row_list = sample_rows + score_rows
-        decode = meta.decode
-        pooled: dict[str, PooledChunk] = {}
         # A step with adapter rows stays on the fused decode where it adds LoRA (fused_lora).
         adapters = self.lora is not None and self.lora.begin_step(batch)
-        lora_slots = self.lora.batch.slot_ids if adapters and self.lora is not None else None
-        # A drafting request is 1 + n decode rows here (as_decode_rows): a step of drafts is
-        # still a decode step, on the fused CPU decode when its rows fit.
-        if (
-            meta.prefill is None
-            and decode is not None
-            and decode.num_tokens <= self.fused_max_batch
-            and not scoring
-            and not pooling
-            and (not adapters or self.fused_lora)
-        ):
-            assert self.hooks.fused_decode is not None
-            logits = self.hooks.fused_decode(
-                input_ids,
-                positions,
-                meta.slot_mapping,
-                decode.block_tables,
-                decode.seq_lens,
-                lora_slots,
-            )
-            if not row_list:  # nothing sampled nor scored (the load-time warm-up's steps)
-                return RunnerOutput({}, {})
-            # When every row is sampled, in order, the logits are used as they are (no copy).
-            if row_list != list(range(logits.shape[0])):
-                logits = logits.index_select(0, torch.tensor(row_list, device=self.device))
-            self.native_decode_steps += 1
-        else:
-            with self.hooks.matmuls(input_ids.shape[0]):
-                hidden = self.model(input_ids, positions, meta, self.kv.device_caches)
-            pooled = pool_chunks(hidden, pooling, last_rows) if pooling and self.samples else {}
-            if not sampling and not scoring:
-                return RunnerOutput({}, {}, pooled=pooled)
-            rows = torch.tensor(row_list, device=self.device)
-            with self.hooks.matmuls(len(row_list)):
-                logits = self.model.compute_logits(hidden.index_select(0, rows))
+        return _Step(
+            batch, input_ids, positions, meta, last_rows, pooling, sampling, scoring,
+            sample_rows, sample_rows + score_rows, adapters,
+        )  # fmt: skip
+
+    def _fused_step(self, step: _Step) -> RunnerOutput:
+        assert self.hooks.fused_decode is not None and step.meta.decode is not None
+        lora_slots = self.lora.batch.slot_ids if step.adapters and self.lora is not None else None
+        logits = self.hooks.fused_decode(
+            step.input_ids,
+            step.positions,
+            step.meta.slot_mapping,
+            step.meta.decode.block_tables,
+            step.meta.decode.seq_lens,
+            lora_slots,
+        )
+        if not step.row_list:  # nothing sampled nor scored (the load-time warm-up's steps)
+            return RunnerOutput({}, {})
+        # When every row is sampled, in order, the logits are used as they are (no copy).
+        if step.row_list != list(range(logits.shape[0])):
+            logits = logits.index_select(0, torch.tensor(step.row_list, device=self.device))
+        self.native_decode_steps += 1
+        return self._sample(step, logits, {})
+
+    def _run_layers(self, step: _Step, pause: Callable[[], bool] | None) -> RunnerOutput | None:
+        assert step.forward is not None
+        with self.hooks.matmuls(step.input_ids.shape[0]):
+            hidden = self.model.run_layers(step.forward, step.meta, self.kv.device_caches, pause)
+        if hidden is None:
+            self.paused = step
+            return None
+        pooling, sampling, scoring = step.pooling, step.sampling, step.scoring
+        pooled = pool_chunks(hidden, pooling, step.last_rows) if pooling and self.samples else {}
+        if not sampling and not scoring:
+            return RunnerOutput({}, {}, pooled=pooled)
+        rows = torch.tensor(step.row_list, device=self.device)
+        with self.hooks.matmuls(len(step.row_list)):
+            logits = self.model.compute_logits(hidden.index_select(0, rows))
+        return self._sample(step, logits, pooled)
+
+    def _sample(
+        self, step: _Step, logits: torch.Tensor, pooled: dict[str, PooledChunk]
+    ) -> RunnerOutput:
+        sampling, scoring, sample_rows = step.sampling, step.scoring, step.sample_rows
         # TP workers ran the forward and the logits' all-gather with the driver; it samples.
         if not self.samples or (not sampling and not scoring):
             return RunnerOutput({}, {})

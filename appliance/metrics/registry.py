@@ -209,6 +209,12 @@ class Metrics:
             [*m, "mode", "priority_class"],
             registry=reg,
         )
+        self.cut_ins = Counter(
+            "appliance_cut_in_steps",
+            "Steps run while a prefill step was paused between layers for requests outranking it.",
+            m,
+            registry=reg,
+        )
         self.drain = Counter(
             "appliance_drain_requests",
             "Requests in flight when a drain began: drained (finished in time) or cut.",
@@ -343,6 +349,7 @@ class Metrics:
             "rejections": _CounterMirror(self.rejections),
             "prefix_queries": _CounterMirror(self.prefix_queries),
             "prefix_hits": _CounterMirror(self.prefix_hits),
+            "cut_ins": _CounterMirror(self.cut_ins),
         }
 
     # -- request level (API process) -------------------------------------------------------------
@@ -444,6 +451,7 @@ class Metrics:
             self.kv_blocks.labels(name, state)
         for counter in (
             self.preemptions,
+            self.cut_ins,
             self.prompt_tokens,
             self.generation_tokens,
             self.prefix_queries,
@@ -511,6 +519,7 @@ class Metrics:
             mir["rejections"].set_total((name, reason, cls), n)
         mir["prefix_queries"].set_total((name,), s.prefix_cache_queries)
         mir["prefix_hits"].set_total((name,), s.prefix_cache_hits)
+        mir["cut_ins"].set_total((name,), s.counters.cut_in_steps)
         self.spec_decode.update(name, s.spec_decode)
         if s.max_loras:
             # One series, the current one, stamped with the time (as vLLM does).

@@ -5,7 +5,8 @@ q/k/v and gate/up merged into one matmul each."""
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -126,6 +127,16 @@ def _dense(name: str, tensor: torch.Tensor | QuantWeight) -> torch.Tensor:
     return tensor
 
 
+@dataclass
+class ForwardState:
+    """A forward between two layers: the residual stream after `next_layer` layers, and what
+    the backend's rotary computed for the positions (LayerOps.rope)."""
+
+    hidden: torch.Tensor
+    rope: Any
+    next_layer: int = 0
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
@@ -184,14 +195,38 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         kv_caches: list[LayerCache],
     ) -> torch.Tensor:
+        state = self.start_forward(input_ids, positions)
+        self.run_layers(state, meta, kv_caches)
+        return self.model.norm(state.hidden)
+
+    @torch.inference_mode()
+    def start_forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> ForwardState:
+        """A forward that runs its layers in one or more `run_layers` calls."""
         ops = self.ops
         hidden = self.model.embed_tokens(input_ids)
         if ops.compute_dtype is not None:
             hidden = hidden.to(ops.compute_dtype)
-        rope = ops.rope(self.model.rotary, positions, hidden.dtype)
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            hidden = layer(ops, rope, hidden, meta, kv_cache)
-        return self.model.norm(hidden)
+        return ForwardState(hidden, ops.rope(self.model.rotary, positions, hidden.dtype))
+
+    @torch.inference_mode()
+    def run_layers(
+        self,
+        state: ForwardState,
+        meta: AttentionMetadata,
+        kv_caches: list[LayerCache],
+        pause: Callable[[], bool] | None = None,
+    ) -> torch.Tensor | None:
+        """Run the forward's remaining layers; the final norm's output, or None when `pause`
+        (asked between two layers) said to stop there: a later call goes on from that layer.
+        The state holds all a layer reads from earlier ones (the residual stream and the
+        rotary input); the KV of the layers run is in the cache already."""
+        layers = self.model.layers
+        for index in range(state.next_layer, len(layers)):
+            state.hidden = layers[index](self.ops, state.rope, state.hidden, meta, kv_caches[index])
+            state.next_layer = index + 1
+            if pause is not None and state.next_layer < len(layers) and pause():
+                return None
+        return self.model.norm(state.hidden)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
