@@ -138,15 +138,26 @@ def test_no_cut_in_without_a_request_that_outranks_the_step(
         engine.close()
 
 
-def test_a_cut_in_preempts_nobody_and_takes_only_free_blocks(tiny_model_dir: Path) -> None:
-    # 20 blocks of 16: the summary's 300 tokens take 19, the chat's 30 would need 2: the
-    # paused step's blocks are never taken from it.
-    engine = engine_for(tiny_model_dir, cache__num_blocks=20, model__max_model_len=320, **LENGTH)
+@pytest.mark.parametrize(
+    "limit",
+    [
+        # 20 blocks of 16: the summary's 300 tokens take 19, the chat's 30 would need 2.
+        {"cache__num_blocks": 20, "model__max_model_len": 320},
+        # One sequence at a time: admitting the chat would take the summary's place.
+        {"scheduler__max_num_seqs": 1},
+    ],
+)
+def test_a_cut_in_preempts_nobody_and_takes_only_free_blocks(
+    tiny_model_dir: Path, limit: dict[str, object]
+) -> None:
+    # The paused step's requests keep their blocks and places, whatever the policy would
+    # preempt for an arrival of a higher class.
+    engine = engine_for(tiny_model_dir, **limit, **LENGTH)
     try:
         summary = engine.add_request(SUMMARY, GREEDY)
         new = arrive_at_call(engine, 1, NEW_CHAT)
         outputs = {o.request_id for o in engine.step()}
-        # Paused, but the chat did not fit in the free blocks: an empty cut-in step.
+        # Paused, but the chat did not fit: an empty cut-in step.
         assert outputs == set() and engine.runner.paused is not None
         assert engine.scheduler.counters.cut_in_steps == 0
         assert summary.num_preemptions == 0 and new[0] in engine.scheduler.waiting
@@ -225,4 +236,20 @@ def test_the_core_adds_arrivals_mid_step_and_holds_the_rest_for_its_end(
     finally:
         here.close()
         there.close()
+        engine.close()
+
+
+def test_a_queue_timeout_while_a_step_is_paused_applies_at_its_end(tiny_model_dir: Path) -> None:
+    engine = engine_for(tiny_model_dir, **LENGTH)
+    try:
+        summary = engine.add_request(SUMMARY, GREEDY)
+        arrive_at_call(engine, 1, NEW_CHAT)
+        engine.step()
+        assert engine.runner.paused is not None
+        assert engine.expire(summary.request_id, "waited too long") is True
+        assert summary.finish_reason is None  # its step still runs
+        engine.step()
+        assert summary.finish_reason is FinishReason.QUEUE_TIMEOUT
+        assert engine.scheduler.counters.rejected_by == {"queue_timeout/batch": 1}
+    finally:
         engine.close()

@@ -215,11 +215,8 @@ class Engine:
     def expire(self, request_id: str, detail: str) -> bool:
         """The API's queue timer fired (Scheduler.expire); deferred as `abort` is."""
         if self._paused is not None and request_id in self._paused.request_ids:
-            self.scheduler.counters.count_rejected(
-                self.scheduler.requests[request_id].priority_class, FinishReason.QUEUE_TIMEOUT
-            )
             self._paused.finishes.append((request_id, FinishReason.QUEUE_TIMEOUT, detail))
-            return True
+            return request_id in self.scheduler.requests
         return self.scheduler.expire(request_id, detail)
 
     def has_unfinished(self) -> bool:
@@ -280,7 +277,10 @@ class Engine:
         )
         # Finishes asked for while the step was paused: its requests' blocks were in use.
         for request_id, reason, detail in paused.finishes:
-            self.scheduler.finish_request(request_id, reason, detail)
+            if reason is FinishReason.QUEUE_TIMEOUT:
+                self.scheduler.expire(request_id, detail)  # counted where it still applies
+            else:
+                self.scheduler.finish_request(request_id, reason, detail)
         return outputs
 
     def _finish(
