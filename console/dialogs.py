@@ -29,7 +29,8 @@ HELP = """\
   Batch        running / waiting / swapped now; sequences per engine step
                over the last minute
   Preemptions  totals by mode and by class, count in the last minute, the
-               latest ones (request, class, mode)
+               latest ones (request, class, mode); cut-in: prefill steps
+               paused between layers for requests that outranked them
   Throughput   prompt and generated tokens/s per second (step history);
                TTFT, TPOT p50/p99 over 30 s of the /metrics histograms
   Why slow     which limit bound each step of the last minute (token

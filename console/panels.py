@@ -127,6 +127,8 @@ def preemption_text(snap: Snapshot, width: int, rows: int) -> Text:
         (f"{'≥' if overflow else ''}{n_min}", "bold"),
     )
     text.append("\n" + " · ".join(f"{mode} {modes.get(mode, 0)}" for mode in ("recompute", "swap")))
+    # Prefill steps paused between two layers for requests that outranked them (cut-in steps).
+    text.append(f" · cut-in {e.counters.cut_in_steps}")
     by_class = " · ".join(f"{c} {n}" for c, n in sorted(classes.items())) or "by class: none yet"
     text.append(f"\n{by_class}", DIM if not classes else "")
     events = list(reversed(stats.preemptions))[: max(0, rows - 3)]

@@ -166,6 +166,7 @@ async def test_dashboard_numbers_match_admin_stats(
         in text
     )
     assert f"total {e['counters']['preemptions']} ·" in text
+    assert f"· cut-in {e['counters']['cut_in_steps']}" in text
     assert (
         f"tokens: prompt {e['prompt_tokens_total']} · generated {e['generation_tokens_total']}"
         in text
