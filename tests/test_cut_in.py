@@ -93,13 +93,20 @@ def test_a_chat_arriving_during_a_summary_chunk_gets_its_first_token_before_the_
         engine.close()
 
 
+def paused_on_a_summary(model_dir: Path) -> tuple[Engine, Request]:
+    """An engine whose summary's prefill step paused after layer 1 for a chat (the cut-in
+    step ran), and that summary."""
+    engine = engine_for(model_dir, **LENGTH)
+    summary = engine.add_request(SUMMARY, GREEDY)
+    arrive_at_call(engine, 1, NEW_CHAT)
+    engine.step()
+    assert engine.runner.paused is not None
+    return engine, summary
+
+
 def test_an_abort_while_a_step_is_paused_waits_for_the_step_to_end(tiny_model_dir: Path) -> None:
-    engine = engine_for(tiny_model_dir, **LENGTH)
+    engine, summary = paused_on_a_summary(tiny_model_dir)
     try:
-        summary = engine.add_request(SUMMARY, GREEDY)
-        arrive_at_call(engine, 1, NEW_CHAT)
-        engine.step()
-        assert engine.runner.paused is not None
         held = list(summary.blocks)
         assert engine.abort(summary.request_id) is True
         # Its forward still writes these blocks: they are not free yet.
@@ -240,12 +247,8 @@ def test_the_core_adds_arrivals_mid_step_and_holds_the_rest_for_its_end(
 
 
 def test_a_queue_timeout_while_a_step_is_paused_applies_at_its_end(tiny_model_dir: Path) -> None:
-    engine = engine_for(tiny_model_dir, **LENGTH)
+    engine, summary = paused_on_a_summary(tiny_model_dir)
     try:
-        summary = engine.add_request(SUMMARY, GREEDY)
-        arrive_at_call(engine, 1, NEW_CHAT)
-        engine.step()
-        assert engine.runner.paused is not None
         assert engine.expire(summary.request_id, "waited too long") is True
         assert summary.finish_reason is None  # its step still runs
         engine.step()

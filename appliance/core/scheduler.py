@@ -214,13 +214,16 @@ class Scheduler:
         assert len(self.running) <= seq_limit
         return result
 
+    def rank(self, req: Request) -> int:
+        """A request's urgency in the policy's queue order (lower: more urgent)."""
+        return self.policy.queue_key(req)[0]
+
     # -- cut-in steps (engine: a step paused between two layers) ---------------------------------
     def cut_in_rank(self, step: SchedulerOutput) -> int | None:
         """The queue rank a waiting request must beat to cut into `step`: that of the most
         urgent request the step prefills. None: it prefills nothing (a decode step is short)."""
-        key = self.policy.queue_key
         ranks = [
-            key(req)[0]
+            self.rank(req)
             for sr in step.scheduled
             if len(sr.token_ids) > 1 and not sr.draft_token_ids
             if (req := self.requests.get(sr.request_id)) is not None
@@ -232,7 +235,7 @@ class Scheduler:
         step's prefills, its class is not held, and it runs on the base model (a cut-in step
         must not refill a LoRA slot the paused step reads)."""
         return (
-            self.policy.queue_key(req)[0] < rank
+            self.rank(req) < rank
             and not req.lora_name
             and req.status is not RequestStatus.FINISHED
             and req.priority_class not in self.held_classes

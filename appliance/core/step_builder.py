@@ -115,7 +115,7 @@ class StepBuilder:
         urgent = self._most_urgent_waiting()
         now: list[Request] = []
         for r in prefills:
-            (self.deferred if urgent is not None and self._rank(r) > urgent else now).append(r)
+            (self.deferred if urgent is not None and self.s.rank(r) > urgent else now).append(r)
         self._serve(decodes + now, drafts)
 
     def schedule_deferred(self) -> None:
@@ -125,19 +125,16 @@ class StepBuilder:
         progresses)."""
         if not self.deferred:
             return
-        least = min(self._rank(r) for r in self.deferred)
-        if any(self._rank(r) < least for r in self.started):
+        least = min(self.s.rank(r) for r in self.deferred)
+        if any(self.s.rank(r) < least for r in self.started):
             self.chunk_cap = MIN_CHUNK
         self._serve(self.deferred, {})
         self.chunk_cap = None
 
-    def _rank(self, req: Request) -> int:
-        return self.s.policy.queue_key(req)[0]
-
     def _most_urgent_waiting(self) -> int | None:
         s = self.s
         ranks = [
-            self._rank(r)
+            self.s.rank(r)
             for r in s.waiting + s.swapped
             if r.status is not RequestStatus.FINISHED and r.priority_class not in s.held_classes
         ]

@@ -207,17 +207,23 @@ class Engine:
         """Finish a request now (its blocks return at once); STOP is how a stop string that the
         output processor found ends it. One in a paused step finishes when that step ends:
         its forward still writes the request's blocks."""
-        if self._paused is not None and request_id in self._paused.request_ids:
-            self._paused.finishes.append((request_id, reason, ""))
+        if self._defer_past_pause(request_id, reason, ""):
             return request_id in self.scheduler.requests
         return self.scheduler.finish_request(request_id, reason)
 
     def expire(self, request_id: str, detail: str) -> bool:
         """The API's queue timer fired (Scheduler.expire); deferred as `abort` is."""
-        if self._paused is not None and request_id in self._paused.request_ids:
-            self._paused.finishes.append((request_id, FinishReason.QUEUE_TIMEOUT, detail))
+        if self._defer_past_pause(request_id, FinishReason.QUEUE_TIMEOUT, detail):
             return request_id in self.scheduler.requests
         return self.scheduler.expire(request_id, detail)
+
+    def _defer_past_pause(self, request_id: str, reason: FinishReason, detail: str) -> bool:
+        """Keep a finish of a paused step's request for that step's end (_resume); False when
+        no paused step holds the request."""
+        if self._paused is None or request_id not in self._paused.request_ids:
+            return False
+        self._paused.finishes.append((request_id, reason, detail))
+        return True
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -241,11 +247,11 @@ class Engine:
         result = self.runner.execute_or_pause(out, lambda: self._should_pause(rank))
         if result is not None:
             return self._finish(out, result, started)
-        self._paused = _PausedStep(out, started, time.perf_counter(), out.request_ids())
-        cut_in = time.perf_counter()
+        paused_at = time.perf_counter()
+        self._paused = _PausedStep(out, started, paused_at, out.request_ids())
         step = sched.schedule_cut_in(rank)
         self._announce_started()
-        return self._finish(step, self.executor.execute(step), cut_in)
+        return self._finish(step, self.executor.execute(step), paused_at)
 
     def _announce_started(self) -> None:
         first_scheduled = self.scheduler.take_started()
