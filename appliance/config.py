@@ -82,6 +82,11 @@ class ModelConfig(_Section):
     # one call, and decode attention and the element-wise steps of every other forward. The
     # linears then keep their 16-bit weights beside the matmul copy. The one switch for them.
     cpu_native_kernels: bool = True
+    # CPU, dense bf16 with native kernels, where the CPU has AMX or AVX-512-BF16: the decode's
+    # matrix products over a tile-packed copy of the weights that replaces the row-major one
+    # (AMX tiles, or the same tiles in AVX-512-BF16 vectors): steps of up to 64 sequences in one
+    # call. false keeps the matrix-vector decode (steps of up to 6; `bench decode-step`'s A/B).
+    cpu_tile_decode: bool = True
     # How this model writes tool calls, for `tool_choice: auto` (vLLM's --tool-call-parser):
     # "hermes" (Hermes, Qwen2/2.5: <tool_call>{json}</tool_call>), "llama3_json" (Llama 3.1+:
     # {"name", "parameters"}), "mistral" ([TOOL_CALLS][{...}]). Empty: auto tool choice is

@@ -262,9 +262,9 @@ def cpu_weight_bytes(spec: ModelArgs, config: ApplianceConfig, tp: int) -> tuple
     """(stored weight bytes, matmul copy bytes, the path) of a CPU rank, as the CPU backend
     would lay them out on this machine (appliance.cpu.backend): the matmuls read a prepacked
     or float32 copy; the 16-bit linears stay beside it while the native decode reads them, or
-    on AMX give way to its tile-packed copy of every matrix, the LM head's included
-    (appliance.cpu.amx_weights)."""
-    from appliance.cpu.choice import BYTES
+    on AMX or AVX-512-BF16 give way to its tile-packed copy of every matrix, the LM head's included
+    (appliance.cpu.tile_weights)."""
+    from appliance.cpu.choice import BYTES, TILE_ISA_NAMES
 
     cpu = _cpu_choice(spec, config)
     elem = BYTES[cpu.weight]
@@ -273,16 +273,20 @@ def cpu_weight_bytes(spec: ModelArgs, config: ApplianceConfig, tp: int) -> tuple
     linears = spec.linear_params_per_rank(tp)
     if cpu.prepack or cpu.compute != cpu.weight:
         copy = (linears + spec.lm_head_params_per_rank(tp)) * BYTES[cpu.compute]
-        if not cpu.native_decode or cpu.amx_decode:
+        if not cpu.native_decode or cpu.tile_decode:
             stored -= linears * elem  # released: nothing else reads them
-    if cpu.amx_decode:
+    if cpu.tile_decode:
         copy += (linears + spec.lm_head_params_per_rank(tp)) * elem
     layout = "oneDNN prepacked" if cpu.prepack else "ATen"
     return (
         stored,
         copy,
         f"weights {cpu.weight}, compute {cpu.compute}, matmuls {layout} {cpu.compute}"
-        + (", decode on AMX tiles (tile-packed copy)" if cpu.amx_decode else ""),
+        + (
+            f", decode on {TILE_ISA_NAMES[cpu.tile_decode]} (tile-packed copy)"
+            if cpu.tile_decode
+            else ""
+        ),
     )
 
 

@@ -1,4 +1,4 @@
-/* AMX tile configuration shared by the kernels that use tiles (cpu_decode_amx.inc.c, the bf16
+/* AMX tile configuration shared by the kernels that use tiles (cpu_decode_tiles.inc.c, the bf16
  * decode forward; cpu_lora_amx.inc.c, the LoRA update): included only where the compiler
  * targets AMX. Each thread that runs tile instructions loads the configuration first; the
  * process must have asked Linux for the tile state once (amx_request_tiles, cpu_decode.c). */

@@ -17,8 +17,9 @@
  * The kernels are written once for both dtypes, as templates (cpu_template.h) instantiated
  * here: cpu_decode_steps.inc.c (norm, rotary, attention: shared with cpu_quant.c, which
  * instantiates it too), cpu_decode_forward.inc.c (the matvecs and the forward),
- * cpu_decode_ops.inc.c (the torch forward's element-wise steps); cpu_decode_amx.inc.c, the bf16
- * forward on AMX tiles over tile-packed weights (a stub where the build does not target AMX);
+ * cpu_decode_ops.inc.c (the torch forward's element-wise steps); cpu_decode_tiles.inc.c, the bf16
+ * forward over tile-packed weights on AMX tiles or AVX-512-BF16 vectors (a stub where the build
+ * targets neither);
  * cpu_lora.inc.c, the LoRA update both forwards add after each projection. Each library is one
  * translation unit, one compiler call: every helper inlines into the loops that call it
  * without link-time optimization, and each library's cache key is its own file and what it
@@ -45,13 +46,13 @@
 
 /* The LoRA update of kernels/cpu_lora.c (the same template) into the forwards' float32
  * activations from T factors, called inside their parallel region after each projection of a
- * step with adapter rows: lora_run_fused_bf16 / _f32 over float32 x, and lora_run_amx_bf16
- * over the bf16 copy of x the AMX forward's products make (AVX-512-BF16 dot products where
+ * step with adapter rows: lora_run_fused_bf16 / _f32 over float32 x, and lora_run_tile_x_bf16
+ * over the bf16 copy of x the tile forward's products make (AVX-512-BF16 dot products where
  * the build has them, as cpu_lora.c's bf16 update). */
 #define LORA_NO_ENTRY
 #define LORA_OUT_F32
-#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
-#define LORA_NAME amx_bf16
+#if (defined(__AMX_BF16__) && defined(__AMX_TILE__)) || LORA_BF16_PAIR_DOTS
+#define LORA_NAME tile_x_bf16
 #define SUFFIX bf16
 #define T uint16_t
 #if LORA_BF16_PAIR_DOTS
@@ -83,8 +84,9 @@
 #define T float
 #include "cpu_decode_forward.inc.c"
 
-/* The bf16 forward on AMX tiles where the build targets AMX (after the bf16 steps it calls). */
-#include "cpu_decode_amx.inc.c"
+/* The bf16 forward over tile-packed weights where the build targets AMX or AVX-512-BF16 (after
+ * the bf16 steps it calls). */
+#include "cpu_decode_tiles.inc.c"
 
 #define SUFFIX bf16
 #define T uint16_t

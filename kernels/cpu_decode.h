@@ -33,17 +33,19 @@ int decode_forward_f32(const int64_t *shape, const int64_t *layer_ptrs, const fl
                        const int32_t *seq_lens, float eps, float scale, float *hidden,
                        float *logits, const int64_t *lora, const int32_t *lora_slots);
 
-/* The bf16 forward with AMX tile products (cpu_decode_amx.inc.c): the arguments of
- * decode_forward_bf16, every product's weight tile-packed (appliance.cpu.amx_weights). Only
- * where amx_compiled() is 1 and amx_request_tiles() returned 0 (Linux granted the tile state). */
-int decode_forward_amx_bf16(const int64_t *shape, const int64_t *layer_ptrs,
-                            const uint16_t *final_norm, const uint16_t *lm_head,
-                            const float *cos_table, const float *sin_table,
-                            const int64_t *positions, const int64_t *slots,
-                            const int32_t *tables, const int32_t *seq_lens, float eps,
-                            float scale, float *hidden, float *logits, const int64_t *lora,
-                            const int32_t *lora_slots);
-int amx_compiled(void);
+/* The bf16 forward over tile-packed weights (cpu_decode_tiles.inc.c): the arguments of
+ * decode_forward_bf16, every product's weight tile-packed (appliance.cpu.tile_weights), its
+ * products on AMX tiles or in AVX-512-BF16 vectors, as the build targets: tiles_compiled() is
+ * 1 (AMX), 2 (AVX-512-BF16) or 0 (neither: never call it). AMX needs amx_request_tiles() to
+ * have returned 0 (Linux granted the tile state) first. */
+int decode_forward_tiles_bf16(const int64_t *shape, const int64_t *layer_ptrs,
+                              const uint16_t *final_norm, const uint16_t *lm_head,
+                              const float *cos_table, const float *sin_table,
+                              const int64_t *positions, const int64_t *slots,
+                              const int32_t *tables, const int32_t *seq_lens, float eps,
+                              float scale, float *hidden, float *logits, const int64_t *lora,
+                              const int32_t *lora_slots);
+int tiles_compiled(void);
 int amx_request_tiles(void);
 
 /* Decode attention alone, for the torch path: q/out [batch, heads, head_dim] in T, or float32

@@ -1,6 +1,6 @@
 /* The batched LoRA update's shared pieces (cpu_lora.inc.c): the shape vector's fields, the
  * rows' grouping by slot (LoraPlan: once per forward, shared by every linear of the step), and
- * the descriptor the fused decode forwards (cpu_decode_forward.inc.c, cpu_decode_amx.inc.c)
+ * the descriptor the fused decode forwards (cpu_decode_forward.inc.c, cpu_decode_tiles.inc.c)
  * read each layer's four LoRA linears from. Included by cpu_lora.c (its own library) and by
  * cpu_decode.c (the fused forwards call the same update inside their parallel region). */
 #ifndef CPU_LORA_H

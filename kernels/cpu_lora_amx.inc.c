@@ -1,4 +1,4 @@
-/* The LoRA update on AMX tiles: inside the AMX decode forward (cpu_decode_amx.inc.c calls
+/* The LoRA update on AMX tiles: inside the AMX decode forward (cpu_decode_tiles.inc.c calls
  * lora_run_tiles in its parallel region, float32 out) and per linear for the torch forward
  * (cpu_lora.c defines LORA_TILES_ENTRY for lora_update_tiles_bf16: its own parallel region,
  * bf16 x and out). Included only where the compiler targets AMX.

@@ -155,7 +155,7 @@ def load(features: CpuFeatures | None = None) -> ctypes.CDLL | None:
                     "paged_decode_attention_f32q",
                 ):
                     getattr(lib, f"{name}_{suffix}").restype = ctypes.c_int
-            for name in ("decode_forward_amx_bf16", "amx_compiled", "amx_request_tiles"):
+            for name in ("decode_forward_tiles_bf16", "tiles_compiled", "amx_request_tiles"):
                 getattr(lib, name).restype = ctypes.c_int
         _loaded[key] = (lib, error)
     return _loaded[key][0]
@@ -166,18 +166,33 @@ def load_error(features: CpuFeatures | None = None) -> str | None:
     return _loaded[tuple(build_flags(features or detect()))][1]
 
 
-def amx_ready(features: CpuFeatures | None = None) -> tuple[bool, str | None]:
-    """Whether the bf16 decode forward on AMX tiles can run here: the library built with it
-    (the compiler targets AMX and the mask leaves it) and Linux granted this process the tile
-    state (asked once; a process keeps the grant). (False, why) otherwise."""
+# What tiles_compiled() returns (kernels/cpu_decode.h), by the back-end's name.
+TILE_ISAS = {1: "amx", 2: "avx512_bf16"}
+
+
+def tile_decode_ready(features: CpuFeatures | None = None) -> tuple[str | None, str | None]:
+    """Which back-end the bf16 decode forward over tile-packed weights runs on here ("amx":
+    tile products; "avx512_bf16": the same products in vectors, CPUs with AVX-512-BF16 and no
+    AMX), or (None, why): the library built for neither (compiler or APPLIANCE_CPU_MASK), or
+    Linux refusing AMX's tile state (asked once; a process keeps the grant)."""
     lib = load(features)
     if lib is None:
-        return False, load_error(features)
-    if not lib.amx_compiled():
-        return False, "the native build does not target AMX (compiler or APPLIANCE_CPU_MASK)"
-    if lib.amx_request_tiles() != 0:
-        return False, "Linux refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"
-    return True, None
+        return None, load_error(features)
+    isa = TILE_ISAS.get(lib.tiles_compiled())
+    if isa is None:
+        return None, "the native build targets neither AMX nor AVX-512-BF16 (compiler or mask)"
+    if isa == "amx" and lib.amx_request_tiles() != 0:
+        return None, "Linux refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"
+    return isa, None
+
+
+def amx_ready(features: CpuFeatures | None = None) -> tuple[bool, str | None]:
+    """Whether the kernels can run AMX tile products here (the LoRA update on tiles): the
+    tile decode's back-end is AMX. (False, why) otherwise."""
+    isa, why = tile_decode_ready(features)
+    if isa == "amx":
+        return True, None
+    return False, why or "the native build does not target AMX (compiler or APPLIANCE_CPU_MASK)"
 
 
 def forget_builds() -> None:

@@ -215,11 +215,11 @@ def test_prepacked_linears_keep_the_plain_weight_the_native_decode_reads(
 ) -> None:
     # dtype auto: bf16 prepacked where oneDNN can (AVX-512), else a float32 prepacked copy
     # beside the bf16 weights (AVX2); either way the native decode reads the bf16 weights,
-    # row-major, or on AMX its own tile-packed copy of them (tests/test_cpu_amx_decode.py).
+    # row-major, or on AMX / AVX-512-BF16 its own tile-packed copy (tests/test_cpu_tile_decode.py).
     eng = engine(tiny_model_dir, "auto", native=True)
     down = eng.loaded.model.model.layers[0].mlp.down_proj
     assert down.matmul is not None and down.matmul.copy is not None and down.matmul.prepacked
-    if eng.loaded.backend.plan.amx_decode:  # type: ignore[attr-defined]
+    if eng.loaded.backend.plan.tile_decode:  # type: ignore[attr-defined]
         assert down.weight.numel() == 0
     else:
         assert down.weight.numel() > 0 and down.weight.dtype == torch.bfloat16

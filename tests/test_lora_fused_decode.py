@@ -2,9 +2,10 @@
 appliance.cpu.fused_lora): a decode step whose rows mix adapter slots and base rows gives the
 logits of the torch forward with torch's own LoRA update (TorchLoraUpdate, the reference of
 appliance.layers.lora) from the same slot factors, and the same greedy tokens, for 1..33 rows:
-the float32 forward, the bf16 forward with float32 activations (AMX masked off) and the bf16
-AMX forward (where the CPU has it), the latter at rank 8 (its vector update) and at rank 16
-(its tile update over the tile-packed copy, appliance.cpu.lora_tiles). A step of base rows
+the float32 forward, the bf16 forward with float32 activations (the tile decode off) and the
+bf16 forward over tile-packed weights (where the CPU has AMX or AVX-512-BF16), the latter at
+rank 8 (its vector update, on either back-end) and on AMX at rank 16 (its tile update over the
+tile-packed copy, appliance.cpu.lora_tiles). A step of base rows
 only with the LoRA arguments is the plain forward bit for bit; the slot pool's factors keep
 their addresses through a fill, and a fill reaches the tile copy; and through the engine,
 mixed batches now count as native decode steps and still give peft's tokens.
@@ -34,15 +35,19 @@ from tests.lora_fixtures import peft_greedy, save_random_adapter
 from tests.paged_fixtures import decode_metadata, fill_random_kv
 
 SLOTS = 4
-# The pool's rank per fixture: 8 keeps the AMX forward on its vector update, 16 (a multiple of
-# the tiles' rank granule) puts it on tiles.
-RANKS = {"float32": 8, "bfloat16": 8, "bfloat16-amx": 8, "bfloat16-amx-tiles": 16}
+# The pool's rank per fixture: 8 keeps the tile forward on its vector update, 16 (a multiple of
+# the AMX tiles' rank granule) puts AMX's on tiles. "bfloat16": the matrix-vector forward (the
+# tile decode off); "-tiles": this CPU's tile forward; "-vector-tiles": the AVX-512-BF16 one on
+# an AMX CPU (AMX masked off; elsewhere it is "-tiles" itself).
+RANKS = {
+    "float32": 8,
+    "bfloat16": 8,
+    "bfloat16-tiles": 8,
+    "bfloat16-vector-tiles": 8,
+    "bfloat16-amx-tiles": 16,
+}
 UNMASKED = read_features("")
-AMX_READY, AMX_WHY = (
-    cpu_native.amx_ready(UNMASKED)
-    if UNMASKED.has("amx_bf16") and UNMASKED.has("amx_tile")
-    else (False, f"{UNMASKED.model_name} has no AMX")
-)
+TILES_HERE, TILES_WHY = cpu_native.tile_decode_ready(UNMASKED)
 
 # Relative logit error allowed against the torch forward (norm of the difference over the
 # norm of the reference). float32: the same sums in another order (measured 2e-6). bf16: the
@@ -62,12 +67,15 @@ def slots_of(rows: int) -> list[int]:
     return [(i * 3) % (SLOTS + 1) - 1 for i in range(rows)]
 
 
-def lora_config(model_dir: Path, dtype: str, rank: int) -> ApplianceConfig:
+def lora_config(
+    model_dir: Path, dtype: str, rank: int, tile_decode: bool = True
+) -> ApplianceConfig:
     return load_config(
         None,
         {
             "model.path": str(model_dir),
             "model.dtype": dtype,
+            "model.cpu_tile_decode": tile_decode,
             "cache.block_size": 16,
             "cache.kv_cache_memory": 0.2,
             "hardware.device": "cpu",
@@ -102,21 +110,27 @@ def fill_random_slots(pool: LoraSlotPool, seed: int) -> None:
 
 @pytest.fixture(scope="module", params=list(RANKS))
 def loaded(request: pytest.FixtureRequest, tiny_model_dir: Path) -> Iterator[LoadedModel]:
-    """The tiny Llama with a LoRA slot pool of random factors: float32; bf16 with AMX masked
-    off (the float32-activation bf16 forward); bf16 on AMX (the runner's fused decode is then
-    the AMX forward), with its vector update and with its tile update."""
+    """The tiny Llama with a LoRA slot pool of random factors: float32; bf16 with the tile
+    decode off (the float32-activation bf16 forward); bf16 over tiles (the runner's fused
+    decode is then the tile forward), with its vector update on either back-end and with AMX's
+    tile update."""
     name = str(request.param)
-    amx = "amx" in name
-    if amx and not AMX_READY:
-        pytest.skip(f"the AMX forward cannot run here: {AMX_WHY}")
+    tiled = "tiles" in name
+    if tiled and TILES_HERE is None:
+        pytest.skip(f"the tile forward cannot run here: {TILES_WHY}")
+    if name == "bfloat16-amx-tiles" and TILES_HERE != "amx":
+        pytest.skip(f"the AMX tile update cannot run here: {UNMASKED.model_name} has no AMX")
+    if name == "bfloat16-vector-tiles" and TILES_HERE != "amx":
+        pytest.skip("the vector back-end is this CPU's own: bfloat16-tiles runs it")
     before = os.environ.get(MASK_ENV)
-    if name == "bfloat16":
+    if name == "bfloat16-vector-tiles":
         os.environ[MASK_ENV] = "amx"
     else:
         os.environ.pop(MASK_ENV, None)
     try:
         dtype = name.split("-")[0]
-        result = load_model(lora_config(tiny_model_dir, dtype, RANKS[name]))
+        config = lora_config(tiny_model_dir, dtype, RANKS[name], tile_decode=name != "bfloat16")
+        result = load_model(config)
     finally:
         os.environ.pop(MASK_ENV, None) if before is None else os.environ.update({MASK_ENV: before})
     fused = result.runner.hooks.fused_decode
@@ -124,11 +138,11 @@ def loaded(request: pytest.FixtureRequest, tiny_model_dir: Path) -> Iterator[Loa
         result.close()
         pytest.skip("no fused native decode on this box (no compiler, or kernels off)")
     assert isinstance(fused, FusedCpuDecode)
-    assert (fused.tiles is not None) == amx
+    assert (fused.tiles is not None) == tiled
     assert result.runner.fused_lora, "the fused decode refused the slot pool's factors"
     assert result.runner.lora is not None
     tiles = [t.factors.tiles is not None for t in result.runner.lora.targets]
-    assert all(tiles) if name.endswith("tiles") else not any(tiles), tiles
+    assert all(tiles) if name == "bfloat16-amx-tiles" else not any(tiles), tiles
     assert result.runner.lora is not None
     fill_random_slots(result.runner.lora, seed=7)
     yield result
@@ -320,7 +334,7 @@ def test_the_plan_counts_the_tile_copy(loaded: LoadedModel, tiny_model_dir: Path
         tiny_model_dir, "bfloat16" if fused.dtype == torch.bfloat16 else "float32", rank
     )
     if fused.dtype == torch.bfloat16 and fused.tiles is None:
-        return  # AMX masked off for this fixture only: the plan reads the CPU, not the mask
+        return  # the tile decode off for this fixture only
     assert _lora_tiles_kept(args, config) == tiles
     elem = 2 if fused.dtype == torch.bfloat16 else 4
     copies = 2 * lora_tile_params(args, 1, SLOTS, rank) if tiles else 0

@@ -1,15 +1,16 @@
 """`appliance bench decode-step`: ms of one bf16 decode step by row count on the three CPU paths
 a dense model can take: the torch forward (oneDNN prepacked bf16, the path above the fused
 decode's limit), the fused native forward with its matrix-vector loops (kernels/
-cpu_decode_forward.inc.c, CPUs without AMX), and the same forward with AMX tile products
-(kernels/cpu_decode_amx.inc.c). Where native stops beating torch is the fused decode's limit
-for that path (appliance.cpu.choice: BF16_FUSED_MAX, AMX_FUSED_MAX).
+cpu_decode_forward.inc.c, CPUs with neither AMX nor AVX-512-BF16), and the same forward with
+its products over tile-packed weights (kernels/cpu_decode_tiles.inc.c: AMX tiles, or the same
+tiles in AVX-512-BF16 vectors). Where native stops beating torch is the fused decode's limit
+for that path (appliance.cpu.choice: BF16_FUSED_MAX, TILE_FUSED_MAX).
 
-The model is loaded once with AMX hidden from the plan (APPLIANCE_CPU_MASK=amx while it
-loads, oneDNN left as it is), so it keeps the row-major matrices the matrix-vector forward
-reads; the AMX forward gets its own tile-packed copy. Every row attends over `--context`
-tokens of random K/V. Before timing, the AMX forward's logits are checked against the other
-native forward's (the bench refuses to time a wrong kernel). Each figure is the median of
+The model is loaded once with the tile decode off (model.cpu_tile_decode = false), so it
+keeps the row-major matrices the matrix-vector forward reads; the tile forward gets its own
+tile-packed copy. Every row attends over `--context` tokens of random K/V. Before timing, the
+tile forward's logits are checked against the other native forward's (the bench refuses to
+time a wrong kernel). Each figure is the median of
 `--repeats` calls, the paths interleaved, so the machine's drift hits all alike.
 """
 
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -27,16 +27,17 @@ from typing import Any
 import torch
 
 from appliance.config import load_config
-from appliance.cpu.amx_weights import AmxDecodeWeights
+from appliance.cpu.choice import TILE_ISA_NAMES
 from appliance.cpu.fused_decode import FusedCpuDecode
+from appliance.cpu.tile_weights import TileDecodeWeights
 from appliance.engine.executor import load_model
 from appliance.kernels import cpu_native
-from appliance.kernels.cpu_features import MASK_ENV, read_features
+from appliance.kernels.cpu_features import read_features
 from appliance.layers.attention import AttentionMetadata, PagedBatch
 
-# Relative error (Frobenius) allowed between the AMX forward's logits and the float32-activation
+# Relative error (Frobenius) allowed between the tile forward's logits and the float32-activation
 # forward's: it rounds each product's input rows to bf16 (measured ~1% on the demo models).
-AMX_CHECK_RTOL = 0.05
+TILES_CHECK_RTOL = 0.05
 
 
 class KernelMismatch(RuntimeError):
@@ -52,26 +53,21 @@ def _median_ms(fn: Callable[[], Any], times: list[float]) -> None:
 def run(
     model: str, rows: list[int], context: int, repeats: int, kv_gib: float = 0.5
 ) -> dict[str, Any]:
-    before = os.environ.get(MASK_ENV)
-    os.environ[MASK_ENV] = "amx"  # the plan without AMX: row-major matrices kept
-    try:
-        loaded = load_model(
-            load_config(
-                None,
-                {
-                    "model.path": model,
-                    "model.dtype": "bfloat16",
-                    "cache.block_size": 16,
-                    "cache.kv_cache_memory": kv_gib,
-                    "hardware.device": "cpu",
-                },
-            )
+    loaded = load_model(
+        load_config(
+            None,
+            {
+                "model.path": model,
+                "model.dtype": "bfloat16",
+                # The row-major matrices kept for the matrix-vector forward; the tile forward
+                # gets its own copy below.
+                "model.cpu_tile_decode": False,
+                "cache.block_size": 16,
+                "cache.kv_cache_memory": kv_gib,
+                "hardware.device": "cpu",
+            },
         )
-    finally:
-        if before is None:
-            os.environ.pop(MASK_ENV, None)
-        else:
-            os.environ[MASK_ENV] = before
+    )
     try:
         return _time_paths(loaded, rows, context, repeats)
     finally:
@@ -92,14 +88,14 @@ def _time_paths(loaded: Any, rows: list[int], context: int, repeats: int) -> dic
     if plain is None:
         raise RuntimeError("no native decode on this CPU/config: nothing to compare")
     features = read_features("")
-    ready, why = cpu_native.amx_ready(features)
-    amx = None
-    if ready:
+    isa, why = cpu_native.tile_decode_ready(features)
+    tiled = None
+    if isa is not None:
         lib = cpu_native.load(features)
         assert lib is not None
         pairs = [(c.k, c.v) for c in caches]
-        tiles = AmxDecodeWeights.from_model(model)
-        amx = FusedCpuDecode(model, pairs, 16, torch.bfloat16, lib, tiles)
+        tiles = TileDecodeWeights.from_model(model)
+        tiled = FusedCpuDecode(model, pairs, 16, torch.bfloat16, lib, tiles)
     gen = torch.Generator().manual_seed(0)
     blocks_per_seq = -(-(context + 1) // 16)
     num_blocks = caches[0].k.shape[0]
@@ -113,7 +109,7 @@ def _time_paths(loaded: Any, rows: list[int], context: int, repeats: int) -> dic
         c.v[:used].copy_(torch.randn(c.v[:used].shape, generator=gen).to(c.v.dtype))
     results = []
     for n in rows:
-        paths = _step_paths(runner, model, caches, plain, amx, n, blocks_per_seq, context, gen)
+        paths = _step_paths(runner, model, caches, plain, tiled, n, blocks_per_seq, context, gen)
         times: dict[str, list[float]] = {name: [] for name in paths}
         for fn in paths.values():
             fn()  # warm: primitives, pages
@@ -125,8 +121,8 @@ def _time_paths(loaded: Any, rows: list[int], context: int, repeats: int) -> dic
         "threads": torch.get_num_threads(),
         "cpu": features.model_name,
         "features": sorted(features.flags),
-        "amx": ready,
-        "amx_why_not": why,
+        "tiles": isa,
+        "tiles_why_not": why,
         "context": context,
         "results": results,
     }
@@ -137,13 +133,13 @@ def _step_paths(
     model: Any,
     caches: list[Any],
     plain: Any,
-    amx: FusedCpuDecode | None,
+    tiled: FusedCpuDecode | None,
     n: int,
     blocks_per_seq: int,
     context: int,
     gen: torch.Generator,
 ) -> dict[str, Callable[[], Any]]:
-    """One decode step of `n` rows over `context` tokens each, as a call per path; the AMX
+    """One decode step of `n` rows over `context` tokens each, as a call per path; the tile
     forward's logits checked against the float32-activation forward's first."""
     tables = torch.arange(n * blocks_per_seq).view(n, blocks_per_seq)
     lens = torch.full((n,), context + 1)
@@ -164,23 +160,24 @@ def _step_paths(
         return plain(ids, pos, slots, tables, lens)
 
     paths: dict[str, Callable[[], Any]] = {"torch": torch_step, "native": native_step}
-    if amx is not None:
-        tiled = amx
+    if tiled is not None:
+        forward = tiled
 
-        def amx_step() -> torch.Tensor:
-            return tiled(ids, pos, slots, tables, lens)
+        def tiles_step() -> torch.Tensor:
+            return forward(ids, pos, slots, tables, lens)
 
         reference = native_step()
-        err = float((amx_step() - reference).norm() / reference.norm())
-        if not err <= AMX_CHECK_RTOL:
-            raise KernelMismatch(f"AMX forward at {n} rows: relative error {err:.3g}")
-        paths["native_amx"] = amx_step
+        err = float((tiles_step() - reference).norm() / reference.norm())
+        if not err <= TILES_CHECK_RTOL:
+            raise KernelMismatch(f"tile forward at {n} rows: relative error {err:.3g}")
+        paths["native_tiles"] = tiles_step
     return paths
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
-        "decode-step", help="ms of a bf16 decode step by row count: torch, native, native on AMX"
+        "decode-step",
+        help="ms of a bf16 decode step by row count: torch, native, native over tiles",
     )
     p.add_argument("--model", required=True, help="an HF model directory (dense weights)")
     p.add_argument("--rows", default="1,2,4,6,8,12,16,24,32", help="sequences in the step")
@@ -214,18 +211,22 @@ def main(ns: argparse.Namespace) -> int:
     if ns.json:
         print(json.dumps(out))
         return 0
-    amx = "AMX forward" if out["amx"] else f"no AMX forward ({out['amx_why_not']})"
+    tiles = (
+        f"tile forward on {TILE_ISA_NAMES[out['tiles']]}"
+        if out["tiles"]
+        else f"no tile forward ({out['tiles_why_not']})"
+    )
     print(
-        f"{out['cpu']}, {out['threads']} threads, {amx}; context {out['context']}; "
+        f"{out['cpu']}, {out['threads']} threads, {tiles}; context {out['context']}; "
         f"median of {ns.repeats} interleaved calls"
     )
-    head = f"{'rows':>5s} {'torch ms':>9s} {'native ms':>10s} {'AMX ms':>8s} {'torch/AMX':>10s}"
+    head = f"{'rows':>5s} {'torch ms':>9s} {'native ms':>10s} {'tiles ms':>9s} {'torch/tiles':>12s}"
     print(head)
     print("-" * len(head))
     for r in out["results"]:
-        amx_ms = r.get("native_amx_ms")
+        tiles_ms = r.get("native_tiles_ms")
         print(
             f"{r['rows']:5d} {r['torch_ms']:9.2f} {r['native_ms']:10.2f} "
-            + (f"{amx_ms:8.2f} {r['torch_ms'] / amx_ms:9.2f}x" if amx_ms else f"{'-':>8s}")
+            + (f"{tiles_ms:9.2f} {r['torch_ms'] / tiles_ms:11.2f}x" if tiles_ms else f"{'-':>9s}")
         )
     return 0

@@ -14,9 +14,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from appliance.config import ApplianceConfig
-from appliance.cpu.amx_weights import AmxDecodeWeights
 from appliance.cpu.attention import cpu_attention
-from appliance.cpu.choice import BF16_FUSED_MAX, QUANT_COPY_FUSED_MAX
+from appliance.cpu.choice import BF16_FUSED_MAX, QUANT_COPY_FUSED_MAX, TILE_ISA_NAMES
 from appliance.cpu.fused_decode import FusedCpuDecode
 from appliance.cpu.ops import NativeCpuOps
 from appliance.cpu.plan import (
@@ -26,6 +25,7 @@ from appliance.cpu.plan import (
     plan_cpu,
 )
 from appliance.cpu.primitive_cache import bound_primitive_caches, warm_primitive_caches
+from appliance.cpu.tile_weights import TileDecodeWeights
 from appliance.kernels import cpu_native
 from appliance.layers.attention import PlainKV
 from appliance.layers.kv_cache import KVStorage, LayerCache
@@ -71,8 +71,9 @@ class CpuBackend:
         # cache.kv_cache_memory: the KV pool's GiB (a CPU has no device memory to measure).
         self.kv_cache_memory = kv_cache_memory
         self.fused_decode: FusedCpuDecode | QuantFusedCpuDecode | None = None
-        # A dense bf16 model on AMX: the tile-packed matrices the native decode reads.
-        self.amx_weights: AmxDecodeWeights | None = None
+        # A dense bf16 model on AMX or AVX-512-BF16: the tile-packed matrices the native decode
+        # reads.
+        self.tile_weights: TileDecodeWeights | None = None
         # oneDNN's and ideep's primitive cache capacities in force, and the load-time warm-up.
         self.primitive_caches: dict[str, str] = {}
         self.warm_matmuls = 0
@@ -129,12 +130,13 @@ class CpuBackend:
             copies = {
                 m: self._quant_dense_copy(m, batch_hint) for m in linears if m.quant is not None
             }
-        if plan.amx_decode and not _is_quantized(model):
+        if plan.tile_decode and not _is_quantized(model):
             # Before _dense_matmul releases the row-major matrices this copy replaces.
-            self.amx_weights = AmxDecodeWeights.from_model(model)
+            self.tile_weights = TileDecodeWeights.from_model(model)
             log.info(
-                "native decode on AMX tiles: %.1f MB of tile-packed bf16 matrices",
-                self.amx_weights.nbytes() / 1e6,
+                "native decode on %s: %.1f MB of tile-packed bf16 matrices",
+                TILE_ISA_NAMES[plan.tile_decode],
+                self.tile_weights.nbytes() / 1e6,
             )
         kernel = self._quant_matmul()
         if self.act8 and kernel is not reference_quant_matmul:
@@ -198,11 +200,11 @@ class CpuBackend:
             copy, prepacked = compute, False
         else:
             return None
-        # The plain weight stays where something else reads it: the native decode without AMX
-        # (every linear; the AMX one reads its tile-packed copy) and the embedding lookup (the
+        # The plain weight stays where something else reads it: the matrix-vector native decode
+        # (every linear; the tile one reads its tile-packed copy) and the embedding lookup (the
         # LM head's weight is the embedding's).
         owns_weight = "weight" in module._parameters
-        if owns_weight and (not plan.native_decode or self.amx_weights is not None):
+        if owns_weight and (not plan.native_decode or self.tile_weights is not None):
             module.weight.data = torch.empty(0, dtype=weight.dtype)
             return CopyMatmul(copy, prepacked)
         gemv_rows = BF16_GEMV_MAX_ROWS if plan.compute_dtype == torch.bfloat16 and prepacked else 0
@@ -270,7 +272,7 @@ class CpuBackend:
                 block_size,
                 self.plan.weight_dtype,
                 lib,
-                self.amx_weights,
+                self.tile_weights,
             )
 
     def warm(self, model: LlamaForCausalLM) -> None:
@@ -322,8 +324,8 @@ class CpuBackend:
             if self.plan.choice.quant_dense_copy:
                 return QUANT_COPY_FUSED_MAX  # wider steps read the dense copy (AMX)
             return max(self.plan.fused_max_batch, TILED_FUSED_MAX)
-        if self.plan.amx_decode and self.amx_weights is None:
-            return BF16_FUSED_MAX  # a packed model's decode: no AMX forward of its own
+        if self.plan.tile_decode and self.tile_weights is None:
+            return BF16_FUSED_MAX  # a packed model's decode: no tile forward of its own
         return self.plan.fused_max_batch
 
     @contextmanager

@@ -30,12 +30,16 @@ QUANT_COPY_FUSED_MAX = 48
 # register-blocked as a GEMM is. ms a step of the small demo model, native vs torch (Zen 4,
 # oneDNN bf16): 9.9 vs 27 (1), 19.6 vs 28.6 (4), 28.1 vs 32.6 (6), 35.6 vs 33.2 (8).
 BF16_FUSED_MAX = 6
-# The same with the matrix products on AMX tiles (kernels/cpu_decode_amx.inc.c): up to 32 rows
-# a product costs about its weight reads (beyond, a second pass over them). Quiet 2-core
-# Sapphire Rapids, small demo model, 128-token context, ms a step AMX vs torch: 11.2 vs 28.9
-# (1), 20.0 vs 37.5 (16), 29.6 vs 48.7 (32), 41.6 vs 58.3 (48), 51.5 vs 67.7 (64):
-# docs/benchmarks.md. 64 is cpu-demo's max_num_seqs.
-AMX_FUSED_MAX = 64
+# The same with the matrix products over tile-packed weights (kernels/cpu_decode_tiles.inc.c).
+# On AMX tiles up to 32 rows a product costs about its weight reads (beyond, a second pass over
+# them). Quiet 2-core Sapphire Rapids, small demo model, 128-token context, ms a step AMX vs
+# torch: 11.2 vs 28.9 (1), 20.0 vs 37.5 (16), 29.6 vs 48.7 (32), 41.6 vs 58.3 (48), 51.5 vs 67.7
+# (64). In AVX-512-BF16 vectors (Zen 4) a row costs ~0.9 ms of products, at ~80% of the
+# vdpbf16ps peak; 64-token context, ms tiles vs torch: 13.9 vs 32.0 (1), 24.8 vs 42.5 (16),
+# 39.4 vs 60.1 (32), 71.2 vs 97.8 (64): docs/benchmarks.md. 64 is cpu-demo's max_num_seqs.
+TILE_FUSED_MAX = 64
+# The tile forward's back-ends, as the notes name them.
+TILE_ISA_NAMES = {"amx": "AMX tiles", "avx512_bf16": "AVX-512-BF16 tiles"}
 
 
 @dataclass
@@ -51,9 +55,10 @@ class CpuChoice:
     # Packed weights: a prepacked copy in the compute dtype for every pass but the fused
     # decode's (AMX only: QUANT_COPY_FUSED_MAX).
     quant_dense_copy: bool = False
-    # The native bf16 decode's matrix products on AMX tiles, over a tile-packed weight copy
-    # that replaces the row-major one (appliance.cpu.amx_weights): dense bf16 models.
-    amx_decode: bool = False
+    # The native bf16 decode's matrix products over a tile-packed weight copy that replaces
+    # the row-major one (appliance.cpu.tile_weights), dense bf16 models: "amx" (tile products)
+    # or "avx512_bf16" (the same products in vectors); "": the matrix-vector decode.
+    tile_decode: str = ""
     notes: list[str] = field(default_factory=list)
     # Set when the configuration asks for something slow on this CPU (logged as a warning).
     warning: str = ""
@@ -66,12 +71,13 @@ def choose(
     features: CpuFeatures,
     onednn: bool,
     native_built: Callable[[], tuple[bool, str | None]],
-    amx_ready: Callable[[], tuple[bool, str | None]] | None = None,
+    tile_decode_ready: Callable[[], tuple[str | None, str | None]] | None = None,
 ) -> CpuChoice:
     """`onednn`: whether torch has oneDNN; `native_built()`: whether the native kernels are
     available here, and why not (asked only when the config and shapes allow them);
-    `amx_ready()`: the same for their AMX forward (asked only on a bf16 native decode where
-    the CPU has AMX; None: taken as ready, `appliance plan`'s torch-free answer)."""
+    `tile_decode_ready()`: the back-end their forward over tile-packed weights runs on ("amx",
+    "avx512_bf16"), or (None, why) (asked only on a bf16 native decode where the CPU has AMX or
+    AVX-512-BF16; None: taken as the CPU's, `appliance plan`'s torch-free answer)."""
     notes: list[str] = []
     warning = ""
     wanted = config.model.dtype
@@ -141,22 +147,35 @@ def choose(
                     f"native decode off for kv_cache_dtype {config.cache.kv_cache_dtype} "
                     "(the element-wise kernels still run)"
                 )
-    amx_decode = False
+    tile_decode = ""
     if native_decode and compute == weight == "bfloat16":
-        if features.has("amx_bf16") and features.has("amx_tile"):
-            ready, why = amx_ready() if amx_ready is not None else (True, None)
-            amx_decode = ready
+        cpu_tiles = (
+            "amx"
+            if features.has("amx_bf16") and features.has("amx_tile")
+            else "avx512_bf16"
+            if features.has("avx512_bf16") and features.has("avx512bw")
+            else ""
+        )
+        why = (
+            "model.cpu_tile_decode = false"
+            if not config.model.cpu_tile_decode
+            else "no AMX or AVX-512-BF16"
+            if not cpu_tiles
+            else None
+        )
+        if why is None:
+            isa, why = tile_decode_ready() if tile_decode_ready is not None else (cpu_tiles, None)
+            tile_decode = isa or ""
+        if tile_decode:
             notes.append(
-                "16-bit weights: native decode on AMX tiles, one call for steps of up to "
-                f"{AMX_FUSED_MAX} sequences, over a tile-packed bf16 copy of the matrices "
-                "that replaces the row-major one"
-                if ready
-                else f"16-bit weights: native decode without AMX tiles ({why})"
+                f"16-bit weights: native decode on {TILE_ISA_NAMES[tile_decode]}, one call for "
+                f"steps of up to {TILE_FUSED_MAX} sequences, over a tile-packed bf16 copy of "
+                "the matrices that replaces the row-major one"
             )
         else:
             notes.append(
                 f"16-bit weights: native decode for steps of up to {BF16_FUSED_MAX} sequences "
-                "(no AMX: its matrix-vector loops cost ~3 ms a step per extra row; torch beyond)"
+                f"({why}: its matrix-vector loops cost ~3-4 ms a step per extra row; torch beyond)"
             )
     return CpuChoice(
         weight=weight,
@@ -166,7 +185,7 @@ def choose(
         native_ops=native_ops,
         native_decode=native_decode,
         quant_dense_copy=quant_dense_copy,
-        amx_decode=amx_decode,
+        tile_decode=tile_decode,
         notes=notes,
         warning=warning,
     )

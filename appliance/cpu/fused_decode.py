@@ -17,8 +17,8 @@ from typing import Any, Protocol, overload
 import torch
 import torch.nn.functional as F
 
-from appliance.cpu.amx_weights import PACKED_FIELDS, AmxDecodeWeights
 from appliance.cpu.fused_lora import FusedShapes, lora_descriptor
+from appliance.cpu.tile_weights import PACKED_FIELDS, TileDecodeWeights
 from appliance.kernels import cpu_native
 from appliance.layers.lora import LoraLayerFactors
 from appliance.models.args import ModelArgs
@@ -112,8 +112,8 @@ class FusedCpuDecode:
     move (the model's parameters and the runner's device pool do neither).
 
     `dtype` is the kernel's weight and KV dtype (bf16 or float32); activations are float32
-    inside whatever the torch forward computes in. With `tiles` (bf16 on AMX) the matrices are
-    read from that tile-packed copy by the AMX forward (kernels/cpu_decode_amx.inc.c); how many
+    inside whatever the torch forward computes in. With `tiles` (bf16 on AMX or AVX-512-BF16) the
+    matrices are read from that tile-packed copy by the tile forward (cpu_decode_tiles.inc.c); how many
     rows a step may have is the plan's (appliance.cpu.plan), by path."""
 
     def __init__(
@@ -123,13 +123,13 @@ class FusedCpuDecode:
         block_size: int,
         dtype: torch.dtype,
         lib: ctypes.CDLL,
-        tiles: AmxDecodeWeights | None = None,
+        tiles: TileDecodeWeights | None = None,
     ) -> None:
         args = model.args
         self.dtype = dtype
         if tiles is not None:
-            assert dtype == torch.bfloat16, "the AMX forward reads bf16 weights and KV"
-            self._forward = lib.decode_forward_amx_bf16
+            assert dtype == torch.bfloat16, "the tile forward reads bf16 weights and KV"
+            self._forward = lib.decode_forward_tiles_bf16
         else:
             self._forward = getattr(lib, f"decode_forward_{cpu_native.SUFFIX[dtype]}")
         self.tiles = tiles
@@ -184,7 +184,7 @@ class FusedCpuDecode:
     def bind_lora(self, layers: list[LoraLayerFactors], slots: int) -> bool:
         """Read the LoRA slot pool's factors from now on (steps with adapter rows stay on this
         forward); False, with the reason logged, when their dtype or shapes do not fit it. The
-        AMX forward adds the updates on tiles where the factors have their tile copy
+        tile forward adds the updates on AMX tiles where the factors have their tile copy
         (appliance.cpu.lora_tiles)."""
         try:
             self.lora_table = lora_descriptor(

@@ -1,9 +1,9 @@
 """The tile-packed copy of a LoRA linear's slot factors that the update on AMX tiles reads
-(kernels/cpu_lora_amx.inc.c: in the AMX decode forward, and per linear in the torch forward):
-made at load where the CPU backend's plan has AMX (CpuBackend.lora_tiles), and refreshed slot
+(kernels/cpu_lora_amx.inc.c: in the tile decode forward on AMX, and per linear in the torch
+forward): made at load where the CPU backend's plan has AMX (CpuBackend.lora_tiles), and refreshed slot
 by slot whenever the pool fills one (appliance.engine.lora_pool calls `refill`).
 
-Per linear and slot: A [width, in] packed as the base weights are (appliance.cpu.amx_weights:
+Per linear and slot: A [width, in] packed as the base weights are (appliance.cpu.tile_weights:
 the shrink's columns are the factor rows), and each part's block of B [rows, rank] (B is
 block-diagonal: only the parts' own blocks, not b_t's zeros) as [rows/16][rank/2][16][2], K
 padded to 16 rather than 32, so that a rank-16 adapter reads no zeros. Each copy ends in 256
@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from appliance.cpu.amx_weights import tile_pack
+from appliance.cpu.tile_weights import tile_pack
 from appliance.layers.lora import LoraFactors
 from appliance.lora_sizes import RANK_GRANULE, TAIL
 

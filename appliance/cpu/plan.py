@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from appliance.config import ApplianceConfig
-from appliance.cpu.choice import AMX_FUSED_MAX, BF16_FUSED_MAX, CpuChoice, choose
+from appliance.cpu.choice import BF16_FUSED_MAX, TILE_FUSED_MAX, CpuChoice, choose
 from appliance.kernels import cpu_native
 from appliance.kernels.cpu_features import CpuFeatures, detect
 
@@ -30,7 +30,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 # vs 309 at two; from four rows on oneDNN wins: 465 vs 831 us at eight).
 BF16_GEMV_MAX_ROWS = 2
 # Decode steps of up to this many sequences take the fused native forward, by path: bf16 with
-# and without AMX tiles in appliance.cpu.choice (BF16_FUSED_MAX, AMX_FUSED_MAX);
+# matrix-vector loops and over tile-packed weights in appliance.cpu.choice (BF16_FUSED_MAX, TILE_FUSED_MAX);
 # float32 compute over bf16 weights (Zen 3, AVX2, oneDNN fp32 prepacked, 2 threads, quiet), ms
 # a step of the small demo model, native vs torch: 29.9 vs 66.1 (1), 46.4 vs 96.4 (8),
 # 84.8 vs 118.3 (16), 142.4 vs 180.1 (32), 242.7 vs 228.1 (48), 278.8 vs 248.3 (64).
@@ -76,9 +76,10 @@ class CpuPlan:
         return self.choice.native_decode
 
     @property
-    def amx_decode(self) -> bool:
-        """The native decode's products on AMX tiles, over tile-packed weights."""
-        return self.choice.amx_decode
+    def tile_decode(self) -> str:
+        """The native decode's products over tile-packed weights: "amx", "avx512_bf16", or ""
+        (the matrix-vector decode)."""
+        return self.choice.tile_decode
 
     @property
     def notes(self) -> list[str]:
@@ -110,7 +111,7 @@ class CpuPlan:
             "fp32_weight_copy": self.fp32_weight_copy,
             "native_ops": self.native_ops,
             "native_decode": self.native_decode,
-            "amx_decode": self.amx_decode,
+            "tile_decode": self.tile_decode,
             "fused_decode_max_batch": self.fused_max_batch if self.native_decode else 0,
             "notes": list(self.notes),
             "warning": self.warning,
@@ -154,10 +155,10 @@ def plan_cpu(
         features,
         torch.backends.mkldnn.is_available(),
         native_built,
-        lambda: cpu_native.amx_ready(features),
+        lambda: cpu_native.tile_decode_ready(features),
     )
-    if c.amx_decode:
-        fused_max = AMX_FUSED_MAX
+    if c.tile_decode:
+        fused_max = TILE_FUSED_MAX
     else:
         fused_max = BF16_FUSED_MAX if c.compute == "bfloat16" else FP32_FUSED_MAX
     return CpuPlan(features=features, choice=c, fused_max_batch=fused_max)

@@ -1,12 +1,13 @@
-"""The bf16 native decode on AMX tiles (kernels/cpu_decode_amx.inc.c, appliance.cpu.amx_weights):
-the tile-packed layout against an element-by-element reading of the matrix; the AMX forward's
-logits at 1..33 rows against the float32-activation native forward and the torch forward; the
-plan's choice and batch limit with and without AMX (APPLIANCE_CPU_MASK); and the real
-SmolLM2's greedy tokens at 12 sequences a step against the torch path (bf16 and float32)."""
+"""The bf16 native decode over tile-packed weights (kernels/cpu_decode_tiles.inc.c,
+appliance.cpu.tile_weights), on AMX tiles or in AVX-512-BF16 vectors: the tile-packed layout
+against an element-by-element reading of the matrix; each back-end this CPU can build (AMX, and
+the vector one wherever AVX-512-BF16 is, AMX masked off) at 1..33 rows against the
+float32-activation native forward and the torch forward; the plan's choice and batch limit by
+CPU, build and setting; and the real SmolLM2's greedy tokens at 12 sequences a step against the
+torch path (bf16 and float32)."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,9 +18,9 @@ from appliance.kernels import cpu_native
 from appliance.kernels.cpu_features import MASK_ENV, CpuFeatures, read_features
 
 from appliance.config import load_config
-from appliance.cpu.amx_weights import AmxDecodeWeights, tile_pack, tile_pack_gate_up
-from appliance.cpu.choice import AMX_FUSED_MAX, BF16_FUSED_MAX, choose
+from appliance.cpu.choice import BF16_FUSED_MAX, TILE_FUSED_MAX, choose
 from appliance.cpu.fused_decode import FusedCpuDecode
+from appliance.cpu.tile_weights import TileDecodeWeights, tile_pack, tile_pack_gate_up
 from appliance.engine.executor import load_model
 from appliance.engine.llm_engine import Engine
 from appliance.engine.loader import LoadedModel
@@ -28,12 +29,26 @@ from appliance.tools.smollm2 import ModelUnavailable, build_smollm2
 from tests.paged_fixtures import decode_metadata, fill_random_kv
 
 UNMASKED = read_features("")
-HAS_AMX = UNMASKED.has("amx_bf16") and UNMASKED.has("amx_tile")
-needs_amx = pytest.mark.skipif(
-    not HAS_AMX or not cpu_native.amx_ready(UNMASKED)[0],
-    reason=f"the AMX forward cannot run here ({UNMASKED.model_name}: no AMX, or "
-    f"{cpu_native.amx_ready(UNMASKED)[1]})",
+TILES_HERE, TILES_WHY_NOT = cpu_native.tile_decode_ready(UNMASKED)
+needs_tiles = pytest.mark.skipif(
+    TILES_HERE is None,
+    reason=f"no tile forward here ({UNMASKED.model_name}: {TILES_WHY_NOT})",
 )
+
+
+def backends() -> list[str]:
+    """The tile forward's back-ends this CPU can run: its own, and the vector one under a mask
+    of AMX where the CPU has both (a Sapphire Rapids runs Zen 4's path too)."""
+    found = [TILES_HERE] if TILES_HERE else []
+    if TILES_HERE == "amx" and UNMASKED.has("avx512_bf16"):
+        found.append("avx512_bf16")
+    return found
+
+
+def backend_library(isa: str) -> Any:
+    lib = cpu_native.load(UNMASKED if isa == TILES_HERE else read_features("amx"))
+    assert lib is not None and cpu_native.TILE_ISAS[lib.tiles_compiled()] == isa
+    return lib
 
 
 def bf16_config(model_dir: Path, **extra: Any) -> Any:
@@ -86,59 +101,105 @@ def features(*flags: str) -> CpuFeatures:
     return CpuFeatures("test CPU", frozenset((*base, *flags)))
 
 
+AMX = ("amx_tile", "amx_bf16")
+
+
 @pytest.mark.parametrize(
-    ("flags", "ready", "amx"),
-    [(("amx_tile", "amx_bf16"), (True, None), True), ((), (True, None), False)]
-    + [(("amx_tile", "amx_bf16"), (False, "refused"), False)],
+    ("flags", "tile_setting", "ready", "picked", "said"),
+    [
+        (
+            AMX,
+            True,
+            ("amx", None),
+            "amx",
+            f"AMX tiles, one call for steps of up to {TILE_FUSED_MAX}",
+        ),
+        ((), True, ("avx512_bf16", None), "avx512_bf16", "AVX-512-BF16 tiles"),
+        (AMX, True, (None, "refused"), "", f"up to {BF16_FUSED_MAX} sequences (refused"),
+        ((), False, ("avx512_bf16", None), "", "(model.cpu_tile_decode = false"),
+    ],
 )
-def test_the_plan_takes_amx_only_where_the_cpu_and_the_build_have_it(
-    tiny_model_dir: Path, flags: tuple[str, ...], ready: tuple[bool, str | None], amx: bool
+def test_the_plan_takes_tiles_only_where_the_cpu_the_build_and_the_setting_allow(
+    tiny_model_dir: Path,
+    flags: tuple[str, ...],
+    tile_setting: bool,
+    ready: tuple[str | None, str | None],
+    picked: str,
+    said: str,
 ) -> None:
+    asked: list[bool] = []
+
+    def tile_decode_ready() -> tuple[str | None, str | None]:
+        asked.append(True)
+        return ready
+
     c = choose(
-        bf16_config(tiny_model_dir),
+        bf16_config(tiny_model_dir, **{"model.cpu_tile_decode": tile_setting}),
         8,
         2,
         features(*flags),
         True,
         lambda: (True, None),
-        lambda: ready,
+        tile_decode_ready,
     )
-    assert c.native_decode and c.amx_decode == amx
-    said = " ".join(c.notes)
-    if amx:
-        assert f"up to {AMX_FUSED_MAX} sequences" in said
-    else:
-        assert ("refused" in said) if flags else f"up to {BF16_FUSED_MAX} sequences" in said
+    assert c.native_decode and c.tile_decode == picked
+    assert said in " ".join(c.notes)
+    assert asked == ([True] if tile_setting else [])  # the library is not asked when off
 
 
-def test_without_amx_the_native_decode_keeps_its_six_row_limit(
-    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+def test_a_cpu_without_bf16_vectors_keeps_the_matrix_vector_decode(tiny_model_dir: Path) -> None:
+    """AVX-512 without BF16 (Skylake-X): no tiles; bf16 weights run float32 compute."""
+    cpu = CpuFeatures("test CPU", frozenset(("avx2", "fma", "f16c", "avx512f", "avx512bw")))
+    c = choose(
+        load_config(None, {"model.path": str(tiny_model_dir)}),
+        8,
+        2,
+        cpu,
+        True,
+        lambda: (True, None),
+        lambda: ("avx512_bf16", None),
+    )
+    assert c.native_decode and c.tile_decode == "" and c.compute == "float32"
+
+
+def test_the_build_has_the_tile_back_end_its_flags_allow(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Masking AMX leaves the vector back-end where the CPU has AVX-512-BF16; masking that too
+    leaves none, and the forward is then never offered."""
+    if not UNMASKED.has("avx512_bf16"):
+        pytest.skip(f"{UNMASKED.model_name} has no AVX-512-BF16: no tile back-end to mask")
+    lib = cpu_native.load(read_features("amx"))
+    assert lib is not None and lib.tiles_compiled() == 2
+    none = read_features("amx,avx512_bf16")
+    lib = cpu_native.load(none)
+    assert lib is not None and lib.tiles_compiled() == 0
+    isa, why = cpu_native.tile_decode_ready(none)
+    assert isa is None and "neither AMX nor AVX-512-BF16" in str(why)
+
+
+def test_with_the_tile_decode_off_the_native_decode_keeps_its_six_row_limit(
+    tiny_model_dir: Path,
 ) -> None:
-    """A build without AMX (the mask hides it): no AMX forward in the library, the row-major
-    matrices kept for the matrix-vector forward, steps of more than 6 on torch."""
-    monkeypatch.setenv(MASK_ENV, "amx")
-    masked = read_features()
-    lib = cpu_native.load(masked)
-    assert lib is not None and lib.amx_compiled() == 0
-    assert cpu_native.amx_ready(masked)[0] is False
-    loaded = load_model(bf16_config(tiny_model_dir))
+    """model.cpu_tile_decode = false: the row-major matrices kept for the matrix-vector forward,
+    steps of more than 6 on torch."""
+    loaded = load_model(bf16_config(tiny_model_dir, **{"model.cpu_tile_decode": False}))
     try:
         assert loaded.runner.fused_max_batch == BF16_FUSED_MAX
-        assert loaded.backend.amx_weights is None  # type: ignore[attr-defined]
+        assert loaded.backend.tile_weights is None  # type: ignore[attr-defined]
         assert loaded.model.model.layers[0].mlp.down_proj.weight.numel() > 0
     finally:
         loaded.close()
 
 
-@needs_amx
-def test_on_amx_the_tile_copy_replaces_the_row_major_matrices(
+@needs_tiles
+def test_the_tile_copy_replaces_the_row_major_matrices(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv(MASK_ENV, raising=False)
     loaded = load_model(bf16_config(tiny_model_dir))
     try:
-        assert loaded.runner.fused_max_batch == AMX_FUSED_MAX
-        tiles = loaded.backend.amx_weights  # type: ignore[attr-defined]
+        assert loaded.backend.plan.tile_decode == TILES_HERE  # type: ignore[attr-defined]
+        assert loaded.runner.fused_max_batch == TILE_FUSED_MAX
+        tiles = loaded.backend.tile_weights  # type: ignore[attr-defined]
         assert tiles is not None and loaded.runner.hooks.fused_decode.tiles is tiles
         for layer in loaded.model.model.layers:
             assert layer.self_attn.qkv_proj.weight.numel() == 0
@@ -183,36 +244,33 @@ def odd_amx_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFac
 
 @pytest.fixture(scope="module", params=["tiny", "odd"])
 def plain_loaded(request: pytest.FixtureRequest) -> Iterator[LoadedModel]:
-    """The bf16 model loaded without AMX in the plan (mask), so its row-major matrices and the
+    """The bf16 model loaded with the tile decode off, so its row-major matrices and the
     float32-activation native forward stay, with oneDNN left as it is for the torch forward."""
     name = "tiny_model_dir" if request.param == "tiny" else "odd_amx_model_dir"
     model_dir = request.getfixturevalue(name)
-    before = os.environ.get(MASK_ENV)
-    os.environ[MASK_ENV] = "amx"
-    try:
-        loaded = load_model(bf16_config(model_dir, **{"cache.kv_cache_memory": 0.2}))
-    finally:
-        os.environ.pop(MASK_ENV) if before is None else os.environ.update({MASK_ENV: before})
+    overrides = {"cache.kv_cache_memory": 0.2, "model.cpu_tile_decode": False}
+    loaded = load_model(bf16_config(model_dir, **overrides))
     yield loaded
     loaded.close()
 
 
-@needs_amx
-@pytest.mark.parametrize("rows", [1, 7, 12, 16, 17, 24, 32, 33])
-def test_amx_forward_matches_the_native_and_torch_forwards(
-    plain_loaded: LoadedModel, rows: int
+@needs_tiles
+@pytest.mark.parametrize("isa", backends())
+@pytest.mark.parametrize("rows", [1, 7, 12, 13, 16, 17, 24, 32, 33])
+def test_tile_forward_matches_the_native_and_torch_forwards(
+    plain_loaded: LoadedModel, rows: int, isa: str
 ) -> None:
-    """Logits of one decode step over a random paged context: the AMX forward (each product's
+    """Logits of one decode step over a random paged context: the tile forward (each product's
     input rounded to bf16) within 3% of the float32-activation native forward, and about as
     close to it as the torch bf16 forward is, which rounds every op's output (measured 0.96-1.2%
-    vs 1.0-1.5%; at most 1.5x torch's here); the K/V written for
-    the new tokens within bf16 rounding of the native forward's. 33 rows: two passes of 32."""
+    vs 1.0-1.5%; at most 1.5x torch's here); the K/V written for the new tokens within bf16
+    rounding of the native forward's. 33 rows: two passes of 32; 13: the vector back-end's
+    register block of 12 and one more."""
     runner, model = plain_loaded.runner, plain_loaded.model
     caches = runner.kv.device_caches
-    lib = cpu_native.load(UNMASKED)
-    assert lib is not None
+    lib = backend_library(isa)
     pairs = [(c.k, c.v) for c in caches]
-    amx = FusedCpuDecode(model, pairs, 16, torch.bfloat16, lib, AmxDecodeWeights.from_model(model))
+    amx = FusedCpuDecode(model, pairs, 16, torch.bfloat16, lib, TileDecodeWeights.from_model(model))
     plain = runner.hooks.fused_decode
     assert plain is not None and plain.tiles is None
     gen = torch.Generator().manual_seed(rows)
@@ -252,17 +310,18 @@ def smollm2_dir() -> Path:
 BF16_TIE = 0.13
 
 
-@needs_amx
+@needs_tiles
 @pytest.mark.slow
 def test_smollm2_greedy_at_twelve_a_step_follows_the_torch_path(
     smollm2_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """12 chats decoding together, every step one AMX call, against the torch path (native
-    kernels off) in bf16 and in float32. Greedy answers in bf16 part from the float32 ones at
-    near-ties (the bf16 torch path's own logits tie exactly now and then: 5 of these 12 answers
-    differ from float32's). Where the AMX answer leaves the float32 one, it takes a token of the
-    float32 model's top 5 within a bf16 step of its best; and the AMX answers equal the float32
-    model's at least as often as the bf16 torch path's do (measured: 11 vs 7 of 12)."""
+    """12 chats decoding together, every step one call of the tile forward (this CPU's
+    back-end), against the torch path (native kernels off) in bf16 and in float32. Greedy
+    answers in bf16 part from the float32 ones at near-ties (the bf16 torch path's own logits
+    tie exactly now and then: 5 of these 12 answers differ from float32's). Where the tile
+    answer leaves the float32 one, it takes a token of the float32 model's top 5 within a bf16
+    step of its best; and the tile answers equal the float32 model's at least as often as the
+    bf16 torch path's do (measured on AMX: 11 vs 7 of 12)."""
     monkeypatch.delenv(MASK_ENV, raising=False)
     questions = [
         "What is the capital of France?",
@@ -300,7 +359,7 @@ def test_smollm2_greedy_at_twelve_a_step_follows_the_torch_path(
         params = SamplingParams(max_tokens=16, temperature=0.0, logprobs=5)
         runs[name] = engine.generate(prompts, params)
         if name == "amx":
-            assert engine.loaded.runner.fused_max_batch == AMX_FUSED_MAX
+            assert engine.loaded.runner.fused_max_batch == TILE_FUSED_MAX
             assert engine.loaded.runner.native_decode_steps >= 15  # the 12 decode together
         engine.loaded.close()
     for amx, exact in zip(runs["amx"], runs["float32"], strict=True):

@@ -1,5 +1,7 @@
-"""The tile-packed bf16 copy of a dense model's matrices that the AMX decode forward reads
-(kernels/cpu_decode_amx.inc.c): made once at load, before the row-major weights are released.
+"""The tile-packed bf16 copy of a dense model's matrices that the tile decode forward reads
+(kernels/cpu_decode_tiles.inc.c: AMX tile products, or the same products in AVX-512-BF16
+vectors, whose B-tile rows are one K pair of 16 columns): made once at load, before the
+row-major weights are released.
 
 A matrix [N, K] (rows = output features) becomes [N/16][K/32][16][16][2]: each (block of 16
 output columns, block of 32 K) is one 1 KB B tile in VNNI-2 order (pairs of K interleaved), a
@@ -21,7 +23,7 @@ import torch.nn.functional as F
 
 from appliance.models.llama import LlamaForCausalLM
 
-# Matrices of a layer the AMX forward reads tile-packed, by their decode_tensors() names.
+# Matrices of a layer the tile forward reads tile-packed, by their decode_tensors() names.
 PACKED_FIELDS = ("wqkv", "wo", "wgu", "wdown")
 COLUMN_BLOCK, K_BLOCK = 16, 32
 
@@ -51,7 +53,7 @@ def tile_pack_gate_up(w: torch.Tensor, inter: int) -> torch.Tensor:
 
 
 @dataclass
-class AmxDecodeWeights:
+class TileDecodeWeights:
     """Every matrix the decode forward multiplies by, tile-packed: per layer by field name
     (PACKED_FIELDS), and the LM head with its row count."""
 
@@ -60,7 +62,7 @@ class AmxDecodeWeights:
     vocab: int
 
     @classmethod
-    def from_model(cls, model: LlamaForCausalLM) -> AmxDecodeWeights:
+    def from_model(cls, model: LlamaForCausalLM) -> TileDecodeWeights:
         layers, top = model.decode_tensors()
         inter = model.model.layers[0].mlp.inter
         packed = []
