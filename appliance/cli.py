@@ -7,7 +7,8 @@ import json
 import logging
 import sys
 
-from appliance.config import ConfigError, list_templates, load_config, model_override, parse_sets
+from appliance.config import ConfigError, load_config
+from appliance.config_sources import list_templates, model_override, parse_sets
 
 
 def cmd_templates(ns: argparse.Namespace) -> int:

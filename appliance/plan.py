@@ -16,13 +16,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from appliance.config import (
-    TP_SIZES,
-    ApplianceConfig,
-    ConfigError,
-    load_config,
-    shipped_template_dir,
-)
+from appliance.config import TP_SIZES, ApplianceConfig, ConfigError, load_config
+from appliance.config_sources import shipped_template_dir
 from appliance.kv_layout import kv_bytes_per_token as kv_layout_bytes_per_token
 from appliance.lora_sizes import RANK_GRANULE, lora_slot_params, lora_tile_params
 from appliance.models.args import ModelArgs
@@ -469,7 +464,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def main(ns: argparse.Namespace) -> int:
-    from appliance.config import parse_sets
+    from appliance.config_sources import parse_sets
 
     plan = make_plan(load_config(ns.template, parse_sets(ns.set)), ns.template)
     if ns.json:

@@ -7,14 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from appliance.config import (
-    ApplianceConfig,
-    ConfigError,
-    config_to_toml_dict,
-    list_templates,
-    load_config,
-    shipped_template_dir,
-)
+from appliance.config import ApplianceConfig, ConfigError, config_to_toml_dict, load_config
+from appliance.config_sources import list_templates, shipped_template_dir
 
 try:  # the memory planner is optional for the console: without it the column says so
     from appliance import plan as _plan

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from appliance.config import ConfigError, parse_override_value
+from appliance.config_sources import ConfigError, parse_override_value
 
 KNOB_PLACEHOLDER = "scheduler.max_num_seqs = 8"
 

@@ -10,10 +10,10 @@ import pytest
 from appliance.config import (
     ClassLimits,
     ConfigError,
-    list_templates,
     load_config,
     served_model_name,
 )
+from appliance.config_sources import list_templates
 
 
 def test_every_shipped_template_validates() -> None:
@@ -139,7 +139,7 @@ def test_engine_threads_field_sets_the_core_threads(monkeypatch: pytest.MonkeyPa
 def test_a_model_the_user_brings_drops_the_templates_provisioning_and_name() -> None:
     """`--model DIR` on cpu-demo: no SmolLM2 fetch into the user's folder, and the folder's name
     serves rather than "SmolLM2-135M-Instruct"; a --set beside it still wins."""
-    from appliance.config import model_override
+    from appliance.config_sources import model_override
 
     cfg = load_config("cpu-demo", model_override("/models/mine"))
     assert (cfg.model.path, cfg.model.name, cfg.model.packaged) == ("/models/mine", "", "")

@@ -31,15 +31,20 @@ NEW_CHAT = [(i * 23) % 4000 + 10 for i in range(30)]
 def arrive_at_call(engine: Engine, call: int, prompt: list[int], **kw: object) -> list[Request]:
     """take_arrivals that adds `prompt` on its `call`-th question (between layers `call` and
     `call + 1` of the first step asked)."""
+    return arrive_at_calls(engine, {call: prompt}, **kw)
+
+
+def arrive_at_calls(engine: Engine, prompts: dict[int, list[int]], **kw: object) -> list[Request]:
+    """take_arrivals that adds prompts[n] on its n-th question, for each n given."""
     added: list[Request] = []
     calls = 0
 
     def take() -> bool:
         nonlocal calls
         calls += 1
-        if calls != call:
+        if calls not in prompts:
             return False
-        added.append(engine.add_request(prompt, GREEDY, **kw))  # type: ignore[arg-type]
+        added.append(engine.add_request(prompts[calls], GREEDY, **kw))  # type: ignore[arg-type]
         return True
 
     engine.take_arrivals = take
@@ -87,7 +92,36 @@ def test_a_chat_arriving_during_a_summary_chunk_gets_its_first_token_before_the_
         assert summary.output_token_ids == expected["summary"]
         assert chat.output_token_ids == expected["chat"]
         assert new[0].output_token_ids == expected["new"]
-        assert engine.scheduler.counters.cut_in_steps == 1  # resumed steps never pause again
+        assert engine.scheduler.counters.cut_in_steps == 1  # no other arrival to cut in
+        assert engine.kv.usage().used == 0
+    finally:
+        engine.close()
+
+
+def test_a_resumed_step_pauses_again_for_a_later_arrival(tiny_model_dir: Path) -> None:
+    """Two chats arrive during one summary step, after layers 1 and 2 of 4: the first's
+    cut-in step runs, the step goes on, and pauses again for the second; each chat's first
+    token comes from its own cut-in step, the summary's when the step ends, and every token is
+    that of a run alone."""
+    expected = reference(tiny_model_dir)
+    engine = engine_for(tiny_model_dir, **LENGTH)
+    try:
+        summary = engine.add_request(SUMMARY, GREEDY)
+        added = arrive_at_calls(engine, {1: NEW_CHAT, 2: DECODING_CHAT})
+        outputs = {o.request_id: o.new_token_ids for o in engine.step()}
+        assert outputs == {added[0].request_id: expected["new"][:1]}
+        outputs = {o.request_id: o.new_token_ids for o in engine.step()}  # resumed, paused again
+        assert outputs == {added[1].request_id: expected["chat"][:1]}
+        assert engine.runner.paused is not None and summary.num_output_tokens == 0
+        assert engine.scheduler.counters.cut_in_steps == 2
+        outputs = {o.request_id: o.new_token_ids for o in engine.step()}  # the step ends
+        assert outputs[summary.request_id] == expected["summary"][:1]
+        assert engine.runner.paused is None
+        while engine.has_unfinished():
+            engine.step()
+        assert summary.output_token_ids == expected["summary"]
+        assert added[0].output_token_ids == expected["new"]
+        assert added[1].output_token_ids == expected["chat"]
         assert engine.kv.usage().used == 0
     finally:
         engine.close()

@@ -14,7 +14,8 @@ import torch
 from transformers import LlamaConfig
 
 from appliance import plan as plan_cmd
-from appliance.config import ConfigError, load_config, shipped_template_dir
+from appliance.config import ConfigError, load_config
+from appliance.config_sources import shipped_template_dir
 from appliance.layers.parallel import tensor_parallel
 from appliance.models.args import ModelArgs
 from appliance.models.llama import LlamaForCausalLM

@@ -181,7 +181,7 @@ def test_engine_counters_stay_monotonic_across_rebuilds() -> None:
 
 def test_series_exist_at_zero_from_the_engine_start_and_a_reload_keeps_them() -> None:
     from appliance.core.request import FinishReason
-    from appliance.metrics.registry import FINISH_REASONS
+    from appliance.metrics.labels import FINISH_REASONS
 
     # Every reason a request can finish with has its series from the start.
     assert set(FINISH_REASONS) == {r.value for r in FinishReason}

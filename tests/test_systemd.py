@@ -114,7 +114,8 @@ def check_timeout_stop_leaves_the_drain_its_time(timeout_stop_s: int) -> None:
     """systemd kills the service TimeoutStopSec after SIGTERM: that must cover the default
     drain_timeout_s and every shipped template's, plus what the stop takes after the drain
     (cut streams' last chunks, the engine's shutdown, uvicorn's; state.STOP_AFTER_DRAIN_S)."""
-    from appliance.config import ServerConfig, list_templates, load_config
+    from appliance.config import ServerConfig, load_config
+    from appliance.config_sources import list_templates
     from appliance.server.state import STOP_AFTER_DRAIN_S
 
     drains = {"default": ServerConfig().drain_timeout_s}

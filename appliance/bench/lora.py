@@ -23,7 +23,8 @@ import torch
 from safetensors.torch import save_file
 
 from appliance.bench.offline import make_prompts
-from appliance.config import load_config, model_override, parse_override_value
+from appliance.config import load_config
+from appliance.config_sources import model_override, parse_override_value
 from appliance.engine.executor import load_model
 from appliance.engine.llm_engine import Engine
 from appliance.engine.lora_admin import LoraAdmin

@@ -17,7 +17,8 @@ import torch
 
 from appliance.bench import mixed, structured
 from appliance.bench.hardware import copy_bandwidth, matmul_flops
-from appliance.config import load_config, model_override, parse_override_value
+from appliance.config import load_config
+from appliance.config_sources import model_override, parse_override_value
 from appliance.engine.executor import load_model
 from appliance.engine.llm_engine import Engine
 from appliance.engine.loader import LoadedModel

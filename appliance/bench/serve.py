@@ -163,7 +163,8 @@ async def run_http(
 def run_offline(items: list[Item], ns: argparse.Namespace) -> tuple[list[Result], float, float]:
     """Returns results, wall seconds and process CPU seconds (on a shared box the CPU time per
     token is the figure that does not depend on what else runs)."""
-    from appliance.config import load_config, parse_override_value
+    from appliance.config import load_config
+    from appliance.config_sources import parse_override_value
     from appliance.engine.llm_engine import Engine
     from appliance.sampling_params import SamplingParams
 

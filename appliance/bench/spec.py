@@ -17,7 +17,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from appliance.config import load_config, model_override, parse_override_value
+from appliance.config import load_config
+from appliance.config_sources import model_override, parse_override_value
 from appliance.engine.executor import load_model
 from appliance.engine.llm_engine import Engine
 from appliance.engine.loader import LoadedModel

@@ -23,7 +23,8 @@ import msgspec
 
 from appliance.cluster.routing import ReplicaLoad
 from appliance.cluster.settings import ClusterConfig
-from appliance.config import load_config, parse_sets
+from appliance.config import load_config
+from appliance.config_sources import parse_sets
 
 
 def _pct(values: list[float], q: float) -> float:

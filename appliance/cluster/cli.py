@@ -20,7 +20,8 @@ import threading
 from typing import Any
 
 from appliance.cluster.settings import ClusterConfig, cluster_config
-from appliance.config import ConfigError, parse_sets
+from appliance.config import ConfigError
+from appliance.config_sources import parse_sets
 
 PUSH_INTERVAL_ENV = "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S"
 

@@ -13,7 +13,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from appliance.config import ApplianceConfig, ConfigError, load_config
@@ -48,6 +48,10 @@ class _PausedStep:
     started: float
     paused_at: float
     request_ids: frozenset[str]
+    # The queue rank that cuts into it (Scheduler.cut_in_rank), again after each resume.
+    rank: int
+    # Seconds of its wall time that cut-in steps took, before the latest pause.
+    excluded: float = 0.0
     # Finishes (aborts, queue timeouts) asked for while it was paused, done when it ends.
     finishes: list[tuple[str, FinishReason, str]] = field(default_factory=list)
 
@@ -233,7 +237,8 @@ class Engine:
         """One step's outputs. A step that prefills may pause between two layers for requests
         that arrived during it and outrank its prefills (a chat behind a summary's chunk):
         then this call runs their cut-in step and returns its outputs (their first tokens),
-        and the next call finishes the paused step."""
+        and the next call goes on with the paused step, which may pause again for later
+        arrivals (each cut-in step takes the arrivals since the last)."""
         if self._paused is not None:
             return self._resume()
         started = time.perf_counter()
@@ -248,8 +253,12 @@ class Engine:
         if result is not None:
             return self._finish(out, result, started)
         paused_at = time.perf_counter()
-        self._paused = _PausedStep(out, started, paused_at, out.request_ids())
-        step = sched.schedule_cut_in(rank)
+        self._paused = _PausedStep(out, started, paused_at, out.request_ids(), rank)
+        return self._cut_in(rank, paused_at)
+
+    def _cut_in(self, rank: int, paused_at: float) -> list[EngineOutput]:
+        """The step of the waiting requests that outrank `rank`, run while a step is paused."""
+        step = self.scheduler.schedule_cut_in(rank)
         self._announce_started()
         return self._finish(step, self.executor.execute(step), paused_at)
 
@@ -277,10 +286,15 @@ class Engine:
     def _resume(self) -> list[EngineOutput]:
         paused, self._paused = self._paused, None
         assert paused is not None
-        resumed = time.perf_counter()
-        outputs = self._finish(
-            paused.out, self.runner.resume(), paused.started, resumed - paused.paused_at
-        )
+        excluded = paused.excluded + time.perf_counter() - paused.paused_at
+        # Pauses again only for requests that arrive from now on (take_arrivals says so).
+        again = None if self.take_arrivals is None else lambda: self._should_pause(paused.rank)
+        result = self.runner.resume(again)
+        if result is None:  # paused again: a later arrival outranks it too
+            paused_at = time.perf_counter()
+            self._paused = replace(paused, paused_at=paused_at, excluded=excluded)
+            return self._cut_in(paused.rank, paused_at)
+        outputs = self._finish(paused.out, result, paused.started, excluded)
         # Finishes asked for while the step was paused: its requests' blocks were in use.
         for request_id, reason, detail in paused.finishes:
             if reason is FinishReason.QUEUE_TIMEOUT:

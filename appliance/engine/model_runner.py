@@ -187,16 +187,15 @@ class ModelRunner:
         step.forward = self.model.start_forward(step.input_ids, step.positions)
         return self._run_layers(step, None if step.adapters else pause)
 
-    def resume(self) -> RunnerOutput:
-        """Finish the paused step (execute's None)."""
+    def resume(self, pause: Callable[[], bool] | None = None) -> RunnerOutput | None:
+        """Go on with the paused step (execute_or_pause's None) from the layer it stopped at:
+        its output, or None when `pause` stopped it again (it waits in `paused` once more)."""
         step, self.paused = self.paused, None
         if step is None:
             raise RuntimeError("resume() with no paused step")
         if self.lora is not None:
             self.lora.begin_step(step.batch)  # the steps in between set their own rows
-        result = self._run_layers(step, None)
-        assert result is not None
-        return result
+        return self._run_layers(step, None if step.adapters else pause)
 
     def _plan(self, out: SchedulerOutput) -> _Step:
         batch = sorted(as_decode_rows(out.scheduled), key=lambda r: len(r.token_ids) > 1)

@@ -43,7 +43,7 @@ class _Server(uvicorn.Server):
 
 
 def cmd_up(ns: argparse.Namespace) -> int:
-    from appliance.config import model_override, parse_sets
+    from appliance.config_sources import model_override, parse_sets
 
     t0 = time.monotonic()
     overrides = parse_sets(ns.set)

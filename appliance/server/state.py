@@ -21,9 +21,9 @@ from appliance.config import (
     ApplianceConfig,
     ConfigError,
     load_config,
-    resolve_template,
     served_model_name,
 )
+from appliance.config_sources import resolve_template
 from appliance.engine import ipc
 from appliance.engine.client import EngineClient, EngineError
 from appliance.metrics import Metrics

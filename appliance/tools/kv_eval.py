@@ -29,7 +29,8 @@ from typing import Any
 import msgspec
 import torch
 
-from appliance.config import ConfigError, load_config, resolve_template
+from appliance.config import ConfigError, load_config
+from appliance.config_sources import resolve_template
 from appliance.core.scheduler_output import ScheduledRequest
 from appliance.engine.executor import load_model
 from appliance.engine.kv_pool import KVCachePool
@@ -464,7 +465,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def main(ns: argparse.Namespace) -> int:
-    from appliance.config import parse_sets
+    from appliance.config_sources import parse_sets
 
     report = run_kv_eval(
         ns.template,
