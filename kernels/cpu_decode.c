@@ -88,6 +88,9 @@
  * the bf16 steps it calls). */
 #include "cpu_decode_tiles.inc.c"
 
+/* A prefill chunk's attention in AVX-512-BF16 pair dot products, where the build targets it. */
+#include "cpu_prefill_attention.inc.c"
+
 #define SUFFIX bf16
 #define T uint16_t
 #include "cpu_decode_ops.inc.c"

@@ -64,6 +64,15 @@ int paged_decode_attention_f32q_f32(const int64_t *shape, const float *q, const 
                                     const float *v_cache, const int32_t *tables,
                                     const int32_t *seq_lens, float scale, float *out);
 
+/* A prefill chunk's causal attention over its one sequence's paged bf16 cache
+ * (cpu_prefill_attention.inc.c): q/out [n, heads, head_dim], the queries at positions start ..
+ * start+n-1, `table` the sequence's blocks. Where prefill_attention_compiled() is 1
+ * (AVX-512-BF16). Returns 0, -1 if out of memory, -2 for a head size it does not take. */
+int prefill_attention_bf16(const int64_t *shape, const uint16_t *q, const uint16_t *k_cache,
+                           const uint16_t *v_cache, const int32_t *table, int64_t start,
+                           int64_t n, float scale, uint16_t *out);
+int prefill_attention_compiled(void);
+
 /* Element-wise steps of the torch forward (cpu_decode_ops.inc.c). */
 void add_rms_norm_bf16(uint16_t *x, const uint16_t *add, const uint16_t *weight, uint16_t *out,
                        int64_t rows, int64_t hidden, float eps, int64_t threads);

@@ -155,7 +155,13 @@ def load(features: CpuFeatures | None = None) -> ctypes.CDLL | None:
                     "paged_decode_attention_f32q",
                 ):
                     getattr(lib, f"{name}_{suffix}").restype = ctypes.c_int
-            for name in ("decode_forward_tiles_bf16", "tiles_compiled", "amx_request_tiles"):
+            for name in (
+                "decode_forward_tiles_bf16",
+                "tiles_compiled",
+                "amx_request_tiles",
+                "prefill_attention_bf16",
+                "prefill_attention_compiled",
+            ):
                 getattr(lib, name).restype = ctypes.c_int
         _loaded[key] = (lib, error)
     return _loaded[key][0]
@@ -339,4 +345,64 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         ctypes.c_int64(width // 2),
         ctypes.c_int64(torch.get_num_threads()),
     )
+    return out
+
+
+def prefill_attention_available(k_cache: torch.Tensor, head_dim: int) -> bool:
+    """Whether `prefill_attention` takes this cache: bf16, a head size that is a multiple of
+    32 (the pair dot products' rows), and a build for AVX-512-BF16."""
+    if k_cache.dtype != torch.bfloat16 or head_dim % 32 or head_dim > 256:
+        return False
+    lib = load()
+    return lib is not None and bool(lib.prefill_attention_compiled())
+
+
+def prefill_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    start: int,
+    scale: float,
+) -> torch.Tensor:
+    """One sequence's prefill chunk, causal over its paged bf16 context: query [n, heads,
+    head_dim] at positions start .. start+n-1 (their K/V already written) -> the same shape.
+    The torch reference is `paged_attention.paged_attention` (SDPA) for one sequence."""
+    lib = load()
+    assert lib is not None and query.dtype == k_cache.dtype == torch.bfloat16
+    n, heads, head_dim = query.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    q = query.contiguous()
+    table = block_table.to(torch.int32).contiguous()
+    out = torch.empty_like(q)
+    shape = shape_vector(
+        batch=1,
+        layers=0,
+        hidden=0,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        inter=0,
+        vocab=0,
+        block_size=block_size,
+        table_stride=table.shape[0],
+        threads=torch.get_num_threads(),
+    )
+    rc = lib.prefill_attention_bf16(
+        ptr(shape),
+        ptr(q),
+        ptr(k_cache),
+        ptr(v_cache),
+        ptr(table),
+        ctypes.c_int64(start),
+        ctypes.c_int64(n),
+        ctypes.c_float(scale),
+        ptr(out),
+    )
+    if rc != 0:
+        raise (
+            MemoryError("native prefill attention: out of memory")
+            if rc == -1
+            else ValueError(f"native prefill attention: head size {head_dim} not taken")
+        )
     return out
