@@ -329,16 +329,22 @@ def test_int8_plan_counts_one_byte_weights(capsys: pytest.CaptureFixture[str]) -
     assert p8["chosen"]["kv_blocks"] > p16["chosen"]["kv_blocks"]
 
 
-@pytest.mark.parametrize("amx", [True, False], ids=["amx", "amx-masked"])
-def test_cpu_demo_plan_counts_the_bf16_copy_of_packed_weights_on_amx(
+@pytest.mark.parametrize(
+    ("hidden", "copy"),
+    [((), True), (("amx",), True), (("avx512", "amx"), False)],
+    ids=["amx", "zen4", "avx2"],
+)
+def test_cpu_demo_plan_counts_the_bf16_copy_of_packed_weights_on_bf16_cpus(
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
-    amx: bool,
+    hidden: tuple[str, ...],
+    copy: bool,
     default_model: Path,  # in place, as after ./install.sh: the plan itself fetches nothing
 ) -> None:
-    """cpu-demo serves SmolLM2's Q4_1 GGUF: where the CPU has AMX the backend keeps a
-    prepacked bf16 copy of the linears and the LM head beside the packed bytes, and the plan
-    counts it (2 bytes a weight); elsewhere the packed bytes are all there is."""
+    """cpu-demo serves SmolLM2's Q4_1 GGUF: where the CPU has bf16 arithmetic (AMX, or
+    AVX-512-BF16 as on a Zen 4) the backend keeps a prepacked bf16 copy of the linears and the
+    LM head beside the packed bytes, and the plan counts it (2 bytes a weight); on an AVX2 CPU
+    the packed bytes are all there is."""
     from appliance.kernels import cpu_features as features
 
     flags = (
@@ -346,7 +352,7 @@ def test_cpu_demo_plan_counts_the_bf16_copy_of_packed_weights_on_amx(
         "avx512_vnni amx_bf16 amx_tile amx_int8"
     )
     fake = features.CpuFeatures(
-        "Test CPU", frozenset(f for f in flags.split() if amx or not f.startswith("amx"))
+        "Test CPU", frozenset(f for f in flags.split() if not f.startswith(hidden))
     )
     monkeypatch.setattr(features, "detect", lambda: fake)
     rc, plan = plan_json(capsys, "--template", "cpu-demo")
@@ -355,8 +361,8 @@ def test_cpu_demo_plan_counts_the_bf16_copy_of_packed_weights_on_amx(
     # SmolLM2-135M: 30 layers, hidden 576, 9/3 heads of 64, MLP 1536, vocab 49152, tied.
     linears = 30 * (576 * (576 + 2 * 192) + 576 * 576 + 3 * 576 * 1536)
     lm_head = 49152 * 576
-    assert c["matmul_copy_bytes"] == (2 * (linears + lm_head) if amx else 0)
-    assert ("prepacked bfloat16 copy" in c["cpu_path"]) == amx
+    assert c["matmul_copy_bytes"] == (2 * (linears + lm_head) if copy else 0)
+    assert ("prepacked bfloat16 copy" in c["cpu_path"]) == copy
     assert c["cpu_path"].startswith("weights gguf (packed")
 
 

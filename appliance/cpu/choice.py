@@ -116,12 +116,16 @@ def choose(
     elif not config.model.cpu_prepack_weights:
         notes.append("prepacking off (model.cpu_prepack_weights = false)")
 
-    # AMX's bf16 GEMM outruns the packed kernels on wide passes (measured above); on other CPUs
-    # the packed kernels were faster at every width (docs/quantized-weights.md), so no copy.
-    quant_dense_copy = prepack and compute == "bfloat16" and features.has("amx_bf16")
+    # AMX's bf16 GEMM outruns the packed kernels on wide passes (measured above). On a Zen 4
+    # (AVX-512-BF16, no AMX) the copy's prefill keeps the default model's answer: SmolLM2's
+    # "The" leads "L" by 0.1 nat for "What is the capital of France?", and the packed kernels'
+    # int8 activations turned it to "L'Étoile, la Marseillaise" there (2026-12-03); oneDNN's bf16
+    # GEMM runs a prefill at ~0.5 ms a token on 2 cores. CPUs without bf16 arithmetic keep the
+    # packed kernels at every width (a float32 copy would be 4 bytes a weight).
+    quant_dense_copy = prepack and compute == "bfloat16" and features.native_bf16_compute
     if quant_dense_copy:
         notes.append(
-            "packed weights: a prepacked bf16 copy (AMX) for prefills and decode steps of more "
+            "packed weights: a prepacked bf16 copy for prefills and decode steps of more "
             f"than {QUANT_COPY_FUSED_MAX} sequences; the packed kernels for the others"
         )
 
