@@ -222,6 +222,27 @@ def supports(dtype: torch.dtype, group: int) -> bool:
     return dtype in SUFFIX and group <= MAX_QUERY_HEADS and load() is not None
 
 
+def _attention_shape(
+    batch: int, heads: int, k_cache: torch.Tensor, table_stride: int
+) -> torch.Tensor:
+    """The Shape an attention-only call reads: the cache's block size, KV heads and head size,
+    the query heads, this many threads; no layers, matrices or vocabulary."""
+    _, block_size, kv_heads, head_dim = k_cache.shape
+    return shape_vector(
+        batch=batch,
+        layers=0,
+        hidden=0,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        inter=0,
+        vocab=0,
+        block_size=block_size,
+        table_stride=table_stride,
+        threads=torch.get_num_threads(),
+    )
+
+
 def paged_decode_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -237,25 +258,12 @@ def paged_decode_attention(
     lib = load()
     assert lib is not None and k_cache.dtype in SUFFIX
     assert query.dtype in (k_cache.dtype, torch.float32), (query.dtype, k_cache.dtype)
-    batch, heads, head_dim = query.shape
-    _, block_size, kv_heads, _ = k_cache.shape
+    batch, heads, _ = query.shape
     q = query.contiguous()
     tables = block_tables.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
     out = torch.empty_like(q)
-    shape = shape_vector(
-        batch=batch,
-        layers=0,
-        hidden=0,
-        heads=heads,
-        kv_heads=kv_heads,
-        head_dim=head_dim,
-        inter=0,
-        vocab=0,
-        block_size=block_size,
-        table_stride=tables.shape[1],
-        threads=torch.get_num_threads(),
-    )
+    shape = _attention_shape(batch, heads, k_cache, tables.shape[1])
     mixed = query.dtype != k_cache.dtype
     name = "paged_decode_attention_f32q" if mixed else "paged_decode_attention"
     fn = getattr(lib, f"{name}_{SUFFIX[k_cache.dtype]}")
@@ -371,23 +379,10 @@ def prefill_attention(
     lib = load()
     assert lib is not None and query.dtype == k_cache.dtype == torch.bfloat16
     n, heads, head_dim = query.shape
-    _, block_size, kv_heads, _ = k_cache.shape
     q = query.contiguous()
     table = block_table.to(torch.int32).contiguous()
     out = torch.empty_like(q)
-    shape = shape_vector(
-        batch=1,
-        layers=0,
-        hidden=0,
-        heads=heads,
-        kv_heads=kv_heads,
-        head_dim=head_dim,
-        inter=0,
-        vocab=0,
-        block_size=block_size,
-        table_stride=table.shape[0],
-        threads=torch.get_num_threads(),
-    )
+    shape = _attention_shape(1, heads, k_cache, table.shape[0])
     rc = lib.prefill_attention_bf16(
         ptr(shape),
         ptr(q),
