@@ -212,6 +212,7 @@ static inline vf exp_v(vf x) {
  * registers) against the chunk's K rows of their KV head: sc[h][t] = q_h . k_t * scale. */
 #define QK_GROUP(LOADV, G)                                                                     \
         for (int64_t t = 0; t < n; t++) {                                                      \
+            QK_PREFETCH(t);                                                                    \
             const __typeof__(*kh) *kr = kh + slot_of[t] * row;                                 \
             vf acc[G];                                                                         \
             for (int h = 0; h < G; h++) acc[h] = (vf){0};                                      \

@@ -25,6 +25,16 @@ static void FN(rms_norm)(const float *x, const T *weight, float *out, int64_t ba
     }
 }
 
+/* One token's K and V rows (`span` bytes from element `at`) into L2. */
+static inline void FN(prefetch_token)(const T *k_cache, const T *v_cache, int64_t at,
+                                      int64_t span) {
+    const char *kp = (const char *)(k_cache + at), *vp = (const char *)(v_cache + at);
+    for (int64_t off = 0; off < span; off += 64) {
+        __builtin_prefetch(kp + off, 0, 2);
+        __builtin_prefetch(vp + off, 0, 2);
+    }
+}
+
 /* Query heads [nkv * group, head_dim] of KV heads g0 .. g0+nkv-1 over one sequence's
  * context in the paged cache: each K/V row is read once for all of them; online softmax a
  * chunk at a time, float32 throughout; rows some tokens ahead are prefetched (the blocks
@@ -65,22 +75,23 @@ static void FN(attend_heads_limited)(const float *q, const T *k_cache, const T *
          * stack garbage. */
         for (int64_t h = 0; h < nq; h++)
             for (int64_t t = n; t < CHUNK && t % VW; t++) scores[h][t] = 0.0f;
-        for (int64_t t = 0; t < n; t++) {
-            if (t + PREFETCH < ahead) {
-                const char *kp = (const char *)(k_cache + slot_of[t + PREFETCH] * row + g0 * d);
-                const char *vp = (const char *)(v_cache + slot_of[t + PREFETCH] * row + g0 * d);
-                for (int64_t off = 0; off < span; off += 64) {
-                    __builtin_prefetch(kp + off);
-                    __builtin_prefetch(vp + off);
-                }
-            }
-        }
+        /* K/V rows PREFETCH tokens ahead into L2, one token's as each is read in the first KV
+         * head's query-key pass (QK_PREFETCH): a whole chunk's rows at once into L1 overflowed
+         * it, and its loads waited on memory (60% of the attention's time on their first
+         * use). */
+        if (t0 == t_begin)
+            for (int64_t t = 0; t < (PREFETCH < ahead ? PREFETCH : ahead); t++)
+                FN(prefetch_token)(k_cache, v_cache, slot_of[t] * row + g0 * d, span);
+#define QK_PREFETCH(t)                                                                         \
+    if (first_pass && (t) + PREFETCH < ahead)                                                     \
+        FN(prefetch_token)(k_cache, v_cache, slot_of[(t) + PREFETCH] * row + g0 * d, span)
         for (int64_t gi = 0; gi < nkv; gi++) {
             const T *kh = k_cache + (g0 + gi) * d;
             const float *qg = q + gi * group * d;
             float(*sc)[CHUNK] = scores + gi * group;
             if (vec) {
                 for (int64_t h0 = 0; h0 < group; h0 += 4, qg += 4 * d, sc += 4) {
+                    const int first_pass = gi == 0 && h0 == 0;
                     switch (group - h0 < 4 ? group - h0 : 4) {
                     case 1: QK_GROUP(LOADV, 1); break;
                     case 2: QK_GROUP(LOADV, 2); break;
@@ -90,7 +101,9 @@ static void FN(attend_heads_limited)(const float *q, const T *k_cache, const T *
                 }
                 continue;
             }
+            const int first_pass = gi == 0;
             for (int64_t t = 0; t < n; t++) {
+                QK_PREFETCH(t);
                 const T *kr = kh + slot_of[t] * row;
                 for (int64_t h = 0; h < group; h++) {
                     const float *qh = qg + h * d;
@@ -156,6 +169,7 @@ static void FN(attend_heads_limited)(const float *q, const T *k_cache, const T *
             }
         }
     }
+#undef QK_PREFETCH
     if (m_out) { /* a part of the context: the merge normalizes (merge_parts) */
         memcpy(m_out, m, nq * sizeof(float));
         memcpy(l_out, l, nq * sizeof(float));
