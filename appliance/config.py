@@ -180,6 +180,14 @@ class SchedulerConfig(_Section):
     # prefills (a chat behind a summary's chunk), runs that request's prefill, then finishes:
     # the request waits for one layer instead of the whole step (docs/admission.md).
     cut_in: bool = True
+    # A step whose prefill the cost model expects to outlast the TPOT target of the classes it
+    # decodes leaves those decodes out and pauses between two layers, as a cut-in does, to run
+    # their decode step whenever the target is due: a summary's 1,000-token chunk no longer
+    # holds a chat's next token for its whole second, and needs no cutting into small chunks
+    # that pay the forward's fixed cost each (docs/admission.md, "Interleaved decodes"). Where
+    # a step cannot pause (the offline API, tensor parallelism, LoRA rows, cut_in off), chunks
+    # are cut to the target instead.
+    interleave_decodes: bool = False
 
     def __post_init__(self) -> None:
         # One name inside the appliance for one behaviour.

@@ -40,6 +40,9 @@ class SchedulerCounters(msgspec.Struct, kw_only=True):
     # Steps run while a prefill step was paused between two layers, for the requests that
     # outranked it (Scheduler.schedule_cut_in).
     cut_in_steps: int = 0
+    # Steps of the running decodes that a paused prefill step left out
+    # (scheduler.interleave_decodes).
+    interleaved_decode_steps: int = 0
 
     def count_preemption(self, mode: str, priority_class: str) -> None:
         self.preemptions += 1

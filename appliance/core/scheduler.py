@@ -29,6 +29,9 @@ from appliance.stats import SchedulerCounters
 # then. A request of a class absent that long waits for at most one uncut step (~0.3-0.8 s on
 # 2 cores), within the TTFT targets the templates set.
 CLASS_PRESENCE_S = 60.0
+# An interleaving step's forward runs at least this share of its decodes' interval between
+# two of their steps (Scheduler.interleave_slice_s).
+MIN_SLICE_FRACTION = 0.25
 
 
 @dataclass
@@ -196,8 +199,10 @@ class Scheduler:
         return out
 
     # -- one step --------------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
-        out = StepBuilder(self)
+    def schedule(self, interleave: bool = False) -> SchedulerOutput:
+        """The next step. `interleave`: the engine can pause it between two layers to run the
+        decodes it leaves out (scheduler.interleave_decodes; StepBuilder.detach_decodes)."""
+        out = StepBuilder(self, interleave=interleave)
         # A lowered max_num_seqs (live knobs) binds admissions; it never evicts running work.
         seq_limit = max(self.cfg.max_num_seqs, len(self.running))
         self._expire_timeouts()
@@ -209,6 +214,7 @@ class Scheduler:
         out.schedule_running()
         out.admit()
         out.schedule_deferred()
+        out.detach_decodes()
         result = out.build()
         assert result.num_scheduled_tokens <= self.cfg.max_num_batched_tokens
         assert len(self.running) <= seq_limit
@@ -244,15 +250,44 @@ class Scheduler:
     def wants_cut_in(self, rank: int) -> bool:
         return any(self.cuts_in(r, rank) for r in self.waiting)
 
-    def schedule_cut_in(self, rank: int) -> SchedulerOutput:
-        """A step of the waiting requests that cut into a paused step of `rank`, admitted as
-        `schedule` would admit them but into free blocks only: the paused step's requests
-        keep theirs, and none of them is scheduled again before it ends."""
+    def schedule_cut_in(
+        self, rank: int | None, besides: frozenset[str] | None = None
+    ) -> SchedulerOutput:
+        """A step run while another is paused: with `besides` (the paused step's request ids,
+        where it left the running decodes out), those decodes; then the waiting requests that
+        cut into a paused step of `rank` (None: none), admitted as `schedule` would admit them
+        but into free blocks only. The paused step's requests keep their blocks, and none of
+        them is scheduled again before it ends."""
         out = StepBuilder(self, may_preempt=False)
-        out.admit(lambda r: self.cuts_in(r, rank))
+        decodes = out.serve_besides(besides) if besides is not None else 0
+        if rank is not None:
+            out.admit(lambda r: self.cuts_in(r, rank))
         step = out.build()
-        self.counters.cut_in_steps += bool(step.scheduled)
+        self.counters.cut_in_steps += bool(out.started)
+        self.counters.interleaved_decode_steps += bool(decodes)
         return step
+
+    def interleave_slice_s(self, step: SchedulerOutput) -> float | None:
+        """How long a step that left the running decodes out (`decode_interval_s`) runs before
+        it pauses for their step: their interval less what the cost model expects that step
+        to take, and never under a quarter of the interval (the prefill always progresses)."""
+        interval = step.decode_interval_s
+        if interval is None:
+            return None
+        ids = step.request_ids()
+        shape = StepShape()
+        for r in self.running:
+            if r.request_id not in ids and r.num_tokens - r.num_computed_tokens == 1:
+                shape = shape.with_decode(r.num_computed_tokens)
+        expected = self.cost.estimate(shape) or 0.0
+        return max(interval - expected, interval * MIN_SLICE_FRACTION)
+
+    def has_detached_decodes(self, paused: frozenset[str]) -> bool:
+        """Whether a running request outside the paused step waits for its next token."""
+        return any(
+            r.request_id not in paused and r.num_tokens - r.num_computed_tokens == 1
+            for r in self.running
+        )
 
     def time_limit_s(self, decodes: list[Request]) -> float | None:
         """A step's time limit: the tightest TPOT target among the classes it decodes."""

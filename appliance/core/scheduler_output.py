@@ -57,6 +57,9 @@ class SchedulerOutput:
     # Which limit stopped the step from doing more: none | token_budget | time_budget |
     # max_num_seqs | kv_blocks | lora_slots
     bound_by: str = "none"
+    # Set where the step left the running decodes out to run while it is paused
+    # (scheduler.interleave_decodes): they are owed a token every this many seconds.
+    decode_interval_s: float | None = None
 
     def request_ids(self) -> frozenset[str]:
         return frozenset(r.request_id for r in self.scheduled)

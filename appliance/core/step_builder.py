@@ -23,11 +23,17 @@ if TYPE_CHECKING:
 class StepBuilder:
     """The decisions of one `Scheduler.schedule()` call."""
 
-    def __init__(self, sched: Scheduler, may_preempt: bool = True) -> None:
+    def __init__(
+        self, sched: Scheduler, may_preempt: bool = True, interleave: bool = False
+    ) -> None:
         self.s = sched
         # False for a cut-in step (Scheduler.schedule_cut_in): a paused step holds the
         # running requests' blocks, so nobody is preempted and only free blocks are used.
         self.may_preempt = may_preempt
+        # The step may pause to run its decodes apart (scheduler.interleave_decodes): its
+        # chunks are sized by tokens alone, and detach_decodes may leave the decodes out.
+        self.interleave = interleave
+        self.decode_interval_s: float | None = None
         self.kv = sched.kv
         self.budget = sched.cfg.max_num_batched_tokens
         self.granted: dict[str, int] = {}
@@ -60,7 +66,10 @@ class StepBuilder:
         positions: it starts at num_tokens - remaining)."""
         limit = self.s.cfg.long_prefill_token_threshold or remaining
         tokens = min(remaining, self.budget, limit, self.chunk_cap or remaining)
-        limit_s = self.s.chunk_limit_s(self.limit_s, req.priority_class)
+        # An interleaving step's decodes run while it pauses, and arrivals cut into it.
+        limit_s = (
+            None if self.interleave else self.s.chunk_limit_s(self.limit_s, req.priority_class)
+        )
         if tokens > 1 and limit_s is not None:
             start = req.num_tokens - remaining
             timed = self.s.cost.max_chunk(self.shape, start, tokens, limit_s)
@@ -108,6 +117,8 @@ class StepBuilder:
         decodes = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
         prefills = [r for r in running if r.num_tokens - r.num_computed_tokens > 1]
         self.limit_s = s.time_limit_s(decodes)
+        # A step with adapter rows never pauses (ModelRunner.execute_or_pause).
+        self.interleave = self.interleave and not any(r.lora_name for r in running)
         drafts = s.spec.plan(decodes, s.cost) if s.spec.enabled else {}
         # A chat queued behind a summary's chunks: measured, a chat arriving while chats
         # decode got 16-token chunks from what the summary's chunk left of the time budget,
@@ -130,6 +141,52 @@ class StepBuilder:
             self.chunk_cap = MIN_CHUNK
         self._serve(self.deferred, {})
         self.chunk_cap = None
+
+    def detach_decodes(self) -> None:
+        """Leave the running decodes out of an interleaving step whose prefill the cost model
+        expects to outlast their TPOT target: the engine runs them in steps of their own while
+        this one is paused (Scheduler.schedule_cut_in), each within the target. Their slots
+        stay allocated for that step."""
+        if not self.interleave or self.limit_s is None or not self.s.cost.ready:
+            return
+        started = {r.request_id for r in self.started}
+        decodes = [
+            r
+            for r in self.order
+            if r.num_tokens - r.num_computed_tokens == 1 and r.request_id not in started
+        ]
+        if not decodes:
+            return
+        prefill = StepShape()
+        for r in self.order:
+            if r not in decodes:
+                prefill = self._add(prefill, r, self.granted[r.request_id])
+        if not prefill.prefill_tokens or (self.s.cost.estimate(prefill) or 0.0) <= self.limit_s:
+            return
+        for r in decodes:
+            self._ungrant(r)
+        self.decode_interval_s = self.limit_s
+
+    def serve_besides(self, paused: frozenset[str]) -> int:
+        """A step run while `paused` (request ids) is paused: the running decodes it left out,
+        into free blocks (none is preempted; one without a free block waits for the paused
+        step's end). Returns how many were served."""
+        s = self.s
+        served = 0
+        for req in s.policy.serve_order(s.running):
+            if req.request_id in paused or req.lora_name:
+                continue
+            if req.num_tokens - req.num_computed_tokens != 1:
+                continue
+            if self.budget <= 0:
+                self._bound("token_budget")
+                break
+            if not self.kv.allocate_slots(req, 1):
+                self._bound("kv_blocks")
+                continue
+            self._grant(req, 1)
+            served += 1
+        return served
 
     def _most_urgent_waiting(self) -> int | None:
         s = self.s
@@ -364,4 +421,5 @@ class StepBuilder:
             finished_request_ids=self.s.take_dropped_tables(),
             done_request_ids=self.s.take_done_structured(),
             bound_by=self.bound_by,
+            decode_interval_s=self.decode_interval_s,
         )

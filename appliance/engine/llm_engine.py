@@ -41,15 +41,27 @@ Prompt = str | list[int]
 
 
 @dataclass
+class _PauseRule:
+    """When a step that prefills pauses between two layers (Engine._should_pause)."""
+
+    request_ids: frozenset[str]
+    # The queue rank an arrival must beat to cut into it (Scheduler.cut_in_rank); None: none.
+    rank: int | None
+    # Seconds of forward after which the decodes it left out get their step
+    # (Scheduler.interleave_slice_s); None: it carries its decodes.
+    slice_s: float | None
+    # When its forward last started or resumed.
+    since: float
+
+
+@dataclass
 class _PausedStep:
     """A step whose forward paused between two layers for a cut-in step (Engine.step)."""
 
     out: SchedulerOutput
     started: float
     paused_at: float
-    request_ids: frozenset[str]
-    # The queue rank that cuts into it (Scheduler.cut_in_rank), again after each resume.
-    rank: int
+    rule: _PauseRule
     # Seconds of its wall time that cut-in steps took, before the latest pause.
     excluded: float = 0.0
     # Finishes (aborts, queue timeouts) asked for while it was paused, done when it ends.
@@ -224,7 +236,7 @@ class Engine:
     def _defer_past_pause(self, request_id: str, reason: FinishReason, detail: str) -> bool:
         """Keep a finish of a paused step's request for that step's end (_resume); False when
         no paused step holds the request."""
-        if self._paused is None or request_id not in self._paused.request_ids:
+        if self._paused is None or request_id not in self._paused.rule.request_ids:
             return False
         self._paused.finishes.append((request_id, reason, detail))
         return True
@@ -235,30 +247,36 @@ class Engine:
     # -- the step --------------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
         """One step's outputs. A step that prefills may pause between two layers for requests
-        that arrived during it and outrank its prefills (a chat behind a summary's chunk):
-        then this call runs their cut-in step and returns its outputs (their first tokens),
-        and the next call goes on with the paused step, which may pause again for later
-        arrivals (each cut-in step takes the arrivals since the last)."""
+        that arrived during it and outrank its prefills (a chat behind a summary's chunk), and,
+        where it left the running decodes out (scheduler.interleave_decodes), whenever their
+        next token is due: then this call runs that cut-in step and returns its outputs, and
+        the next call goes on with the paused step, which may pause again (each cut-in step
+        takes the arrivals since the last)."""
         if self._paused is not None:
             return self._resume()
         started = time.perf_counter()
         sched = self.scheduler
-        out = sched.schedule()
+        pausable = self._pausable()
+        out = sched.schedule(interleave=pausable and self.config.scheduler.interleave_decodes)
         self._announce_started()
         trim_forbidden_drafts(out, self.runner.guided)
-        rank = self._cut_in_rank(out)
-        if rank is None:
+        rank = sched.cut_in_rank(out) if pausable and self.config.scheduler.cut_in else None
+        slice_s = sched.interleave_slice_s(out)
+        if rank is None and slice_s is None:
             return self._finish(out, self.executor.execute(out), started)
-        result = self.runner.execute_or_pause(out, lambda: self._should_pause(rank))
+        rule = _PauseRule(out.request_ids(), rank, slice_s, started)
+        result = self.runner.execute_or_pause(out, lambda: self._should_pause(rule))
         if result is not None:
             return self._finish(out, result, started)
         paused_at = time.perf_counter()
-        self._paused = _PausedStep(out, started, paused_at, out.request_ids(), rank)
-        return self._cut_in(rank, paused_at)
+        self._paused = _PausedStep(out, started, paused_at, rule)
+        return self._cut_in(rule, paused_at)
 
-    def _cut_in(self, rank: int, paused_at: float) -> list[EngineOutput]:
-        """The step of the waiting requests that outrank `rank`, run while a step is paused."""
-        step = self.scheduler.schedule_cut_in(rank)
+    def _cut_in(self, rule: _PauseRule, paused_at: float) -> list[EngineOutput]:
+        """The step run while a step is paused: the decodes it left out, and the waiting
+        requests that outrank it."""
+        besides = rule.request_ids if rule.slice_s is not None else None
+        step = self.scheduler.schedule_cut_in(rule.rank, besides)
         self._announce_started()
         return self._finish(step, self.executor.execute(step), paused_at)
 
@@ -267,33 +285,38 @@ class Engine:
         if first_scheduled and self.on_started is not None:
             self.on_started(first_scheduled)
 
-    def _cut_in_rank(self, out: SchedulerOutput) -> int | None:
-        """The rank that cuts into this step, or None where it never pauses: no arrivals to
-        take mid-step (the offline API), cut-ins off, a tensor-parallel step (its ranks run
-        the layers in lockstep), or nothing prefilled."""
-        if self.take_arrivals is None or not self.config.scheduler.cut_in:
-            return None
-        if self.executor is not self.runner:
-            return None
-        return self.scheduler.cut_in_rank(out)
+    def _pausable(self) -> bool:
+        """Whether a step may pause between two layers: not where no arrivals can be taken
+        mid-step (the offline API), nor in a tensor-parallel step (its ranks run the layers in
+        lockstep)."""
+        return self.take_arrivals is not None and self.executor is self.runner
 
-    def _should_pause(self, rank: int) -> bool:
+    def _should_pause(self, rule: _PauseRule) -> bool:
         """Asked between two layers: take the requests that arrived; pause for any of them
-        that cuts in."""
+        that cuts in, or when the decodes the step left out are due their next token."""
         assert self.take_arrivals is not None
-        return self.take_arrivals() and self.scheduler.wants_cut_in(rank)
+        arrived = self.take_arrivals()
+        if arrived and rule.rank is not None and self.scheduler.wants_cut_in(rule.rank):
+            return True
+        return (
+            rule.slice_s is not None
+            and time.perf_counter() - rule.since >= rule.slice_s
+            and self.scheduler.has_detached_decodes(rule.request_ids)
+        )
 
     def _resume(self) -> list[EngineOutput]:
         paused, self._paused = self._paused, None
         assert paused is not None
         excluded = paused.excluded + time.perf_counter() - paused.paused_at
-        # Pauses again only for requests that arrive from now on (take_arrivals says so).
-        again = None if self.take_arrivals is None else lambda: self._should_pause(paused.rank)
+        # Pauses again only for requests that arrive from now on (take_arrivals says so), or
+        # when the decodes it left out are due again.
+        rule = replace(paused.rule, since=time.perf_counter())
+        again = None if self.take_arrivals is None else lambda: self._should_pause(rule)
         result = self.runner.resume(again)
-        if result is None:  # paused again: a later arrival outranks it too
+        if result is None:  # paused again
             paused_at = time.perf_counter()
-            self._paused = replace(paused, paused_at=paused_at, excluded=excluded)
-            return self._cut_in(paused.rank, paused_at)
+            self._paused = replace(paused, paused_at=paused_at, excluded=excluded, rule=rule)
+            return self._cut_in(rule, paused_at)
         outputs = self._finish(paused.out, result, paused.started, excluded)
         # Finishes asked for while the step was paused: its requests' blocks were in use.
         for request_id, reason, detail in paused.finishes:

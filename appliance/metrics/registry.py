@@ -140,6 +140,12 @@ class Metrics:
             m,
             registry=reg,
         )
+        self.interleaved_decodes = Counter(
+            "appliance_interleaved_decode_steps",
+            "Decode steps run while a prefill step that left them out was paused between layers.",
+            m,
+            registry=reg,
+        )
         self.drain = Counter(
             "appliance_drain_requests",
             "Requests in flight when a drain began: drained (finished in time) or cut.",
@@ -275,6 +281,7 @@ class Metrics:
             "prefix_queries": _CounterMirror(self.prefix_queries),
             "prefix_hits": _CounterMirror(self.prefix_hits),
             "cut_ins": _CounterMirror(self.cut_ins),
+            "interleaved_decodes": _CounterMirror(self.interleaved_decodes),
         }
 
     # -- request level (API process) -------------------------------------------------------------
@@ -377,6 +384,7 @@ class Metrics:
         for counter in (
             self.preemptions,
             self.cut_ins,
+            self.interleaved_decodes,
             self.prompt_tokens,
             self.generation_tokens,
             self.prefix_queries,
@@ -445,6 +453,7 @@ class Metrics:
         mir["prefix_queries"].set_total((name,), s.prefix_cache_queries)
         mir["prefix_hits"].set_total((name,), s.prefix_cache_hits)
         mir["cut_ins"].set_total((name,), s.counters.cut_in_steps)
+        mir["interleaved_decodes"].set_total((name,), s.counters.interleaved_decode_steps)
         self.spec_decode.update(name, s.spec_decode)
         if s.max_loras:
             # One series, the current one, stamped with the time (as vLLM does).

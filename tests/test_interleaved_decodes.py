@@ -1,0 +1,163 @@
+"""Interleaved decodes (scheduler.interleave_decodes): a step whose prefill the cost model expects
+to outlast the TPOT target of the classes it decodes leaves those decodes out and pauses
+between two layers, whenever they are due, for a step of theirs. A chat decoding while a
+summary's prompt is prefilled gets its next tokens during that step, not after it; every
+request's tokens are those of a run without pauses; arrivals still cut in; where a step cannot
+pause, its chunks are cut to the target instead."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from appliance.engine.llm_engine import Engine
+from appliance.sampling_params import SamplingParams
+from tests.test_cut_in import (
+    DECODING_CHAT,
+    GREEDY,
+    LENGTH,
+    NEW_CHAT,
+    SUMMARY,
+    arrive_at_calls,
+    reference,
+)
+from tests.test_preemption import engine_for
+
+# The tiny model has 4 layers: a paused step is asked after layers 1, 2 and 3. A target this
+# tight makes every prefill outlast it and every pause check find the decodes due.
+TIGHT = {
+    **LENGTH,
+    "scheduler__interleave_decodes": True,
+    "priority_classes__interactive__priority": 5,
+    "priority_classes__batch__priority": 10,
+    "priority_classes__interactive__tpot_slo_ms": 0.001,
+}
+
+
+def no_arrivals(engine: Engine) -> None:
+    """The server's engine asks for arrivals between layers; none come here."""
+    engine.take_arrivals = lambda: False
+
+
+def decoding_chat_and_summary(engine: Engine, chat_params: SamplingParams = GREEDY) -> tuple:
+    chat = engine.add_request(DECODING_CHAT, chat_params)
+    engine.step()  # the chat's prompt and first token: it decodes from now on
+    summary = engine.add_request(SUMMARY, GREEDY)
+    assert (summary.priority_class, chat.priority_class) == ("batch", "interactive")
+    return chat, summary
+
+
+def step_ids(engine: Engine) -> dict[str, list[int]]:
+    return {o.request_id: o.new_token_ids for o in engine.step()}
+
+
+def test_a_decoding_chat_gets_tokens_while_a_summary_prefills(tiny_model_dir: Path) -> None:
+    expected = reference(tiny_model_dir)
+    engine = engine_for(tiny_model_dir, **TIGHT)
+    try:
+        assert engine.scheduler.cost.ready  # seeded at load: it judges the first step
+        no_arrivals(engine)
+        chat, summary = decoding_chat_and_summary(engine)
+        # The summary's step left the chat out and paused after layer 1, 2, 3 of 4: each
+        # pause ran the chat's decode step.
+        for k in (1, 2, 3):
+            assert step_ids(engine) == {chat.request_id: expected["chat"][k : k + 1]}
+            assert engine.runner.paused is not None
+            assert summary.num_computed_tokens == 0
+        assert step_ids(engine) == {summary.request_id: expected["summary"][:1]}
+        assert engine.runner.paused is None
+        counters = engine.scheduler.counters
+        assert (counters.interleaved_decode_steps, counters.cut_in_steps) == (3, 0)
+        while engine.has_unfinished():
+            engine.step()
+        assert chat.output_token_ids == expected["chat"]
+        assert summary.output_token_ids == expected["summary"]
+        assert engine.kv.usage().used == 0
+    finally:
+        engine.close()
+
+
+def test_a_chat_that_finishes_during_the_pause_frees_its_blocks_and_the_step_goes_on(
+    tiny_model_dir: Path,
+) -> None:
+    expected = reference(tiny_model_dir)
+    engine = engine_for(tiny_model_dir, **TIGHT)
+    try:
+        no_arrivals(engine)
+        three = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+        chat, summary = decoding_chat_and_summary(engine, three)
+        assert step_ids(engine) == {chat.request_id: expected["chat"][1:2]}
+        assert step_ids(engine) == {chat.request_id: expected["chat"][2:3]}
+        assert chat.is_finished and not chat.blocks
+        # Nothing left out is due: the step runs to its end without a third pause.
+        assert step_ids(engine) == {summary.request_id: expected["summary"][:1]}
+        assert engine.scheduler.counters.interleaved_decode_steps == 2
+        while engine.has_unfinished():
+            engine.step()
+        assert summary.output_token_ids == expected["summary"]
+        assert engine.kv.usage().used == 0
+    finally:
+        engine.close()
+
+
+def test_an_arrival_cuts_in_with_the_decodes_left_out(tiny_model_dir: Path) -> None:
+    expected = reference(tiny_model_dir)
+    engine = engine_for(tiny_model_dir, **TIGHT)
+    try:
+        no_arrivals(engine)
+        chat, summary = decoding_chat_and_summary(engine)
+        added = arrive_at_calls(engine, {1: NEW_CHAT})
+        # One step for both: the chat's decode and the new chat's prompt.
+        assert step_ids(engine) == {
+            chat.request_id: expected["chat"][1:2],
+            added[0].request_id: expected["new"][:1],
+        }
+        counters = engine.scheduler.counters
+        assert (counters.interleaved_decode_steps, counters.cut_in_steps) == (1, 1)
+        while engine.has_unfinished():
+            engine.step()
+        assert chat.output_token_ids == expected["chat"]
+        assert summary.output_token_ids == expected["summary"]
+        assert added[0].output_token_ids == expected["new"]
+        assert engine.kv.usage().used == 0
+    finally:
+        engine.close()
+
+
+def test_a_prefill_expected_within_the_target_keeps_its_decodes(tiny_model_dir: Path) -> None:
+    """A target no step can outlast: the summary's step carries the chat's decode, unpaused."""
+    expected = reference(tiny_model_dir)
+    engine = engine_for(
+        tiny_model_dir, **{**TIGHT, "priority_classes__interactive__tpot_slo_ms": 1e6}
+    )
+    try:
+        no_arrivals(engine)
+        chat, summary = decoding_chat_and_summary(engine)
+        assert step_ids(engine) == {
+            chat.request_id: expected["chat"][1:2],
+            summary.request_id: expected["summary"][:1],
+        }
+        assert engine.scheduler.counters.interleaved_decode_steps == 0
+    finally:
+        engine.close()
+
+
+def test_a_step_that_cannot_pause_cuts_its_chunks_to_the_target_instead(
+    tiny_model_dir: Path,
+) -> None:
+    """The offline API takes no arrivals between layers: no step pauses, so none leaves its
+    decodes out, and the summary's prompt goes in chunks cut to the target."""
+    expected = reference(tiny_model_dir)
+    engine = engine_for(tiny_model_dir, **TIGHT)
+    try:
+        chat, summary = decoding_chat_and_summary(engine)
+        outputs = step_ids(engine)
+        assert outputs == {chat.request_id: expected["chat"][1:2]}
+        assert 0 < summary.num_computed_tokens < len(SUMMARY)
+        assert engine.history.records[-1].bound_by == "time_budget"
+        while engine.has_unfinished():
+            engine.step()
+        assert engine.scheduler.counters.interleaved_decode_steps == 0
+        assert chat.output_token_ids == expected["chat"]
+        assert summary.output_token_ids == expected["summary"]
+    finally:
+        engine.close()
