@@ -161,3 +161,32 @@ def test_a_step_that_cannot_pause_cuts_its_chunks_to_the_target_instead(
         assert summary.output_token_ids == expected["summary"]
     finally:
         engine.close()
+
+
+def test_the_decodes_are_due_when_the_next_layer_would_end_past_their_slice(
+    tiny_model_dir: Path,
+) -> None:
+    """Pauses are asked between layers only: a step pauses once the layer to come, expected
+    to take as long as the last, would end past the slice (a pause at the first check past
+    it came a layer late). The clock is the engine module's."""
+    from appliance.engine import llm_engine
+
+    engine = engine_for(tiny_model_dir, **TIGHT)
+    try:
+        no_arrivals(engine)
+        chat = engine.add_request(DECODING_CHAT, GREEDY)
+        engine.step()  # the chat decodes from now on, outside the step asked about
+        now = llm_engine.time.perf_counter()
+        # 60 ms into a 100 ms slice, the last layer took 50 ms: the next would end at 110.
+        rule = llm_engine._PauseRule(frozenset(), None, 0.100, since=now - 0.060)
+        rule.asked = now - 0.050
+        assert engine._should_pause(rule)
+        # The same point with 20 ms layers: the next ends at 80 ms, within the slice.
+        rule = llm_engine._PauseRule(frozenset(), None, 0.100, since=now - 0.060)
+        rule.asked = now - 0.020
+        assert not engine._should_pause(rule)
+        # Nothing outside the step to decode: never due.
+        rule = llm_engine._PauseRule(frozenset({chat.request_id}), None, 0.100, since=now - 1)
+        assert not engine._should_pause(rule)
+    finally:
+        engine.close()

@@ -255,6 +255,23 @@ def test_a_chat_queued_behind_a_summary_gets_its_prompt_before_the_summary_s_nex
     assert estimate is not None and estimate <= 0.060 * 1.1
 
 
+def test_a_summary_admitted_with_a_chat_progresses_by_min_chunk_in_that_step() -> None:
+    """A chat and a summary arriving together on an idle box (no time target binds: nothing
+    decodes, no class was seen): the chat's prompt is admitted first, and the summary, behind
+    it in the same step, takes MIN_CHUNK tokens instead of the rest of the budget, so the step
+    that carries the chat's first token stays short. Alone, it takes the budget."""
+    s = seeded(
+        {**CLASSES, "scheduler.policy": "priority", "scheduler.max_num_batched_tokens": 4096}
+    )
+    s.add_request(req("summary", 3000, max_tokens=4, priority=10, cls="batch", base=5000))
+    s.add_request(req("chat", 24, max_tokens=4, priority=5, cls="interactive", base=20000))
+    granted = {r.request_id: len(r.token_ids) for r in step(s).scheduled}
+    assert granted == {"chat": 24, "summary": MIN_CHUNK}
+    # The next step, the chat decoding, the summary's chunks are no longer capped.
+    granted = {r.request_id: len(r.token_ids) for r in step(s).scheduled}
+    assert granted["chat"] == 1 and granted["summary"] == 3000 - MIN_CHUNK
+
+
 @pytest.mark.parametrize(
     ("overrides", "key"),
     [

@@ -51,7 +51,12 @@ def _median_ms(fn: Callable[[], Any], times: list[float]) -> None:
 
 
 def run(
-    model: str, rows: list[int], context: int, repeats: int, kv_gib: float = 0.5
+    model: str,
+    rows: list[int],
+    context: int,
+    repeats: int,
+    kv_gib: float = 0.5,
+    scatter: bool = False,
 ) -> dict[str, Any]:
     loaded = load_model(
         load_config(
@@ -69,12 +74,14 @@ def run(
         )
     )
     try:
-        return _time_paths(loaded, rows, context, repeats)
+        return _time_paths(loaded, rows, context, repeats, scatter)
     finally:
         loaded.close()
 
 
-def _time_paths(loaded: Any, rows: list[int], context: int, repeats: int) -> dict[str, Any]:
+def _time_paths(
+    loaded: Any, rows: list[int], context: int, repeats: int, scatter: bool
+) -> dict[str, Any]:
     if context + 1 > loaded.max_model_len:
         # Past the rotary table the positions read garbage: NaN logits, and slow arithmetic on
         # them (a 2,048-token context on a 2,048-position model timed 3x a 1,024 one).
@@ -103,13 +110,18 @@ def _time_paths(loaded: Any, rows: list[int], context: int, repeats: int) -> dic
         raise RuntimeError(
             f"KV pool of {num_blocks} blocks too small for the widest step: raise --kv-gib"
         )
+    used = max(rows) * blocks_per_seq
+    # A served engine's blocks, after requests came and went, lie anywhere in the pool: each
+    # row's context is then 16-token runs apart, which the hardware prefetcher cannot follow.
+    blocks = torch.randperm(num_blocks, generator=gen)[:used] if scatter else torch.arange(used)
     for c in caches:
-        used = max(rows) * blocks_per_seq
-        c.k[:used].copy_(torch.randn(c.k[:used].shape, generator=gen).to(c.k.dtype))
-        c.v[:used].copy_(torch.randn(c.v[:used].shape, generator=gen).to(c.v.dtype))
+        for cache in (c.k, c.v):
+            noise = torch.randn((used, *cache.shape[1:]), generator=gen).to(cache.dtype)
+            cache.index_copy_(0, blocks, noise)
     results = []
     for n in rows:
-        paths = _step_paths(runner, model, caches, plain, tiled, n, blocks_per_seq, context, gen)
+        tables = blocks[: n * blocks_per_seq].view(n, blocks_per_seq)
+        paths = _step_paths(runner, model, caches, plain, tiled, tables, context, gen)
         times: dict[str, list[float]] = {name: [] for name in paths}
         for fn in paths.values():
             fn()  # warm: primitives, pages
@@ -118,6 +130,7 @@ def _time_paths(loaded: Any, rows: list[int], context: int, repeats: int) -> dic
                 _median_ms(fn, times[name])
         results.append({"rows": n, **{f"{k}_ms": statistics.median(v) for k, v in times.items()}})
     return {
+        "scatter": scatter,
         "threads": torch.get_num_threads(),
         "cpu": features.model_name,
         "features": sorted(features.flags),
@@ -134,14 +147,13 @@ def _step_paths(
     caches: list[Any],
     plain: Any,
     tiled: FusedCpuDecode | None,
-    n: int,
-    blocks_per_seq: int,
+    tables: torch.Tensor,
     context: int,
     gen: torch.Generator,
 ) -> dict[str, Callable[[], Any]]:
-    """One decode step of `n` rows over `context` tokens each, as a call per path; the tile
-    forward's logits checked against the float32-activation forward's first."""
-    tables = torch.arange(n * blocks_per_seq).view(n, blocks_per_seq)
+    """One decode step of a row per block table over `context` tokens each, as a call per
+    path; the tile forward's logits checked against the float32-activation forward's first."""
+    n = tables.shape[0]
     lens = torch.full((n,), context + 1)
     pos = lens - 1
     slots = tables[torch.arange(n), pos // 16] * 16 + pos % 16
@@ -184,6 +196,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--context", type=int, default=256, help="tokens each row attends over")
     p.add_argument("--repeats", type=int, default=9, help="interleaved calls, median kept")
     p.add_argument("--kv-gib", type=float, default=0.5, help="the KV pool (random K/V)")
+    p.add_argument(
+        "--scatter",
+        action="store_true",
+        help="rows' blocks anywhere in the pool, as a served engine's are (default: in order)",
+    )
     p.add_argument("--threads", type=int, default=0, help="torch's and the kernels' (0: as set)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=main)
@@ -204,7 +221,7 @@ def main(ns: argparse.Namespace) -> int:
     if ns.threads > 0:
         torch.set_num_threads(ns.threads)
     try:
-        out = run(ns.model, rows, ns.context, ns.repeats, ns.kv_gib)
+        out = run(ns.model, rows, ns.context, ns.repeats, ns.kv_gib, ns.scatter)
     except RuntimeError as exc:  # a setting this model or pool cannot take (KernelMismatch too)
         print(f"bench decode-step: {exc}", file=sys.stderr)
         return 2
@@ -217,7 +234,8 @@ def main(ns: argparse.Namespace) -> int:
         else f"no tile forward ({out['tiles_why_not']})"
     )
     print(
-        f"{out['cpu']}, {out['threads']} threads, {tiles}; context {out['context']}; "
+        f"{out['cpu']}, {out['threads']} threads, {tiles}; context {out['context']}"
+        f"{' in scattered blocks' if out['scatter'] else ''}; "
         f"median of {ns.repeats} interleaved calls"
     )
     head = f"{'rows':>5s} {'torch ms':>9s} {'native ms':>10s} {'tiles ms':>9s} {'torch/tiles':>12s}"

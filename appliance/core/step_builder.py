@@ -257,6 +257,11 @@ class StepBuilder:
         queued = s.waiting + s.swapped if only is None else [r for r in s.waiting if only(r)]
         candidates = sorted(queued, key=s.policy.queue_key)
         for req in candidates:
+            # Admitted behind a more urgent prompt in the same step (a summary after a chat's),
+            # it progresses by MIN_CHUNK tokens only: the chat's first token comes with the
+            # step, which its chunk would otherwise lengthen (and an interleaving step
+            # stretches further by the decode steps it pauses for).
+            self.chunk_cap = MIN_CHUNK if self._outranked_by_started(req) else None
             if req.status is RequestStatus.FINISHED or req.priority_class in s.held_classes:
                 continue
             if self.budget <= 0:
@@ -277,6 +282,11 @@ class StepBuilder:
             if not admitted:
                 self._bound("kv_blocks")
                 break
+        self.chunk_cap = None
+
+    def _outranked_by_started(self, req: Request) -> bool:
+        rank = self.s.rank(req)
+        return any(self.s.rank(r) < rank for r in self.started)
 
     def _make_room(self, req: Request, cause: str) -> bool:
         """Arrival-triggered preemption, as far as the policy allows it (whom, and when)."""
