@@ -190,3 +190,23 @@ def test_the_decodes_are_due_when_the_next_layer_would_end_past_their_slice(
         assert not engine._should_pause(rule)
     finally:
         engine.close()
+
+
+def test_a_prompt_of_the_decodes_own_class_keeps_them_in_its_step(tiny_model_dir: Path) -> None:
+    """The long prompt is a chat's (interactive, named): as urgent as the decoding chat, it is
+    prefilled with the decode in its step, unpaused (decode steps between a burst of chats'
+    prompts cost the burst its throughput)."""
+    expected = reference(tiny_model_dir)
+    engine = engine_for(tiny_model_dir, **TIGHT)
+    try:
+        no_arrivals(engine)
+        chat = engine.add_request(DECODING_CHAT, GREEDY)
+        engine.step()
+        pasted = engine.add_request(SUMMARY, GREEDY, priority="interactive")
+        assert step_ids(engine) == {
+            chat.request_id: expected["chat"][1:2],
+            pasted.request_id: expected["summary"][:1],
+        }
+        assert engine.scheduler.counters.interleaved_decode_steps == 0
+    finally:
+        engine.close()

@@ -272,6 +272,41 @@ def test_a_summary_admitted_with_a_chat_progresses_by_min_chunk_in_that_step() -
     assert granted["chat"] == 1 and granted["summary"] == 3000 - MIN_CHUNK
 
 
+def test_the_ttft_estimate_of_an_interleaving_engine_prices_whole_chunks_and_decode_steps() -> None:
+    """A chat decodes under a 60 ms target. A summary queued behind another (both batch, which
+    the chat outranks): an interleaving engine prefills both prompts in one budget-sized step
+    that leaves the chat's decodes out, and pays the chat's decode step once per slice of it
+    (the target less that step's cost); its estimate is that arithmetic. A prompt of the
+    chat's own class keeps the decodes in its step: no decode steps are added."""
+    import math
+
+    from appliance.core.ttft_estimate import estimate_ttft_s
+
+    s = seeded({**SLO, "scheduler.policy": "priority"})
+    s.add_request(req("chat-1", 32, max_tokens=200, priority=5, cls="interactive"))
+    step(s)
+    s.add_request(req("summary-1", 3000, max_tokens=4, priority=10, cls="batch", base=5000))
+    late = req("summary-2", 24, max_tokens=8, priority=10, cls="batch", base=20000)
+    interleaved = estimate_ttft_s(s, late, interleave=True)
+    chunks = StepShape().with_chunk(0, 3000).with_chunk(0, 24)
+    prefill_s = s.cost.estimate(chunks)
+    decode_s = s.cost.estimate(StepShape().with_decode(32))
+    slice_s = max(0.060 - decode_s, 0.060 * 0.25)
+    expected = prefill_s + math.ceil(prefill_s / slice_s) * decode_s
+    assert interleaved == pytest.approx(expected, rel=1e-6)
+    assert interleaved > prefill_s + decode_s
+    # The same prompts in the chat's class: one step with the decode in it.
+    same = seeded({**SLO, "scheduler.policy": "priority"})
+    same.add_request(req("chat-1", 32, max_tokens=200, priority=5, cls="interactive"))
+    step(same)
+    same.add_request(req("pasted", 3000, max_tokens=4, priority=5, cls="interactive", base=5000))
+    chat = req("chat-2", 24, max_tokens=8, priority=5, cls="interactive", base=20000)
+    whole = StepShape().with_decode(32).with_chunk(0, 3000).with_chunk(0, 24)
+    assert estimate_ttft_s(same, chat, interleave=True) == pytest.approx(
+        same.cost.estimate(whole), rel=1e-6
+    )
+
+
 @pytest.mark.parametrize(
     ("overrides", "key"),
     [

@@ -20,7 +20,7 @@ from appliance.core.request import FinishReason, Request, RequestStatus
 from appliance.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from appliance.core.spec_decode import SpecDecoder
 from appliance.core.step_builder import StepBuilder
-from appliance.core.step_cost import StepCostModel, StepShape
+from appliance.core.step_cost import MIN_SLICE_FRACTION, StepCostModel, StepShape
 from appliance.core.ttft_estimate import estimate_ttft_s
 from appliance.stats import SchedulerCounters
 
@@ -29,9 +29,6 @@ from appliance.stats import SchedulerCounters
 # then. A request of a class absent that long waits for at most one uncut step (~0.3-0.8 s on
 # 2 cores), within the TTFT targets the templates set.
 CLASS_PRESENCE_S = 60.0
-# An interleaving step's forward runs at least this share of its decodes' interval between
-# two of their steps (Scheduler.interleave_slice_s).
-MIN_SLICE_FRACTION = 0.25
 
 
 @dataclass
@@ -109,10 +106,11 @@ class Scheduler:
         return self.num_unfinished > 0
 
     # -- arrivals and departures -----------------------------------------------------------------
-    def add_request(self, req: Request) -> bool:
+    def add_request(self, req: Request, interleave: bool = False) -> bool:
         """Queue a request; False (and the request finished with QUEUE_FULL) when the waiting
         queue of its class is full, or (TTFT_SLO) when the engine expects its first token
-        later than its class's ttft_slo_s."""
+        later than its class's ttft_slo_s (`interleave`: as `schedule` takes it, for that
+        estimate)."""
         if req.request_id in self.requests:
             raise ValueError(f"request_id {req.request_id!r} is already in use")
         # Traffic of its class, admitted or not: chunks of the classes it outranks are cut.
@@ -127,7 +125,7 @@ class Scheduler:
                 req.finish_detail = f"waiting queue full ({same_class} >= {limit})"
                 return False
         slo = self.config.ttft_slo_s(req.priority_class)
-        estimate = estimate_ttft_s(self, req) if slo is not None else None
+        estimate = estimate_ttft_s(self, req, interleave) if slo is not None else None
         if slo is not None and estimate is not None and estimate > slo:
             self.counters.count_rejected(req.priority_class, FinishReason.TTFT_SLO)
             req.status = RequestStatus.FINISHED

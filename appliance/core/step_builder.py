@@ -143,10 +143,13 @@ class StepBuilder:
         self.chunk_cap = None
 
     def detach_decodes(self) -> None:
-        """Leave the running decodes out of an interleaving step whose prefill the cost model
-        expects to outlast their TPOT target: the engine runs them in steps of their own while
-        this one is paused (Scheduler.schedule_cut_in), each within the target. Their slots
-        stay allocated for that step."""
+        """Leave the running decodes out of an interleaving step whose prefill of requests
+        they outrank (a summary's, with chats decoding) the cost model expects to outlast their
+        TPOT target: the engine runs them in steps of their own while this one is paused
+        (Scheduler.schedule_cut_in), each within the target. Their slots stay allocated for
+        that step. Prompts of their own rank (a burst of chats) keep them: those are as
+        urgent, and decode steps between them cost a burst of 64 chats 14% of its
+        throughput and its first tokens (426 vs 368 tok/s, TTFT p50 4.0 vs 10.8 s)."""
         if not self.interleave or self.limit_s is None or not self.s.cost.ready:
             return
         started = {r.request_id for r in self.started}
@@ -157,9 +160,10 @@ class StepBuilder:
         ]
         if not decodes:
             return
+        urgent = min(self.s.rank(r) for r in decodes)
         prefill = StepShape()
         for r in self.order:
-            if r not in decodes:
+            if r not in decodes and self.s.rank(r) > urgent:
                 prefill = self._add(prefill, r, self.granted[r.request_id])
         if not prefill.prefill_tokens or (self.s.cost.estimate(prefill) or 0.0) <= self.limit_s:
             return

@@ -46,6 +46,9 @@ REFIT_EVERY = 8  # observations between refits (a 6x6 solve over up to 256 rows)
 RIDGE = 1e-6
 # A chunk is never cut below this many tokens by time alone: a long prompt always progresses.
 MIN_CHUNK = 16
+# An interleaving step's forward runs at least this share of its decodes' interval between two
+# of their steps (Scheduler.interleave_slice_s): the prefill always progresses.
+MIN_SLICE_FRACTION = 0.25
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,10 @@ chunks in serve order: running requests still prefilling (those the new one does
 then the waiting and swapped requests admitted before the new one (its policy's queue order),
 then the new one, then the running prefills it outranks; every chunk gets at
 least MIN_CHUNK tokens, as the builder gives it. The estimate is the sum of the simulated
-steps' costs until the new request's prompt is done.
+steps' costs until the new request's prompt is done. Where steps interleave their decodes
+(scheduler.interleave_decodes, in an engine whose steps can pause), chunks take the token budget
+and a step that outlasts its decodes' target pays their decode steps, one per slice of it, as
+the engine runs them.
 
 It models the prefill work, which is what long summaries ahead of a short chat cost; a full
 batch of sequence slots is the departure-rate estimate's business (core/wait_estimate.py).
@@ -14,9 +17,10 @@ batch of sequence slots is the departure-rate estimate's business (core/wait_est
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
-from appliance.core.step_cost import StepShape
+from appliance.core.step_cost import MIN_SLICE_FRACTION, StepShape
 
 if TYPE_CHECKING:
     from appliance.core.request import Request
@@ -27,8 +31,9 @@ if TYPE_CHECKING:
 MAX_STEPS = 2000
 
 
-def estimate_ttft_s(sched: Scheduler, req: Request) -> float | None:
-    """Seconds from now to `req`'s first token; None until the cost model is ready."""
+def estimate_ttft_s(sched: Scheduler, req: Request, interleave: bool = False) -> float | None:
+    """Seconds from now to `req`'s first token; None until the cost model is ready.
+    `interleave`: the engine's steps leave their decodes out to run them apart (above)."""
     cost = sched.cost
     if not cost.ready:
         return None
@@ -51,23 +56,58 @@ def estimate_ttft_s(sched: Scheduler, req: Request) -> float | None:
         decodes = decodes.with_decode(r.num_computed_tokens)
     step_limit = sched.time_limit_s(decoding)
     # Each chunk's limit also holds the TPOT targets of the classes outranking its own.
-    limits = [sched.chunk_limit_s(step_limit, r.priority_class) for r in [*ahead, req, *behind]]
+    limits = [
+        None if interleave else sched.chunk_limit_s(step_limit, r.priority_class)
+        for r in [*ahead, req, *behind]
+    ]
+    decode_s = (cost.estimate(decodes) or 0.0) if decodes.decode_rows else 0.0
+    # The prefills the decodes outrank: what an interleaving step leaves its decodes out for.
+    urgent = min((sched.rank(r) for r in decoding), default=None)
+    outranked = [urgent is not None and sched.rank(r) > urgent for r in [*ahead, req, *behind]]
     total, steps = 0.0, 0
     while own[1] > 0:
         shape, budget = decodes, sched.cfg.max_num_batched_tokens - decodes.decode_rows
-        for item, limit in zip(work, limits, strict=True):
+        lower = StepShape()
+        for item, limit, low in zip(work, limits, outranked, strict=True):
             if item[1] <= 0 or budget <= 0:
                 continue
             chunk = min(item[1], budget)
             if limit is not None:
                 chunk = cost.max_chunk(shape, item[0], chunk, limit)
             shape = shape.with_chunk(item[0], chunk)
+            if low:
+                lower = lower.with_chunk(item[0], chunk)
             budget -= chunk
             item[0] += chunk
             item[1] -= chunk
-        total += cost.estimate(shape) or 0.0
+        interval = step_limit if interleave else None
+        total += _step_s(sched, shape, lower, decodes, decode_s, interval)
         steps += 1
         if steps >= MAX_STEPS:
             # A queue this deep: the rest of req's prompt at the last step's pace.
             break
     return total
+
+
+def _step_s(
+    sched: Scheduler,
+    shape: StepShape,
+    lower: StepShape,
+    decodes: StepShape,
+    decode_s: float,
+    interval: float | None,
+) -> float:
+    """A simulated step's seconds. With `interval` (an interleaving engine's decodes' target),
+    a step whose prefill of requests the decodes outrank (`lower`) is expected to outlast it
+    runs without the decodes, which get a step of their own each slice
+    (StepBuilder.detach_decodes, Scheduler.interleave_slice_s)."""
+    cost = sched.cost
+    whole = cost.estimate(shape) or 0.0
+    if interval is None or not decodes.decode_rows or not lower.prefill_tokens:
+        return whole
+    if (cost.estimate(lower) or 0.0) <= interval:
+        return whole
+    prefill = StepShape(prefill_tokens=shape.prefill_tokens, prefill_pairs=shape.prefill_pairs)
+    prefill_s = cost.estimate(prefill) or 0.0
+    slice_s = max(interval - decode_s, interval * MIN_SLICE_FRACTION)
+    return prefill_s + math.ceil(prefill_s / slice_s) * decode_s

@@ -212,7 +212,7 @@ class Engine:
             lora_name=lora_name,
             **kwargs,
         )
-        if not self.scheduler.add_request(req):
+        if not self.scheduler.add_request(req, interleave=self._interleaving()):
             self._count_finish(req.finish_reason or FinishReason.QUEUE_FULL)
         return req
 
@@ -259,7 +259,7 @@ class Engine:
         started = time.perf_counter()
         sched = self.scheduler
         pausable = self._pausable()
-        out = sched.schedule(interleave=pausable and self.config.scheduler.interleave_decodes)
+        out = sched.schedule(interleave=self._interleaving())
         self._announce_started()
         trim_forbidden_drafts(out, self.runner.guided)
         rank = sched.cut_in_rank(out) if pausable and self.config.scheduler.cut_in else None
@@ -292,6 +292,10 @@ class Engine:
         mid-step (the offline API), nor in a tensor-parallel step (its ranks run the layers in
         lockstep)."""
         return self.take_arrivals is not None and self.executor is self.runner
+
+    def _interleaving(self) -> bool:
+        """Whether steps leave their decodes out to run them while paused."""
+        return self._pausable() and self.config.scheduler.interleave_decodes
 
     def _should_pause(self, rule: _PauseRule) -> bool:
         """Asked between two layers: take the requests that arrived; pause for any of them
