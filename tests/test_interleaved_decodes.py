@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from appliance.core.request import Request
 from appliance.engine.llm_engine import Engine
 from appliance.sampling_params import SamplingParams
 from tests.test_cut_in import (
@@ -48,6 +49,18 @@ def decoding_chat_and_summary(engine: Engine, chat_params: SamplingParams = GREE
 
 def step_ids(engine: Engine) -> dict[str, list[int]]:
     return {o.request_id: o.new_token_ids for o in engine.step()}
+
+
+def assert_one_step_carries_both(
+    engine: Engine, chat: Request, prompt: Request, expected: dict[str, list[int]]
+) -> None:
+    """The next step, unpaused, gives the decoding chat its second token and the long
+    prompt its first."""
+    assert step_ids(engine) == {
+        chat.request_id: expected["chat"][1:2],
+        prompt.request_id: expected["summary"][:1],
+    }
+    assert engine.scheduler.counters.interleaved_decode_steps == 0
 
 
 def test_a_decoding_chat_gets_tokens_while_a_summary_prefills(tiny_model_dir: Path) -> None:
@@ -132,11 +145,7 @@ def test_a_prefill_expected_within_the_target_keeps_its_decodes(tiny_model_dir: 
     try:
         no_arrivals(engine)
         chat, summary = decoding_chat_and_summary(engine)
-        assert step_ids(engine) == {
-            chat.request_id: expected["chat"][1:2],
-            summary.request_id: expected["summary"][:1],
-        }
-        assert engine.scheduler.counters.interleaved_decode_steps == 0
+        assert_one_step_carries_both(engine, chat, summary, expected)
     finally:
         engine.close()
 
@@ -203,10 +212,6 @@ def test_a_prompt_of_the_decodes_own_class_keeps_them_in_its_step(tiny_model_dir
         chat = engine.add_request(DECODING_CHAT, GREEDY)
         engine.step()
         pasted = engine.add_request(SUMMARY, GREEDY, priority="interactive")
-        assert step_ids(engine) == {
-            chat.request_id: expected["chat"][1:2],
-            pasted.request_id: expected["summary"][:1],
-        }
-        assert engine.scheduler.counters.interleaved_decode_steps == 0
+        assert_one_step_carries_both(engine, chat, pasted, expected)
     finally:
         engine.close()

@@ -272,20 +272,23 @@ class Scheduler:
         interval = step.decode_interval_s
         if interval is None:
             return None
-        ids = step.request_ids()
         shape = StepShape()
-        for r in self.running:
-            if r.request_id not in ids and r.num_tokens - r.num_computed_tokens == 1:
-                shape = shape.with_decode(r.num_computed_tokens)
+        for r in self.detached_decodes(step.request_ids()):
+            shape = shape.with_decode(r.num_computed_tokens)
         expected = self.cost.estimate(shape) or 0.0
         return max(interval - expected, interval * MIN_SLICE_FRACTION)
 
-    def has_detached_decodes(self, paused: frozenset[str]) -> bool:
-        """Whether a running request outside the paused step waits for its next token."""
-        return any(
-            r.request_id not in paused and r.num_tokens - r.num_computed_tokens == 1
+    def detached_decodes(self, paused: frozenset[str]) -> list[Request]:
+        """The running requests outside a paused step (`paused`: its request ids) that wait
+        for their next token and a step while it is paused may serve: base-model ones (a
+        cut-in step never refills a LoRA slot the paused step reads)."""
+        return [
+            r
             for r in self.running
-        )
+            if r.request_id not in paused
+            and not r.lora_name
+            and r.num_tokens - r.num_computed_tokens == 1
+        ]
 
     def time_limit_s(self, decodes: list[Request]) -> float | None:
         """A step's time limit: the tightest TPOT target among the classes it decodes."""

@@ -175,13 +175,8 @@ class StepBuilder:
         """A step run while `paused` (request ids) is paused: the running decodes it left out,
         into free blocks (none is preempted; one without a free block waits for the paused
         step's end). Returns how many were served."""
-        s = self.s
         served = 0
-        for req in s.policy.serve_order(s.running):
-            if req.request_id in paused or req.lora_name:
-                continue
-            if req.num_tokens - req.num_computed_tokens != 1:
-                continue
+        for req in self.s.policy.serve_order(self.s.detached_decodes(paused)):
             if self.budget <= 0:
                 self._bound("token_budget")
                 break

@@ -64,6 +64,7 @@ def estimate_ttft_s(sched: Scheduler, req: Request, interleave: bool = False) ->
     # The prefills the decodes outrank: what an interleaving step leaves its decodes out for.
     urgent = min((sched.rank(r) for r in decoding), default=None)
     outranked = [urgent is not None and sched.rank(r) > urgent for r in [*ahead, req, *behind]]
+    interval = step_limit if interleave else None
     total, steps = 0.0, 0
     while own[1] > 0:
         shape, budget = decodes, sched.cfg.max_num_batched_tokens - decodes.decode_rows
@@ -80,7 +81,6 @@ def estimate_ttft_s(sched: Scheduler, req: Request, interleave: bool = False) ->
             budget -= chunk
             item[0] += chunk
             item[1] -= chunk
-        interval = step_limit if interleave else None
         total += _step_s(sched, shape, lower, decodes, decode_s, interval)
         steps += 1
         if steps >= MAX_STEPS:

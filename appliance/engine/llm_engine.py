@@ -313,8 +313,8 @@ class Engine:
         now = time.perf_counter()
         layer = now - max(rule.asked, rule.since)
         rule.asked = now
-        return now + layer - rule.since >= rule.slice_s and self.scheduler.has_detached_decodes(
-            rule.request_ids
+        return now + layer - rule.since >= rule.slice_s and bool(
+            self.scheduler.detached_decodes(rule.request_ids)
         )
 
     def _resume(self) -> list[EngineOutput]:
