@@ -215,3 +215,60 @@ def test_a_prompt_of_the_decodes_own_class_keeps_them_in_its_step(tiny_model_dir
         assert_one_step_carries_both(engine, chat, pasted, expected)
     finally:
         engine.close()
+
+
+# A second summary's prompt: batch work too (LENGTH's 100 tokens), decoding while SUMMARY's
+# prompt is prefilled.
+OTHER_SUMMARY = [(i * 53) % 4000 + 10 for i in range(150)]
+LONG = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+
+
+def test_a_decoding_summary_rides_the_prefill_step_while_the_chat_gets_the_pauses(
+    tiny_model_dir: Path,
+) -> None:
+    """A chat and a summary decode when a second summary's prompt arrives. The step that
+    prefills it leaves the chat's decodes out, but the decoding summary outranks none of its
+    prefill and its class sets no TPOT target: it stays in the step, its token at the step's
+    end, and each pause's decode step is the chat's alone. Every token is a run's without
+    pauses."""
+    reference_engine = engine_for(tiny_model_dir)
+    try:
+        expected = {
+            name: reference_engine.generate(prompt, params)[0].token_ids
+            for name, prompt, params in (
+                ("chat", DECODING_CHAT, LONG),
+                ("other", OTHER_SUMMARY, LONG),
+                ("summary", SUMMARY, GREEDY),
+            )
+        }
+    finally:
+        reference_engine.close()
+    engine = engine_for(tiny_model_dir, **TIGHT)
+    try:
+        no_arrivals(engine)
+        chat = engine.add_request(DECODING_CHAT, LONG)
+        engine.step()
+        other = engine.add_request(OTHER_SUMMARY, LONG)
+        while not other.output_token_ids or engine.runner.paused is not None:
+            engine.step()
+        assert other.priority_class == "batch" and not chat.is_finished
+        summary = engine.add_request(SUMMARY, GREEDY)
+        chat_tokens, other_tokens = len(chat.output_token_ids), len(other.output_token_ids)
+        for k in (1, 2, 3):  # the pauses after layers 1, 2 and 3: the chat's steps alone
+            assert step_ids(engine) == {
+                chat.request_id: expected["chat"][chat_tokens + k - 1 : chat_tokens + k]
+            }
+            assert engine.runner.paused is not None
+        # The step's end: the riding summary's next token and the new one's first.
+        assert step_ids(engine) == {
+            other.request_id: expected["other"][other_tokens : other_tokens + 1],
+            summary.request_id: expected["summary"][:1],
+        }
+        while engine.has_unfinished():
+            engine.step()
+        assert chat.output_token_ids == expected["chat"]
+        assert other.output_token_ids == expected["other"]
+        assert summary.output_token_ids == expected["summary"]
+        assert engine.kv.usage().used == 0
+    finally:
+        engine.close()

@@ -307,6 +307,56 @@ def test_the_ttft_estimate_of_an_interleaving_engine_prices_whole_chunks_and_dec
     )
 
 
+def decoding_chat_and_summary(overrides: dict[str, object]) -> object:
+    """A scheduler on which a chat (interactive, 60 ms target) and a 600-token summary (batch)
+    both decode."""
+    s = seeded({**SLO, "scheduler.policy": "priority", **overrides})
+    s.add_request(req("chat", 32, max_tokens=200, priority=5, cls="interactive"))
+    s.add_request(req("summary-1", 600, max_tokens=200, priority=10, cls="batch", base=3000))
+    while s.requests["summary-1"].num_output_tokens == 0:
+        step(s)
+    return s
+
+
+def test_an_interleaving_step_keeps_the_decodes_that_outrank_none_of_its_prefill() -> None:
+    """A second summary's prompt: the step leaves the chat's decode out (it outranks the
+    prefill and has a 60 ms target) but keeps the first summary's (batch, no TPOT target),
+    whose token comes at the step's end; the slice between the chat's steps is priced on the
+    chat's row alone. With a TPOT target for batch, the summary's decode is left out too."""
+    s = decoding_chat_and_summary({})
+    s.add_request(req("summary-2", 3000, max_tokens=4, priority=10, cls="batch", base=5000))
+    out = s.schedule(interleave=True)
+    granted = {r.request_id: len(r.token_ids) for r in out.scheduled}
+    assert granted == {"summary-1": 1, "summary-2": 3000}
+    assert out.decode_interval_s == 0.060
+    chat = s.requests["chat"]
+    decode_s = s.cost.estimate(StepShape().with_decode(chat.num_computed_tokens))
+    assert s.interleave_slice_s(out) == pytest.approx(max(0.060 - decode_s, 0.015))
+
+    targeted = decoding_chat_and_summary({"priority_classes.batch.tpot_slo_ms": 500.0})
+    targeted.add_request(req("summary-2", 3000, max_tokens=4, priority=10, cls="batch", base=5000))
+    out = targeted.schedule(interleave=True)
+    assert {r.request_id for r in out.scheduled} == {"summary-2"}
+
+
+def test_the_ttft_estimate_prices_a_riding_decode_in_the_prefill_not_in_the_pauses() -> None:
+    """The same queue as the builder's above, estimated: the decoding summary's row is priced
+    in the prefill step, the pauses' decode steps on the chat's row alone."""
+    import math
+
+    from appliance.core.ttft_estimate import estimate_ttft_s
+
+    s = decoding_chat_and_summary({})
+    late = req("summary-2", 3000, max_tokens=4, priority=10, cls="batch", base=5000)
+    chat, summary = s.requests["chat"], s.requests["summary-1"]
+    prefill = StepShape().with_decode(summary.num_computed_tokens).with_chunk(0, 3000)
+    prefill_s = s.cost.estimate(prefill)
+    decode_s = s.cost.estimate(StepShape().with_decode(chat.num_computed_tokens))
+    slice_s = max(0.060 - decode_s, 0.060 * 0.25)
+    expected = prefill_s + math.ceil(prefill_s / slice_s) * decode_s
+    assert estimate_ttft_s(s, late, interleave=True) == pytest.approx(expected, rel=1e-6)
+
+
 @pytest.mark.parametrize(
     ("overrides", "key"),
     [

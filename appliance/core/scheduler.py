@@ -278,6 +278,16 @@ class Scheduler:
         expected = self.cost.estimate(shape) or 0.0
         return max(interval - expected, interval * MIN_SLICE_FRACTION)
 
+    def rides_prefill(self, decode: Request, prefill_rank: int) -> bool:
+        """Whether a decode stays in an interleaving step that prefills requests of
+        `prefill_rank` (the most urgent it leaves its decodes out for), its token at the
+        step's end: where it outranks none of them and its class sets no TPOT target (a
+        summary's, while another summary's prompt is prefilled, as a step that does not
+        interleave serves it)."""
+        return self.rank(decode) >= prefill_rank and not self.config.tpot_slo_s(
+            decode.priority_class
+        )
+
     def detached_decodes(self, paused: frozenset[str]) -> list[Request]:
         """The running requests outside a paused step (`paused`: its request ids) that wait
         for their next token and a step while it is paused may serve: base-model ones (a

@@ -149,7 +149,12 @@ class StepBuilder:
         (Scheduler.schedule_cut_in), each within the target. Their slots stay allocated for
         that step. Prompts of their own rank (a burst of chats) keep them: those are as
         urgent, and decode steps between them cost a burst of 64 chats 14% of its
-        throughput and its first tokens (426 vs 368 tok/s, TTFT p50 4.0 vs 10.8 s)."""
+        throughput and its first tokens (426 vs 368 tok/s, TTFT p50 4.0 vs 10.8 s).
+
+        The decodes that outrank none of that prefill, of a class without a TPOT target (the
+        other summaries, batch work), stay in the step and get their token at its end: each
+        pause's decode step then costs what the chats' rows cost, not also the summaries'
+        rows at 2k tokens of context (Scheduler.rides_prefill)."""
         if not self.interleave or self.limit_s is None or not self.s.cost.ready:
             return
         started = {r.request_id for r in self.started}
@@ -162,14 +167,17 @@ class StepBuilder:
             return
         urgent = min(self.s.rank(r) for r in decodes)
         prefill = StepShape()
+        outranked: list[int] = []
         for r in self.order:
             if r not in decodes and self.s.rank(r) > urgent:
                 prefill = self._add(prefill, r, self.granted[r.request_id])
+                outranked.append(self.s.rank(r))
         if not prefill.prefill_tokens or (self.s.cost.estimate(prefill) or 0.0) <= self.limit_s:
             return
-        for r in decodes:
+        detached = [r for r in decodes if not self.s.rides_prefill(r, min(outranked))]
+        for r in detached:
             self._ungrant(r)
-        self.decode_interval_s = self.limit_s
+        self.decode_interval_s = self.limit_s if detached else None
 
     def serve_besides(self, paused: frozenset[str]) -> int:
         """A step run while `paused` (request ids) is paused: the running decodes it left out,

@@ -9,7 +9,7 @@ least MIN_CHUNK tokens, as the builder gives it. The estimate is the sum of the 
 steps' costs until the new request's prompt is done. Where steps interleave their decodes
 (scheduler.interleave_decodes, in an engine whose steps can pause), chunks take the token budget
 and a step that outlasts its decodes' target pays their decode steps, one per slice of it, as
-the engine runs them.
+the engine runs them (the decodes that ride its steps, Scheduler.rides_prefill, in them).
 
 It models the prefill work, which is what long summaries ahead of a short chat cost; a full
 batch of sequence slots is the departure-rate estimate's business (core/wait_estimate.py).
@@ -60,10 +60,19 @@ def estimate_ttft_s(sched: Scheduler, req: Request, interleave: bool = False) ->
         None if interleave else sched.chunk_limit_s(step_limit, r.priority_class)
         for r in [*ahead, req, *behind]
     ]
-    decode_s = (cost.estimate(decodes) or 0.0) if decodes.decode_rows else 0.0
-    # The prefills the decodes outrank: what an interleaving step leaves its decodes out for.
+    # The prefills the decodes outrank: what an interleaving step leaves its decodes out for;
+    # the decodes that outrank none of them and have no TPOT target ride in its steps.
     urgent = min((sched.rank(r) for r in decoding), default=None)
-    outranked = [urgent is not None and sched.rank(r) > urgent for r in [*ahead, req, *behind]]
+    ranks = [sched.rank(r) for r in [*ahead, req, *behind]]
+    outranked = [urgent is not None and rank > urgent for rank in ranks]
+    lowest = min((rank for rank, low in zip(ranks, outranked, strict=True) if low), default=0)
+    detached, riding = StepShape(), StepShape()
+    for r in decoding:
+        if interleave and any(outranked) and sched.rides_prefill(r, lowest):
+            riding = riding.with_decode(r.num_computed_tokens)
+        else:
+            detached = detached.with_decode(r.num_computed_tokens)
+    decode_s = (cost.estimate(detached) or 0.0) if detached.decode_rows else 0.0
     interval = step_limit if interleave else None
     total, steps = 0.0, 0
     while own[1] > 0:
@@ -81,7 +90,7 @@ def estimate_ttft_s(sched: Scheduler, req: Request, interleave: bool = False) ->
             budget -= chunk
             item[0] += chunk
             item[1] -= chunk
-        total += _step_s(sched, shape, lower, decodes, decode_s, interval)
+        total += _step_s(sched, shape, lower, riding, decode_s, interval)
         steps += 1
         if steps >= MAX_STEPS:
             # A queue this deep: the rest of req's prompt at the last step's pace.
@@ -93,21 +102,27 @@ def _step_s(
     sched: Scheduler,
     shape: StepShape,
     lower: StepShape,
-    decodes: StepShape,
+    riding: StepShape,
     decode_s: float,
     interval: float | None,
 ) -> float:
     """A simulated step's seconds. With `interval` (an interleaving engine's decodes' target),
     a step whose prefill of requests the decodes outrank (`lower`) is expected to outlast it
-    runs without the decodes, which get a step of their own each slice
-    (StepBuilder.detach_decodes, Scheduler.interleave_slice_s)."""
+    runs without the decodes, but for those `riding` it (Scheduler.rides_prefill); the others
+    get a step of their own, `decode_s`, each slice (StepBuilder.detach_decodes,
+    Scheduler.interleave_slice_s)."""
     cost = sched.cost
     whole = cost.estimate(shape) or 0.0
-    if interval is None or not decodes.decode_rows or not lower.prefill_tokens:
+    if interval is None or not decode_s or not lower.prefill_tokens:
         return whole
     if (cost.estimate(lower) or 0.0) <= interval:
         return whole
-    prefill = StepShape(prefill_tokens=shape.prefill_tokens, prefill_pairs=shape.prefill_pairs)
+    prefill = StepShape(
+        decode_rows=riding.decode_rows,
+        decode_context=riding.decode_context,
+        prefill_tokens=shape.prefill_tokens,
+        prefill_pairs=shape.prefill_pairs,
+    )
     prefill_s = cost.estimate(prefill) or 0.0
     slice_s = max(interval - decode_s, interval * MIN_SLICE_FRACTION)
     return prefill_s + math.ceil(prefill_s / slice_s) * decode_s
