@@ -269,6 +269,12 @@ class ServerConfig(_Section):
     # own default is 16 KiB; 64 KiB leaves room for long bearer tokens and tracing headers.
     max_header_bytes: Annotated[int, Meta(ge=1024)] = 64 * 1024
     drain_timeout_s: NonNegFloat = 30.0
+    # How long an idle client connection stays open: longer than the idle timeouts of the
+    # proxies in front (nginx's and AWS ALB's 60 s) and of the appliance's own clients
+    # (CLIENT_KEEPALIVE_EXPIRY_S). A server that closes an idle connection just as a client
+    # sends on it loses that request (measured: `bench serve` lost one with ReadError at
+    # uvicorn's default 5 s, httpx's pool expiry being 5 s too).
+    keep_alive_timeout_s: PositiveInt = 75
     # Retry-After (seconds) sent with 429 responses.
     retry_after_s: PositiveInt = 1
     # Responses kept in memory (oldest dropped; lost on restart); inputs per /v1/embeddings.
@@ -278,6 +284,11 @@ class ServerConfig(_Section):
     # else ~/.local/state/appliance. It rotates past audit_max_bytes (three old files kept).
     state_dir: str = ""
     audit_max_bytes: Annotated[int, Meta(ge=4096)] = 16 * 1024 * 1024
+
+
+# The appliance's own HTTP clients (bench serve, the router, the cluster ingress) drop idle
+# connections after this, before a server closes them: uvicorn's default and vLLM's are 5 s.
+CLIENT_KEEPALIVE_EXPIRY_S = 4.0
 
 
 class ClassLimits(msgspec.Struct, frozen=True):

@@ -317,3 +317,25 @@ def test_malformed_request_line_gets_an_openai_error_body(server: ServerProcess)
 def test_server_still_serves_after_the_bad_input(client: openai.OpenAI) -> None:
     r = client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
     assert r.choices[0].finish_reason == "length"
+
+
+def _get_health(sock: socket.socket) -> bytes:
+    sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    return sock.recv(65536)
+
+
+def test_an_idle_connection_outlives_the_clients_keepalive_expiry(server: ServerProcess) -> None:
+    """A connection idle past uvicorn's default 5 s is still served: the server keeps idle
+    connections (server.keep_alive_timeout_s) longer than its clients keep them in their pools
+    (CLIENT_KEEPALIVE_EXPIRY_S, which the appliance's own clients use), so it never closes
+    one as a client sends on it (a `bench serve` request was lost to that, ReadError)."""
+    import time
+
+    from appliance.config import CLIENT_KEEPALIVE_EXPIRY_S, ServerConfig
+
+    assert CLIENT_KEEPALIVE_EXPIRY_S < 5 < ServerConfig().keep_alive_timeout_s
+    port = int(server.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        assert _get_health(sock).startswith(b"HTTP/1.1 200")
+        time.sleep(6.0)
+        assert _get_health(sock).startswith(b"HTTP/1.1 200")

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from appliance.bench.audit import Outcome, ServerAudit, print_audit
 from appliance.bench.goodput import SLO, SLOError, SLOs, count, parse_slos, print_goodput
 from appliance.bench.workload import PROFILES, Item, make_workload
+from appliance.config import CLIENT_KEEPALIVE_EXPIRY_S
 
 if TYPE_CHECKING:
     import httpx
@@ -127,7 +128,9 @@ async def run_http(
 
     headers = {"Authorization": f"Bearer {ns.api_key}"} if ns.api_key else {}
     limits = httpx.Limits(
-        max_connections=ns.max_connections, max_keepalive_connections=ns.max_connections
+        max_connections=ns.max_connections,
+        max_keepalive_connections=ns.max_connections,
+        keepalive_expiry=CLIENT_KEEPALIVE_EXPIRY_S,
     )
     url = ns.url.rstrip("/") + "/v1/completions"
     async with httpx.AsyncClient(

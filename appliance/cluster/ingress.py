@@ -28,6 +28,7 @@ from appliance.cluster.metrics_merge import render
 from appliance.cluster.routing import ReplicaLoad, affinity_key, replica_order
 from appliance.cluster.settings import ClusterConfig
 from appliance.cluster.stream_guard import StreamGuard
+from appliance.config import CLIENT_KEEPALIVE_EXPIRY_S
 from appliance.tools.asgi_proxy import (
     Receive,
     Scope,
@@ -112,7 +113,11 @@ class ClusterIngress:
         if self.client is not None:
             return
         timeout = httpx.Timeout(900.0, connect=5.0, pool=None)
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        limits = httpx.Limits(
+            max_connections=None,
+            max_keepalive_connections=256,
+            keepalive_expiry=CLIENT_KEEPALIVE_EXPIRY_S,
+        )
         self.client = httpx.AsyncClient(timeout=timeout, limits=limits, transport=self._transport)
         await self.refresh()
         self._refresher = asyncio.create_task(self._refresh_loop(), name="ingress-refresh")

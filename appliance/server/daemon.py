@@ -75,6 +75,7 @@ async def serve(state: ServerState, t0: float | None = None) -> int:
             access_log=False,  # one JSON line per request comes from the API itself
             lifespan="off",
             timeout_graceful_shutdown=5,
+            timeout_keep_alive=cfg.keep_alive_timeout_s,
             # Requests uvicorn refuses before the app runs still get OpenAI's error body.
             http=OpenAIErrorH11Protocol,
             h11_max_incomplete_event_size=cfg.max_header_bytes,

@@ -30,7 +30,7 @@ import httpx
 import msgspec
 from msgspec import Meta
 
-from appliance.config import ConfigError
+from appliance.config import CLIENT_KEEPALIVE_EXPIRY_S, ConfigError
 from appliance.tools.asgi_proxy import (
     Receive,
     Scope,
@@ -229,7 +229,11 @@ class Router:
 
     def open(self) -> None:
         timeout = httpx.Timeout(self.cfg.timeout_s, connect=self.cfg.connect_timeout_s, pool=None)
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        limits = httpx.Limits(
+            max_connections=None,
+            max_keepalive_connections=64,
+            keepalive_expiry=CLIENT_KEEPALIVE_EXPIRY_S,
+        )
         self.client = httpx.AsyncClient(timeout=timeout, limits=limits, transport=self._transport)
 
     async def close(self) -> None:
