@@ -319,23 +319,30 @@ def test_server_still_serves_after_the_bad_input(client: openai.OpenAI) -> None:
     assert r.choices[0].finish_reason == "length"
 
 
-def _get_health(sock: socket.socket) -> bytes:
-    sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
-    return sock.recv(65536)
-
-
 def test_an_idle_connection_outlives_the_clients_keepalive_expiry(server: ServerProcess) -> None:
-    """A connection idle past uvicorn's default 5 s is still served: the server keeps idle
-    connections (server.keep_alive_timeout_s) longer than its clients keep them in their pools
-    (CLIENT_KEEPALIVE_EXPIRY_S, which the appliance's own clients use), so it never closes
-    one as a client sends on it (a `bench serve` request was lost to that, ReadError)."""
+    """A connection idle past uvicorn's default 5 s is still served, on the same socket: the
+    server keeps idle connections (server.keep_alive_timeout_s) longer than its clients keep
+    them in their pools (CLIENT_KEEPALIVE_EXPIRY_S, which the appliance's own clients use), so
+    it never closes one as a client sends on it (a `bench serve` request was lost to that,
+    ReadError)."""
+    import http.client
     import time
 
     from appliance.config import CLIENT_KEEPALIVE_EXPIRY_S, ServerConfig
 
     assert CLIENT_KEEPALIVE_EXPIRY_S < 5 < ServerConfig().keep_alive_timeout_s
     port = int(server.url.rsplit(":", 1)[1])
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-        assert _get_health(sock).startswith(b"HTTP/1.1 200")
-        time.sleep(6.0)
-        assert _get_health(sock).startswith(b"HTTP/1.1 200")
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        statuses = []
+        for pause in (0.0, 6.0):
+            time.sleep(pause)
+            conn.request("GET", "/health")
+            response = conn.getresponse()  # RemoteDisconnected had the server closed it
+            response.read()
+            statuses.append(response.status)
+            if pause == 0.0:
+                first_socket = conn.sock
+        assert statuses == [200, 200] and conn.sock is first_socket
+    finally:
+        conn.close()
