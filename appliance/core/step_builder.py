@@ -167,14 +167,16 @@ class StepBuilder:
             return
         urgent = min(self.s.rank(r) for r in decodes)
         prefill = StepShape()
-        outranked: list[int] = []
+        lowest = None  # the most urgent rank among the prefills the decodes outrank
         for r in self.order:
-            if r not in decodes and self.s.rank(r) > urgent:
+            if r not in decodes and (rank := self.s.rank(r)) > urgent:
                 prefill = self._add(prefill, r, self.granted[r.request_id])
-                outranked.append(self.s.rank(r))
-        if not prefill.prefill_tokens or (self.s.cost.estimate(prefill) or 0.0) <= self.limit_s:
+                lowest = rank if lowest is None else min(lowest, rank)
+        if lowest is None or not prefill.prefill_tokens:
             return
-        detached = [r for r in decodes if not self.s.rides_prefill(r, min(outranked))]
+        if (self.s.cost.estimate(prefill) or 0.0) <= self.limit_s:
+            return
+        detached = [r for r in decodes if not self.s.rides_prefill(r, lowest)]
         for r in detached:
             self._ungrant(r)
         self.decode_interval_s = self.limit_s if detached else None
