@@ -166,4 +166,13 @@ def test_bench_serve_offline_reports_goodput_per_kind_and_plots(
     assert kinds["long"]["good"] == 0 and kinds["long"]["slo_counts"]["tpot"]["missed"] == 2
     assert report["summary"]["good"] == kinds["short"]["good"]
     assert report["slo_per_kind"]["long"] == {"ttft_ms": 600000, "tpot_ms": 0.001, "e2e_ms": None}
+    # Each request's own record, in arrival order, its timings consistent with the summary.
+    details = report["requests"]
+    assert [d["index"] for d in details] == list(range(6))
+    assert [d["kind"] for d in details].count("long") == 2
+    for d in details:
+        assert d["status"] == 200 and d["output_tokens"] == 3 and d["prompt_tokens"] == 12
+        assert 0 < d["ttft_s"] <= d["e2e_s"]
+        assert d["tpot_s"] == pytest.approx((d["e2e_s"] - d["ttft_s"]) / 2, abs=1e-4)
+    assert max(d["e2e_s"] for d in details) <= report["summary"]["seconds"]
     assert plot.stat().st_size > 0

@@ -276,6 +276,22 @@ def summarize(results: list[Result], seconds: float, slo: SLO | SLOs) -> Summary
     )
 
 
+def _detail(r: Result) -> dict[str, object]:
+    """One request's record in the JSON report: arrival and timings in seconds."""
+    return {
+        "index": r.index,
+        "kind": r.kind,
+        "priority_class": r.priority_class,
+        "arrival_s": round(r.arrival_s, 3),
+        "status": r.status,
+        "prompt_tokens": r.prompt_tokens,
+        "output_tokens": r.output_tokens,
+        "ttft_s": None if r.ttft_s is None else round(r.ttft_s, 4),
+        "tpot_s": None if (t := r.tpot_s) is None else round(t, 5),
+        "e2e_s": None if r.e2e_s is None else round(r.e2e_s, 4),
+    }
+
+
 def errors_by_status(results: list[Result]) -> dict[str, int]:
     out: dict[str, int] = {}
     for r in results:
@@ -438,6 +454,8 @@ def main(ns: argparse.Namespace) -> int:
             "offline_cpu_s": cpu_s,
             "audit": audit,
             "max_concurrency": ns.max_concurrency,
+            # Each request's outcome, as vLLM's --save-detailed keeps them: where the tail is.
+            "requests": [_detail(r) for r in results],
         }
     )
     model = ns.model or (ns.model_dir and os.path.basename(ns.model_dir.rstrip("/")))
