@@ -277,19 +277,8 @@ def summarize(results: list[Result], seconds: float, slo: SLO | SLOs) -> Summary
 
 
 def _detail(r: Result) -> dict[str, object]:
-    """One request's record in the JSON report: arrival and timings in seconds."""
-    return {
-        "index": r.index,
-        "kind": r.kind,
-        "priority_class": r.priority_class,
-        "arrival_s": round(r.arrival_s, 3),
-        "status": r.status,
-        "prompt_tokens": r.prompt_tokens,
-        "output_tokens": r.output_tokens,
-        "ttft_s": None if r.ttft_s is None else round(r.ttft_s, 4),
-        "tpot_s": None if (t := r.tpot_s) is None else round(t, 5),
-        "e2e_s": None if r.e2e_s is None else round(r.e2e_s, 4),
-    }
+    """One request's record in the JSON report (times in seconds), its TPOT included."""
+    return {**asdict(r), "tpot_s": r.tpot_s}
 
 
 def errors_by_status(results: list[Result]) -> dict[str, int]:

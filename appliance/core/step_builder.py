@@ -172,9 +172,11 @@ class StepBuilder:
             if r not in decodes and (rank := self.s.rank(r)) > urgent:
                 prefill = self._add(prefill, r, self.granted[r.request_id])
                 lowest = rank if lowest is None else min(lowest, rank)
-        if lowest is None or not prefill.prefill_tokens:
-            return
-        if (self.s.cost.estimate(prefill) or 0.0) <= self.limit_s:
+        if (
+            lowest is None
+            or not prefill.prefill_tokens
+            or (self.s.cost.estimate(prefill) or 0.0) <= self.limit_s
+        ):
             return
         detached = [r for r in decodes if not self.s.rides_prefill(r, lowest)]
         for r in detached:
