@@ -176,12 +176,13 @@ class SchedulerConfig(_Section):
     # long_prompt_class (named priorities win; 0 / "": off; docs/admission.md).
     long_prompt_tokens: NonNegInt = 0
     long_prompt_class: str = ""
-    # A step that prefills pauses between two layers when a request arrives that outranks its
-    # prefills (a chat behind a summary's chunk), runs that request's prefill, then finishes:
-    # the request waits for one layer instead of the whole step (docs/admission.md).
+    # A step that prefills pauses between two units of its forward (a layer's attention and MLP
+    # halves) when a request arrives that outranks its prefills (a chat behind a summary's
+    # chunk), runs that request's prefill, then finishes: the request waits for half a layer
+    # instead of the whole step (docs/admission.md).
     cut_in: bool = True
     # A step whose prefill the cost model expects to outlast the TPOT target of the classes it
-    # decodes leaves those decodes out and pauses between two layers, as a cut-in does, to run
+    # decodes leaves those decodes out and pauses between two half-layers, as a cut-in does, to run
     # their decode step whenever the target is due: a summary's 1,000-token chunk no longer
     # holds a chat's next token for its whole second, and needs no cutting into small chunks
     # that pay the forward's fixed cost each (docs/admission.md, "Interleaved decodes"). Where

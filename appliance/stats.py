@@ -37,7 +37,7 @@ class SchedulerCounters(msgspec.Struct, kw_only=True):
     # "reason/class" -> count, e.g. "queue_full/realtime".
     rejected_by: dict[str, int] = msgspec.field(default_factory=dict)
     time_preempted_s: float = 0.0
-    # Steps run while a prefill step was paused between two layers, for the requests that
+    # Steps run while a prefill step was paused between two half-layers, for the requests that
     # outranked it (Scheduler.schedule_cut_in).
     cut_in_steps: int = 0
     # Steps of the running decodes that a paused prefill step left out

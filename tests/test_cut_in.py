@@ -1,7 +1,8 @@
-"""Cut-in steps (scheduler.cut_in): a step that prefills pauses between two layers when a request
-arrives that outranks its prefills, runs that request's prefill, then finishes. The chat that
-arrived during a summary's chunk gets its first token one layer later, not one step later; every
-request's tokens are those of a run without the pause."""
+"""Cut-in steps (scheduler.cut_in): a step that prefills pauses between two units of its forward (a
+layer's attention and MLP halves) when a request arrives that outranks its prefills, runs that
+request's prefill, then finishes. The chat that arrived during a summary's chunk gets its first
+token half a layer later, not one step later; every request's tokens are those of a run without
+the pause. The tiny model's 4 layers are 8 units: a step is asked 7 times, after units 1-7."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ NEW_CHAT = [(i * 23) % 4000 + 10 for i in range(30)]
 
 
 def arrive_at_call(engine: Engine, call: int, prompt: list[int], **kw: object) -> list[Request]:
-    """take_arrivals that adds `prompt` on its `call`-th question (between layers `call` and
+    """take_arrivals that adds `prompt` on its `call`-th question (between units `call` and
     `call + 1` of the first step asked)."""
     return arrive_at_calls(engine, {call: prompt}, **kw)
 
@@ -75,8 +76,8 @@ def test_a_chat_arriving_during_a_summary_chunk_gets_its_first_token_before_the_
         assert (summary.priority_class, chat.priority_class) == ("batch", "interactive")
         new = arrive_at_call(engine, 2, NEW_CHAT)
         outputs = {o.request_id: o.new_token_ids for o in engine.step()}
-        # The step (chat's decode + the summary's 300-token prompt) paused after layer 2 of
-        # 4; the cut-in step prefilled the new chat alone.
+        # The step (chat's decode + the summary's 300-token prompt) paused after unit 2 of 8
+        # (layer 1's MLP); the cut-in step prefilled the new chat alone.
         assert outputs == {new[0].request_id: expected["new"][:1]}
         assert engine.runner.paused is not None
         assert summary.num_computed_tokens == 0 and summary.num_output_tokens == 0
@@ -99,7 +100,7 @@ def test_a_chat_arriving_during_a_summary_chunk_gets_its_first_token_before_the_
 
 
 def test_a_resumed_step_pauses_again_for_a_later_arrival(tiny_model_dir: Path) -> None:
-    """Two chats arrive during one summary step, after layers 1 and 2 of 4: the first's
+    """Two chats arrive during one summary step, after units 1 and 2 of 8: the first's
     cut-in step runs, the step goes on, and pauses again for the second; each chat's first
     token comes from its own cut-in step, the summary's when the step ends, and every token is
     that of a run alone."""
@@ -128,8 +129,8 @@ def test_a_resumed_step_pauses_again_for_a_later_arrival(tiny_model_dir: Path) -
 
 
 def paused_on_a_summary(model_dir: Path) -> tuple[Engine, Request]:
-    """An engine whose summary's prefill step paused after layer 1 for a chat (the cut-in
-    step ran), and that summary."""
+    """An engine whose summary's prefill step paused after layer 1's attention half for a
+    chat (the cut-in step ran), and that summary."""
     engine = engine_for(model_dir, **LENGTH)
     summary = engine.add_request(SUMMARY, GREEDY)
     arrive_at_call(engine, 1, NEW_CHAT)
@@ -211,7 +212,11 @@ def test_a_cut_in_preempts_nobody_and_takes_only_free_blocks(
         engine.close()
 
 
-def test_a_forward_paused_at_every_layer_computes_what_one_call_does(tiny_model_dir: Path) -> None:
+def test_a_forward_paused_at_every_half_layer_computes_what_one_call_does(
+    tiny_model_dir: Path,
+) -> None:
+    """Stopped between every two units (each layer's attention and MLP, each two layers) and
+    resumed, the forward's output is bit for bit that of one call."""
     engine = engine_for(tiny_model_dir)
     try:
         model, kv = engine.runner.model, engine.runner.kv
@@ -224,7 +229,7 @@ def test_a_forward_paused_at_every_layer_computes_what_one_call_does(tiny_model_
         always: Callable[[], bool] = lambda: True  # noqa: E731
         while (hidden := model.run_layers(state, meta, kv.device_caches, always)) is None:
             stops += 1
-        assert stops == len(model.model.layers) - 1
+        assert stops == 2 * len(model.model.layers) - 1
         torch.testing.assert_close(hidden, whole, rtol=0, atol=0)
     finally:
         engine.close()

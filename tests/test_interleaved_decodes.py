@@ -1,6 +1,7 @@
 """Interleaved decodes (scheduler.interleave_decodes): a step whose prefill the cost model expects
 to outlast the TPOT target of the classes it decodes leaves those decodes out and pauses
-between two layers, whenever they are due, for a step of theirs. A chat decoding while a
+between two units of its forward (a layer's attention and MLP halves), whenever they are due,
+for a step of theirs. A chat decoding while a
 summary's prompt is prefilled gets its next tokens during that step, not after it; every
 request's tokens are those of a run without pauses; arrivals still cut in; where a step cannot
 pause, its chunks are cut to the target instead."""
@@ -23,8 +24,8 @@ from tests.test_cut_in import (
 )
 from tests.test_preemption import engine_for
 
-# The tiny model has 4 layers: a paused step is asked after layers 1, 2 and 3. A target this
-# tight makes every prefill outlast it and every pause check find the decodes due.
+# The tiny model has 4 layers, 8 units: a paused step is asked after units 1 to 7. A target
+# this tight makes every prefill outlast it and every pause check find the decodes due.
 TIGHT = {
     **LENGTH,
     "scheduler__interleave_decodes": True,
@@ -70,16 +71,16 @@ def test_a_decoding_chat_gets_tokens_while_a_summary_prefills(tiny_model_dir: Pa
         assert engine.scheduler.cost.ready  # seeded at load: it judges the first step
         no_arrivals(engine)
         chat, summary = decoding_chat_and_summary(engine)
-        # The summary's step left the chat out and paused after layer 1, 2, 3 of 4: each
-        # pause ran the chat's decode step.
-        for k in (1, 2, 3):
+        # The summary's step left the chat out and paused after units 1 to 5 of 8: each
+        # pause ran the chat's decode step, until its sixth and last token.
+        for k in range(1, 6):
             assert step_ids(engine) == {chat.request_id: expected["chat"][k : k + 1]}
             assert engine.runner.paused is not None
             assert summary.num_computed_tokens == 0
         assert step_ids(engine) == {summary.request_id: expected["summary"][:1]}
         assert engine.runner.paused is None
         counters = engine.scheduler.counters
-        assert (counters.interleaved_decode_steps, counters.cut_in_steps) == (3, 0)
+        assert (counters.interleaved_decode_steps, counters.cut_in_steps) == (5, 0)
         while engine.has_unfinished():
             engine.step()
         assert chat.output_token_ids == expected["chat"]
@@ -172,12 +173,12 @@ def test_a_step_that_cannot_pause_cuts_its_chunks_to_the_target_instead(
         engine.close()
 
 
-def test_the_decodes_are_due_when_the_next_layer_would_end_past_their_slice(
+def test_the_decodes_are_due_when_the_next_unit_would_end_past_their_slice(
     tiny_model_dir: Path,
 ) -> None:
-    """Pauses are asked between layers only: a step pauses once the layer to come, expected
-    to take as long as the last, would end past the slice (a pause at the first check past
-    it came a layer late). The clock is the engine module's."""
+    """Pauses are asked between units only (a layer's halves): a step pauses once the unit to
+    come, expected to take as long as the longer of the last two, would end past the slice (a
+    pause at the first check past it came a unit late). The clock is the engine module's."""
     from appliance.engine import llm_engine
 
     engine = engine_for(tiny_model_dir, **TIGHT)
@@ -186,14 +187,19 @@ def test_the_decodes_are_due_when_the_next_layer_would_end_past_their_slice(
         chat = engine.add_request(DECODING_CHAT, GREEDY)
         engine.step()  # the chat decodes from now on, outside the step asked about
         now = llm_engine.time.perf_counter()
-        # 60 ms into a 100 ms slice, the last layer took 50 ms: the next would end at 110.
+        # 60 ms into a 100 ms slice, the last unit took 50 ms: the next would end at 110.
         rule = llm_engine._PauseRule(frozenset(), None, 0.100, since=now - 0.060)
         rule.asked = now - 0.050
         assert engine._should_pause(rule)
-        # The same point with 20 ms layers: the next ends at 80 ms, within the slice.
+        # The same point with 20 ms units: the next ends at 80 ms, within the slice.
         rule = llm_engine._PauseRule(frozenset(), None, 0.100, since=now - 0.060)
         rule.asked = now - 0.020
         assert not engine._should_pause(rule)
+        # A 20 ms unit after a 45 ms one (an MLP half after a long attention): the next, the
+        # same half as that one, would end at 105 ms.
+        rule = llm_engine._PauseRule(frozenset(), None, 0.100, since=now - 0.060)
+        rule.asked, rule.previous_unit = now - 0.020, 0.045
+        assert engine._should_pause(rule)
         # Nothing outside the step to decode: never due.
         rule = llm_engine._PauseRule(frozenset({chat.request_id}), None, 0.100, since=now - 1)
         assert not engine._should_pause(rule)
@@ -254,7 +260,7 @@ def test_a_decoding_summary_rides_the_prefill_step_while_the_chat_gets_the_pause
         assert other.priority_class == "batch" and not chat.is_finished
         summary = engine.add_request(SUMMARY, GREEDY)
         chat_tokens, other_tokens = len(chat.output_token_ids), len(other.output_token_ids)
-        for k in (1, 2, 3):  # the pauses after layers 1, 2 and 3: the chat's steps alone
+        for k in range(1, 8):  # the pauses after units 1 to 7: the chat's steps alone
             assert step_ids(engine) == {
                 chat.request_id: expected["chat"][chat_tokens + k - 1 : chat_tokens + k]
             }

@@ -198,7 +198,7 @@ class Scheduler:
 
     # -- one step --------------------------------------------------------------------------------
     def schedule(self, interleave: bool = False) -> SchedulerOutput:
-        """The next step. `interleave`: the engine can pause it between two layers to run the
+        """The next step. `interleave`: the engine can pause it between two half-layers to run the
         decodes it leaves out (scheduler.interleave_decodes; StepBuilder.detach_decodes)."""
         out = StepBuilder(self, interleave=interleave)
         # A lowered max_num_seqs (live knobs) binds admissions; it never evicts running work.
@@ -222,7 +222,7 @@ class Scheduler:
         """A request's urgency in the policy's queue order (lower: more urgent)."""
         return self.policy.queue_key(req)[0]
 
-    # -- cut-in steps (engine: a step paused between two layers) ---------------------------------
+    # -- cut-in steps (engine: a step paused between two half-layers) ----------------------------
     def cut_in_rank(self, step: SchedulerOutput) -> int | None:
         """The queue rank a waiting request must beat to cut into `step`: that of the most
         urgent request the step prefills. None: it prefills nothing (a decode step is short)."""

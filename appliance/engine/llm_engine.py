@@ -42,7 +42,7 @@ Prompt = str | list[int]
 
 @dataclass
 class _PauseRule:
-    """When a step that prefills pauses between two layers (Engine._should_pause)."""
+    """When a step that prefills pauses between two half-layers (Engine._should_pause)."""
 
     request_ids: frozenset[str]
     # The queue rank an arrival must beat to cut into it (Scheduler.cut_in_rank); None: none.
@@ -51,14 +51,17 @@ class _PauseRule:
     # (Scheduler.interleave_slice_s); None: it carries its decodes.
     slice_s: float | None
     # When its forward last started or resumed, and when a pause was last asked (between
-    # which two, the layer that just ran: the next one is expected to take as long).
+    # which two, the unit that just ran: a layer's attention or MLP half, run_layers).
     since: float
     asked: float = 0.0
+    # How long the unit before that one took: the next unit, the same half of the next
+    # layer as that one, is expected to take as long as the longer of the two.
+    previous_unit: float = 0.0
 
 
 @dataclass
 class _PausedStep:
-    """A step whose forward paused between two layers for a cut-in step (Engine.step)."""
+    """A step whose forward paused between two half-layers for a cut-in step (Engine.step)."""
 
     out: SchedulerOutput
     started: float
@@ -119,7 +122,7 @@ class Engine:
         self.on_started: Callable[[list[str]], None] | None = None
         self.history = StepHistory()
         # Takes the requests that arrived since it was last asked; True when any did (the core
-        # process drains its pipe). Asked between layers of a step that prefills, so a request
+        # process drains its pipe). Asked between half-layers of a step that prefills, so a request
         # that outranks the step's prefills cuts into it (step()). None: no step pauses.
         self.take_arrivals: Callable[[], bool] | None = None
         self._paused: _PausedStep | None = None
@@ -248,7 +251,7 @@ class Engine:
 
     # -- the step --------------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
-        """One step's outputs. A step that prefills may pause between two layers for requests
+        """One step's outputs. A step that prefills may pause between two half-layers for requests
         that arrived during it and outrank its prefills (a chat behind a summary's chunk), and,
         where it left the running decodes out (scheduler.interleave_decodes), whenever their
         next token is due: then this call runs that cut-in step and returns its outputs, and
@@ -288,7 +291,7 @@ class Engine:
             self.on_started(first_scheduled)
 
     def _pausable(self) -> bool:
-        """Whether a step may pause between two layers: not where no arrivals can be taken
+        """Whether a step may pause between two half-layers: not where no arrivals can be taken
         mid-step (the offline API), nor in a tensor-parallel step (its ranks run the layers in
         lockstep)."""
         return self.take_arrivals is not None and self.executor is self.runner
@@ -298,22 +301,25 @@ class Engine:
         return self._pausable() and self.config.scheduler.interleave_decodes
 
     def _should_pause(self, rule: _PauseRule) -> bool:
-        """Asked between two layers: take the requests that arrived; pause for any of them
-        that cuts in, or when the decodes the step left out are due their next token."""
+        """Asked between two units of the forward (a layer's halves, run_layers): take the
+        requests that arrived; pause for any of them that cuts in, or when the decodes the
+        step left out are due their next token."""
         assert self.take_arrivals is not None
         arrived = self.take_arrivals()
         if arrived and rule.rank is not None and self.scheduler.wants_cut_in(rule.rank):
             return True
         if rule.slice_s is None:
             return False
-        # Due when the next layer, as long as the last, would end past the slice: checked
-        # only between layers, a pause at the first check past it came a layer late (a
-        # 1,024-token chunk's layer is ~25 ms on 2 cores; chats' tokens 120+ ms apart under
-        # a 100 ms target, measured).
+        # Due when the next unit, as long as the longer of the last two, would end past the
+        # slice: checked only between units, a pause at the first check past it came a unit
+        # late (a 1,024-token chunk's layer is ~25 ms on 2 cores; chats' tokens 120+ ms apart
+        # under a 100 ms target, measured). The two halves differ (the attention's grows
+        # with the context), hence the longer.
         now = time.perf_counter()
-        layer = now - max(rule.asked, rule.since)
-        rule.asked = now
-        return now + layer - rule.since >= rule.slice_s and bool(
+        unit = now - max(rule.asked, rule.since)
+        expected = max(unit, rule.previous_unit)
+        rule.asked, rule.previous_unit = now, unit
+        return now + expected - rule.since >= rule.slice_s and bool(
             self.scheduler.detached_decodes(rule.request_ids)
         )
 

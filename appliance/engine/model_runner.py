@@ -43,7 +43,7 @@ class RunnerOutput:
 @dataclass
 class _Step:
     """One step as the runner carries it from its tensors to its sampled tokens (across a
-    pause, when its forward stops between two layers)."""
+    pause, when its forward stops between two half-layers)."""
 
     batch: list[ScheduledRequest]
     input_ids: torch.Tensor
@@ -134,7 +134,7 @@ class ModelRunner:
         self.hooks: ForwardHooks = hooks if hooks is not None else PlainForward()
         self.fused_max_batch = self.hooks.fused_max_batch()
         self.native_decode_steps = 0
-        # A step that execute() paused between two layers, until resume().
+        # A step that execute() paused between two half-layers, until resume().
         self.paused: _Step | None = None
         # Block table per live request, kept up to date from what each step changed.
         self.block_tables: dict[str, list[int]] = {}
@@ -159,7 +159,7 @@ class ModelRunner:
     def execute_or_pause(
         self, out: SchedulerOutput, pause: Callable[[], bool] | None
     ) -> RunnerOutput | None:
-        """Run one scheduled step; a step on the torch forward asks `pause` between two layers
+        """Run one scheduled step; a step on the torch forward asks `pause` between two units
         and stops there when it says so: None comes back, the step waits in `paused` and
         `resume()` finishes it. Other steps, over other requests, may run in between (the
         engine's cut-in steps). A step with adapter rows never pauses: a step in between could
