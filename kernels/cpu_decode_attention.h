@@ -18,7 +18,8 @@
 /* Query heads one attention work item holds scores for (a multiple of MAX_GROUP). */
 #define MAX_QUERY_HEADS 64
 #define MAX_HEAD_DIM 256
-/* Tokens ahead whose K/V rows are prefetched. */
+/* Tokens ahead whose K/V rows are prefetched in a range's first chunk (later chunks: the next
+ * chunk's rows during this one's passes). */
 #define PREFETCH 16
 
 /* Steps of fewer sequences than threads split each sequence's context into this many token
