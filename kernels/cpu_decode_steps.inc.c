@@ -38,13 +38,14 @@ static inline void FN(prefetch_token)(const T *k_cache, const T *v_cache, int64_
 /* Query heads [nkv * group, head_dim] of KV heads g0 .. g0+nkv-1 over one sequence's
  * context in the paged cache: each K/V row is read once for all of them; online softmax a
  * chunk at a time, float32 throughout; rows ahead are prefetched, the next chunk's during
- * this one's (the blocks are scattered, so the hardware prefetcher cannot follow). A chunk's slots are looked up
- * once (a division per token cost as much as its dot products); for up to 4 query heads a
- * KV head (SmolLM2 3, Llama-2 1) the products run in registers (QK_GROUP, PV_GROUP), where the
- * generic loop kept updating `out` in memory for every token; more query heads a KV head
- * take them 4 at a time, each K/V row then coming from L1. Same sums in the same order
- * either way. `limits` (NULL: none): query head h attends to tokens below limits[h] only, for
- * rows of one sequence read together (attend_runs); every head's limit is past t_begin. */
+ * this one's (the blocks are scattered, so the hardware prefetcher cannot follow). A chunk's
+ * slots are looked up once (a division per token cost as much as its dot products); for up
+ * to 4 query heads a KV head (SmolLM2 3, Llama-2 1) the products run in registers (QK_GROUP,
+ * PV_GROUP), where the generic loop kept updating `out` in memory for every token; more query
+ * heads a KV head take them 4 at a time, each K/V row then coming from L1. Same sums in the
+ * same order either way. `limits` (NULL: none): query head h attends to tokens below
+ * limits[h] only, for rows of one sequence read together (attend_runs); every head's limit is
+ * past t_begin. */
 static void FN(attend_heads_limited)(const float *q, const T *k_cache, const T *v_cache,
                                      const int32_t *table, int64_t t_begin, int64_t t_end,
                                      int64_t g0, int64_t nkv, int64_t group, const Shape *s,

@@ -136,13 +136,15 @@ class Metrics:
         )
         self.cut_ins = Counter(
             "appliance_cut_in_steps",
-            "Steps run while a prefill step was paused between half-layers for requests outranking it.",
+            "Steps run while a prefill step was paused between half-layers for requests "
+            "outranking it.",
             m,
             registry=reg,
         )
         self.interleaved_decodes = Counter(
             "appliance_interleaved_decode_steps",
-            "Decode steps run while a prefill step that left them out was paused between half-layers.",
+            "Decode steps run while a prefill step that left them out was paused between "
+            "half-layers.",
             m,
             registry=reg,
         )
