@@ -80,10 +80,9 @@ static void FN(attend_heads_limited)(const float *q, const T *k_cache, const T *
          * tokens ahead of the first KV head's query-key pass (a whole chunk's rows at once
          * overflowed L1, and its loads waited on memory: 60% of the attention's time on their
          * first use); the next chunk's, one token's every nkv tokens of each KV head's pass,
-         * so its reads spread over all the chunk's query-key passes. They went out during the
-         * first pass alone, 16 tokens ahead, and the memory sat idle through the other passes
-         * and the value pass: 8 rows at 1.6k tokens of context, a fused decode step (30
-         * layers) 35.8 -> 30.7 ms on a 2-core Zen 4, the same bits. */
+         * so its reads spread over all the chunk's query-key passes (issued in the first pass
+         * alone, the memory sat idle through the others and the value pass: measured in
+         * docs/benchmarks.md, "Zen 4, half-layer pauses"). */
         const int first_chunk = t0 == t_begin;
         if (first_chunk)
             for (int64_t t = 0; t < (PREFETCH < n ? PREFETCH : n); t++)

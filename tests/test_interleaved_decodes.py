@@ -1,10 +1,9 @@
 """Interleaved decodes (scheduler.interleave_decodes): a step whose prefill the cost model expects
 to outlast the TPOT target of the classes it decodes leaves those decodes out and pauses
 between two units of its forward (a layer's attention and MLP halves), whenever they are due,
-for a step of theirs. A chat decoding while a
-summary's prompt is prefilled gets its next tokens during that step, not after it; every
-request's tokens are those of a run without pauses; arrivals still cut in; where a step cannot
-pause, its chunks are cut to the target instead."""
+for a step of theirs. A chat decoding while a summary's prompt is prefilled gets its next tokens
+during that step, not after it; every request's tokens are those of a run without pauses;
+arrivals still cut in; where a step cannot pause, its chunks are cut to the target instead."""
 
 from __future__ import annotations
 

@@ -50,12 +50,10 @@ class _PauseRule:
     # Seconds of forward after which the decodes it left out get their step
     # (Scheduler.interleave_slice_s); None: it carries its decodes.
     slice_s: float | None
-    # When its forward last started or resumed, and when a pause was last asked (between
-    # which two, the unit that just ran: a layer's attention or MLP half, run_layers).
+    # When its forward last started or resumed, when a pause was last asked (between which
+    # two, the unit that just ran: a layer's half, run_layers), and the unit before's length.
     since: float
     asked: float = 0.0
-    # How long the unit before that one took: the next unit, the same half of the next
-    # layer as that one, is expected to take as long as the longer of the two.
     previous_unit: float = 0.0
 
 
@@ -310,11 +308,9 @@ class Engine:
             return True
         if rule.slice_s is None:
             return False
-        # Due when the next unit, as long as the longer of the last two, would end past the
-        # slice: checked only between units, a pause at the first check past it came a unit
-        # late (a 1,024-token chunk's layer is ~25 ms on 2 cores; chats' tokens 120+ ms apart
-        # under a 100 ms target, measured). The two halves differ (the attention's grows
-        # with the context), hence the longer.
+        # Due when the next unit would end past the slice (a pause at the first check past it
+        # came a unit late: docs/admission.md), the next expected to take as long as the
+        # longer of the last two: the halves differ, the attention's growing with the context.
         now = time.perf_counter()
         unit = now - max(rule.asked, rule.since)
         expected = max(unit, rule.previous_unit)

@@ -236,9 +236,8 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor | None:
         """Run the forward's remaining layers; the final norm's output, or None when `pause`
         said to stop: a later call goes on from there. `pause` is asked between a layer's
-        attention and its MLP as well as between two layers: a 1,024-token chunk's layer is
-        20-40 ms on 2 cores, and a chat's next token waited for the whole of one past its
-        slice. The state holds all a unit reads from earlier ones (the residual stream, the
+        attention and its MLP as well as between two layers (a chat's token waited a whole
+        layer past its slice: docs/admission.md, "Interleaved decodes"). The state holds all a unit reads from earlier ones (the residual stream, the
         rotary input, the attention's output); the KV of the layers attended is in the cache
         already."""
         layers = self.model.layers
