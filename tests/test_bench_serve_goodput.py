@@ -174,5 +174,6 @@ def test_bench_serve_offline_reports_goodput_per_kind_and_plots(
         assert d["status"] == 200 and d["output_tokens"] == 3 and d["prompt_tokens"] == 12
         assert 0 < d["ttft_s"] <= d["e2e_s"]
         assert d["tpot_s"] == pytest.approx((d["e2e_s"] - d["ttft_s"]) / 2, abs=1e-4)
-    assert max(d["e2e_s"] for d in details) <= report["summary"]["seconds"]
+    # The summary rounds the run's seconds to the millisecond; no request ends after the run.
+    assert max(d["e2e_s"] for d in details) <= report["summary"]["seconds"] + 0.0005
     assert plot.stat().st_size > 0

@@ -263,7 +263,7 @@ def summarize(results: list[Result], seconds: float, slo: SLO | SLOs) -> Summary
     return Summary(
         requests=len(results),
         ok=len(ok),
-        seconds=round(seconds, 2),
+        seconds=round(seconds, 3),  # ms: an offline tiny-model run lasts ~10 ms
         request_throughput=round(len(ok) / seconds, 3),
         output_token_throughput=round(out_tokens / seconds, 1),
         total_token_throughput=round((out_tokens + in_tokens) / seconds, 1),
