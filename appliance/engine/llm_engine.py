@@ -13,7 +13,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 from appliance.config import ApplianceConfig, ConfigError, load_config
@@ -28,6 +28,7 @@ from appliance.engine.loader import LoadedModel, StepExecutor
 from appliance.engine.model_runner import RunnerOutput
 from appliance.engine.output_processor import OutputProcessor
 from appliance.engine.outputs import CompletionResult, EngineOutput, Logprob
+from appliance.engine.pause_rule import PausedStep, PauseRule
 from appliance.engine.pooling import PoolingSums
 from appliance.engine.spec_verify import trim_forbidden_drafts
 from appliance.engine.stats import StepHistory, snapshot
@@ -38,37 +39,6 @@ from appliance.stats import EngineStats, PreemptionEvent, StepRecord
 log = logging.getLogger("appliance.engine")
 
 Prompt = str | list[int]
-
-
-@dataclass
-class _PauseRule:
-    """When a step that prefills pauses between two half-layers (Engine._should_pause)."""
-
-    request_ids: frozenset[str]
-    # The queue rank an arrival must beat to cut into it (Scheduler.cut_in_rank); None: none.
-    rank: int | None
-    # Seconds of forward after which the decodes it left out get their step
-    # (Scheduler.interleave_slice_s); None: it carries its decodes.
-    slice_s: float | None
-    # When its forward last started or resumed, when a pause was last asked (between which
-    # two, the unit that just ran: a layer's half, run_layers), and the unit before's length.
-    since: float
-    asked: float = 0.0
-    previous_unit: float = 0.0
-
-
-@dataclass
-class _PausedStep:
-    """A step whose forward paused between two half-layers for a cut-in step (Engine.step)."""
-
-    out: SchedulerOutput
-    started: float
-    paused_at: float
-    rule: _PauseRule
-    # Seconds of its wall time that cut-in steps took, before the latest pause.
-    excluded: float = 0.0
-    # Finishes (aborts, queue timeouts) asked for while it was paused, done when it ends.
-    finishes: list[tuple[str, FinishReason, str]] = field(default_factory=list)
 
 
 class Engine:
@@ -123,7 +93,7 @@ class Engine:
         # process drains its pipe). Asked between half-layers of a step that prefills, so a request
         # that outranks the step's prefills cuts into it (step()). None: no step pauses.
         self.take_arrivals: Callable[[], bool] | None = None
-        self._paused: _PausedStep | None = None
+        self._paused: PausedStep | None = None
         # Embedding requests' pooled hidden states, summed over their prefill chunks.
         self.pooling_sums = PoolingSums()
         # Started requests leaving per busy second: the queue's estimated wait (wait_estimate).
@@ -267,15 +237,15 @@ class Engine:
         slice_s = sched.interleave_slice_s(out)
         if rank is None and slice_s is None:
             return self._finish(out, self.executor.execute(out), started)
-        rule = _PauseRule(out.request_ids(), rank, slice_s, started)
+        rule = PauseRule(out.request_ids(), rank, slice_s, started)
         result = self.runner.execute_or_pause(out, lambda: self._should_pause(rule))
         if result is not None:
             return self._finish(out, result, started)
         paused_at = time.perf_counter()
-        self._paused = _PausedStep(out, started, paused_at, rule)
+        self._paused = PausedStep(out, started, paused_at, rule)
         return self._cut_in(rule, paused_at)
 
-    def _cut_in(self, rule: _PauseRule, paused_at: float) -> list[EngineOutput]:
+    def _cut_in(self, rule: PauseRule, paused_at: float) -> list[EngineOutput]:
         """The step run while a step is paused: the decodes it left out, and the waiting
         requests that outrank it."""
         besides = rule.request_ids if rule.slice_s is not None else None
@@ -298,7 +268,7 @@ class Engine:
         """Whether steps leave their decodes out to run them while paused."""
         return self._pausable() and self.config.scheduler.interleave_decodes
 
-    def _should_pause(self, rule: _PauseRule) -> bool:
+    def _should_pause(self, rule: PauseRule) -> bool:
         """Asked between two units of the forward (a layer's halves, run_layers): take the
         requests that arrived; pause for any of them that cuts in, or when the decodes the
         step left out are due their next token."""
@@ -306,16 +276,7 @@ class Engine:
         arrived = self.take_arrivals()
         if arrived and rule.rank is not None and self.scheduler.wants_cut_in(rule.rank):
             return True
-        if rule.slice_s is None:
-            return False
-        # Due when the next unit would end past the slice (a pause at the first check past it
-        # came a unit late: docs/admission.md), the next expected to take as long as the
-        # longer of the last two: the halves differ, the attention's growing with the context.
-        now = time.perf_counter()
-        unit = now - max(rule.asked, rule.since)
-        expected = max(unit, rule.previous_unit)
-        rule.asked, rule.previous_unit = now, unit
-        return now + expected - rule.since >= rule.slice_s and bool(
+        return rule.due(time.perf_counter()) and bool(
             self.scheduler.detached_decodes(rule.request_ids)
         )
 
@@ -325,7 +286,9 @@ class Engine:
         excluded = paused.excluded + time.perf_counter() - paused.paused_at
         # Pauses again only for requests that arrive from now on (take_arrivals says so), or
         # when the decodes it left out are due again.
-        rule = replace(paused.rule, since=time.perf_counter())
+        rule = paused.rule.resumed(
+            time.perf_counter(), paused.paused_at, paused.out.decode_interval_s
+        )
         again = None if self.take_arrivals is None else lambda: self._should_pause(rule)
         result = self.runner.resume(again)
         if result is None:  # paused again
