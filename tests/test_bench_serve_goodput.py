@@ -4,10 +4,13 @@ errors, and `--plot` (the figure's points, counted from the Figure, and the PNG 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from server_harness import ServerProcess, write_template
 
 from appliance.bench.goodput import SLO, SLOError, SLOs, parse_slos
 from appliance.bench.serve import Result, summarize
@@ -156,6 +159,7 @@ def test_bench_serve_offline_reports_goodput_per_kind_and_plots(
     assert ns.func(ns) == 0
     table = capsys.readouterr().out
     assert "goodput: requests that met every SLO" in table and f"plot: {plot}" in table
+    assert "ITL p50" in table
     report = json.loads(out.read_text())
     kinds = report["per_kind"]
     assert set(kinds) == {"short", "long"}
@@ -174,6 +178,53 @@ def test_bench_serve_offline_reports_goodput_per_kind_and_plots(
         assert d["status"] == 200 and d["output_tokens"] == 3 and d["prompt_tokens"] == 12
         assert 0 < d["ttft_s"] <= d["e2e_s"]
         assert d["tpot_s"] == pytest.approx((d["e2e_s"] - d["ttft_s"]) / 2, abs=1e-4)
+        # One token a step: a gap before each token after the first, adding up to the rest.
+        assert len(d["itl_s"]) == 2 and min(d["itl_s"]) > 0
+        assert sum(d["itl_s"]) == pytest.approx(d["e2e_s"] - d["ttft_s"], abs=1e-4)
+    gaps = sorted(g * 1000 for d in details for g in d["itl_s"])
+    assert report["summary"]["itl_ms"]["p99"] == pytest.approx(gaps[-1], abs=0.01)
     # The summary rounds the run's seconds to the millisecond; no request ends after the run.
     assert max(d["e2e_s"] for d in details) <= report["summary"]["seconds"] + 0.0005
     assert plot.stat().st_size > 0
+
+
+def test_itl_pools_every_gap_and_shows_the_stall_tpot_averages_away() -> None:
+    """One request streams 20 tokens 10 ms apart; another stalls 200 ms once among 10 ms gaps.
+    Their TPOTs are near (10 and 20 ms); the ITL p99 is the stall."""
+    steady = Result(0, "c", 10, 21, 200, 0.05, 0.05 + 0.2, itl_s=[0.01] * 20)
+    stalled = Result(1, "c", 10, 21, 200, 0.05, 0.05 + 0.39, itl_s=[0.01] * 19 + [0.2])
+    s = summarize([steady, stalled], 1.0, SLO())
+    assert s.tpot_ms["p99"] == pytest.approx(19.5)
+    assert s.itl_ms == {"p50": 10.0, "p90": 10.0, "p99": 200.0}
+
+
+@pytest.fixture(scope="module")
+def server(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    d = tmp_path_factory.mktemp("srv-bench")
+    srv = ServerProcess(write_template(d / "t.toml", tiny_model_dir), d / "log.txt").start()
+    yield srv
+    assert srv.stop() == 0, srv.log()
+
+
+def test_bench_serve_over_http_times_each_streamed_chunk(server: ServerProcess) -> None:
+    """The HTTP client's ITL: a gap per streamed chunk after the first, within the request's
+    time after its first token. A chunk may carry more than one token (the tiny model's
+    tokens come faster than the stream sends them), so a request has at most a gap a token."""
+    from appliance.bench.serve import add_parser, run_http
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    ns = parser.parse_args(
+        ["serve", "--url", server.url, "--model", "tiny", "--profile", "chat"]
+        + ["--arrival", "burst", "--num-requests", "3", "--prompt-len", "8"]
+        + ["--output-len", "6", "--vocab", "4096", "--prompt-format", "tokens"]
+    )
+    items = make_workload("chat", 3, "burst", 1.0, seed=0, vocab=4096, prompt_len=8, output_len=6)
+    results, _, _ = asyncio.run(run_http(items, ns))
+    assert [r.status for r in results] == [200] * 3
+    for r in results:
+        assert r.output_tokens == 6 and r.ttft_s is not None and r.e2e_s is not None
+        assert 1 <= len(r.itl_s) <= r.output_tokens and min(r.itl_s) >= 0
+        assert r.ttft_s + sum(r.itl_s) <= r.e2e_s + 1e-6

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from appliance.bench.audit import Outcome, ServerAudit, print_audit
 from appliance.bench.goodput import SLO, SLOError, SLOs, count, parse_slos, print_goodput
+from appliance.bench.serve_table import print_table
 from appliance.bench.workload import PROFILES, Item, make_workload
 from appliance.config import CLIENT_KEEPALIVE_EXPIRY_S
 
@@ -45,6 +46,10 @@ class Result:
     # The profile's kind (short, long, ...) and the scheduled arrival, s after the start.
     kind: str = ""
     arrival_s: float = 0.0
+    # Inter-token latencies: the gaps between two streamed chunks after the first (vLLM's
+    # benchmark's ITL; a chunk carries more than one token where the stream coalesced them),
+    # so a stall inside a request shows, where TPOT averages it away.
+    itl_s: list[float] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -100,6 +105,7 @@ async def _send(
                 res.retry_after = "retry-after" in resp.headers
                 res.refused_s = time.perf_counter() - start
                 return res
+            last = 0.0
             async for line in resp.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
@@ -107,8 +113,13 @@ async def _send(
                 if "error" in chunk:
                     res.status = f"stream_error:{chunk['error'].get('code')}"
                     return res
-                if chunk.get("choices") and res.ttft_s is None:
-                    res.ttft_s = time.perf_counter() - start
+                if chunk.get("choices"):
+                    now = time.perf_counter() - start
+                    if res.ttft_s is None:
+                        res.ttft_s = now
+                    else:
+                        res.itl_s.append(now - last)
+                    last = now
                 if chunk.get("usage"):
                     res.output_tokens = chunk["usage"]["completion_tokens"]
             res.e2e_s = time.perf_counter() - start
@@ -185,7 +196,8 @@ def run_offline(items: list[Item], ns: argparse.Namespace) -> tuple[list[Result]
         for it in items
     }
     pending = sorted(items, key=lambda it: it.arrival_s)
-    arrival = {}
+    arrival: dict[str, float] = {}
+    last: dict[str, float] = {}  # each request's latest output, s after its arrival
     t0 = time.perf_counter()
     cpu0 = time.process_time()
     while pending or engine.has_unfinished():
@@ -208,8 +220,12 @@ def run_offline(items: list[Item], ns: argparse.Namespace) -> tuple[list[Result]
         for out in engine.step():
             r = results[int(out.request_id)]
             t = time.perf_counter() - arrival[out.request_id]
-            if out.new_token_ids and r.ttft_s is None:
-                r.ttft_s = t
+            if out.new_token_ids:
+                if r.ttft_s is None:
+                    r.ttft_s = t
+                else:
+                    r.itl_s.append(t - last[out.request_id])
+                last[out.request_id] = t
             r.output_tokens += len(out.new_token_ids)
             if out.finished:
                 r.status = (
@@ -242,6 +258,7 @@ class Summary:
     slo_counts: dict[str, dict[str, int]] = field(default_factory=dict)
     ttft_ms: dict[str, float | None] = field(default_factory=dict)
     tpot_ms: dict[str, float | None] = field(default_factory=dict)
+    itl_ms: dict[str, float | None] = field(default_factory=dict)
     e2e_s: dict[str, float | None] = field(default_factory=dict)
 
 
@@ -272,13 +289,14 @@ def summarize(results: list[Result], seconds: float, slo: SLO | SLOs) -> Summary
         slo_counts=slo_counts,
         ttft_ms=_dist([r.ttft_s for r in ok if r.ttft_s is not None], 1000),
         tpot_ms=_dist([t for r in ok if (t := r.tpot_s) is not None], 1000),
+        itl_ms=_dist([gap for r in ok for gap in r.itl_s], 1000),
         e2e_s=_dist([r.e2e_s for r in ok if r.e2e_s is not None], 1),
     )
 
 
 def _detail(r: Result) -> dict[str, object]:
     """One request's record in the JSON report (times in seconds), its TPOT included."""
-    return {**asdict(r), "tpot_s": r.tpot_s}
+    return {**asdict(r), "itl_s": [round(gap, 6) for gap in r.itl_s], "tpot_s": r.tpot_s}
 
 
 def errors_by_status(results: list[Result]) -> dict[str, int]:
@@ -287,41 +305,6 @@ def errors_by_status(results: list[Result]) -> dict[str, int]:
         if not r.ok:
             out[str(r.status)] = out.get(str(r.status), 0) + 1
     return out
-
-
-def print_table(
-    title: str,
-    overall: Summary,
-    per_class: dict[str, Summary],
-    errors: dict[str, int],
-    per_kind: dict[str, Summary] | None = None,
-) -> None:
-    """Rows: all, then each kind of request (where the profile has more than one), then each
-    priority class sent."""
-    print(title)
-    rows = [("all", overall), *(per_kind or {}).items(), *per_class.items()]
-    head = f"{'':<10} {'reqs':>5} {'ok':>5} {'req/s':>7} {'out tok/s':>10} {'tot tok/s':>10} {'goodput/s':>10}"
-    print(head)
-    print("-" * len(head))
-    for name, s in rows:
-        print(
-            f"{name:<10} {s.requests:>5} {s.ok:>5} {s.request_throughput:>7.2f} "
-            f"{s.output_token_throughput:>10.1f} {s.total_token_throughput:>10.1f} {s.goodput:>10.2f}"
-        )
-    head = f"{'':<10} {'TTFT p50':>9} {'p90':>8} {'p99':>8} ms | {'TPOT p50':>9} {'p99':>7} ms | {'E2E p50':>8} {'p99':>7} s"
-    print()
-    print(head)
-    print("-" * len(head))
-
-    def f(v: float | None, w: int) -> str:
-        return f"{v:>{w}.1f}" if v is not None else f"{'-':>{w}}"
-
-    for name, s in rows:
-        print(
-            f"{name:<10} {f(s.ttft_ms['p50'], 9)} {f(s.ttft_ms['p90'], 8)} {f(s.ttft_ms['p99'], 8)}    | "
-            f"{f(s.tpot_ms['p50'], 9)} {f(s.tpot_ms['p99'], 7)}    | {f(s.e2e_s['p50'], 8)} {f(s.e2e_s['p99'], 7)}"
-        )
-    print(f"\nerrors by status: {errors or 'none'}")
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
