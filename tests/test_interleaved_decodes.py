@@ -92,6 +92,34 @@ def test_a_decoding_chat_gets_tokens_while_a_summary_prefills(tiny_model_dir: Pa
         engine.close()
 
 
+def test_a_chat_that_cut_in_gets_its_next_tokens_in_the_pauses(tiny_model_dir: Path) -> None:
+    """A summary's step that left no decodes out (none ran) pauses for a chat's arrival, whose
+    cut-in gives it its first token. The chat's class sets a TPOT target, so the step then
+    pauses for the chat's decodes too, instead of holding its second token until the step's
+    end; every token is a run's without pauses."""
+    expected = reference(tiny_model_dir)
+    engine = engine_for(tiny_model_dir, **TIGHT)
+    try:
+        summary = engine.add_request(SUMMARY, GREEDY)
+        added = arrive_at_calls(engine, {1: NEW_CHAT})
+        first = step_ids(engine)  # the cut-in after unit 1
+        chat = added[0]
+        assert first == {chat.request_id: expected["new"][:1]}
+        for k in range(1, 6):  # after units 2 to 6: the chat's tokens 2 to 6
+            assert step_ids(engine) == {chat.request_id: expected["new"][k : k + 1]}
+            assert engine.runner.paused is not None
+        assert step_ids(engine) == {summary.request_id: expected["summary"][:1]}
+        counters = engine.scheduler.counters
+        assert (counters.cut_in_steps, counters.interleaved_decode_steps) == (1, 5)
+        while engine.has_unfinished():
+            engine.step()
+        assert chat.output_token_ids == expected["new"]
+        assert summary.output_token_ids == expected["summary"]
+        assert engine.kv.usage().used == 0
+    finally:
+        engine.close()
+
+
 def test_a_chat_that_finishes_during_the_pause_frees_its_blocks_and_the_step_goes_on(
     tiny_model_dir: Path,
 ) -> None:

@@ -237,7 +237,9 @@ class Engine:
         slice_s = sched.interleave_slice_s(out)
         if rank is None and slice_s is None:
             return self._finish(out, self.executor.execute(out), started)
-        rule = PauseRule(out.request_ids(), rank, slice_s, started)
+        rule = PauseRule(
+            out.request_ids(), rank, slice_s, started, interval_s=out.decode_interval_s
+        )
         result = self.runner.execute_or_pause(out, lambda: self._should_pause(rule))
         if result is not None:
             return self._finish(out, result, started)
@@ -248,7 +250,7 @@ class Engine:
     def _cut_in(self, rule: PauseRule, paused_at: float) -> list[EngineOutput]:
         """The step run while a step is paused: the decodes it left out, and the waiting
         requests that outrank it."""
-        besides = rule.request_ids if rule.slice_s is not None else None
+        besides = rule.request_ids if rule.interval_s is not None else None
         step = self.scheduler.schedule_cut_in(rule.rank, besides)
         self._announce_started()
         return self._finish(step, self.executor.execute(step), paused_at)
@@ -280,15 +282,23 @@ class Engine:
             self.scheduler.detached_decodes(rule.request_ids)
         )
 
+    def _interval(self, paused: PausedStep) -> float | None:
+        """The TPOT target the paused step's left-out decodes are due by: the step's own, or,
+        where it left none out, that of the requests a cut-in admitted since (a chat arriving
+        during a summary's prefill got its first token there, and its second waited for the
+        step's end: up to 0.76 s at 1 req/s on 2 cores, docs/admission.md)."""
+        if paused.rule.interval_s is not None or not self._interleaving():
+            return paused.rule.interval_s
+        sched = self.scheduler
+        return sched.time_limit_s(sched.detached_decodes(paused.rule.request_ids))
+
     def _resume(self) -> list[EngineOutput]:
         paused, self._paused = self._paused, None
         assert paused is not None
         excluded = paused.excluded + time.perf_counter() - paused.paused_at
         # Pauses again only for requests that arrive from now on (take_arrivals says so), or
         # when the decodes it left out are due again.
-        rule = paused.rule.resumed(
-            time.perf_counter(), paused.paused_at, paused.out.decode_interval_s
-        )
+        rule = paused.rule.resumed(time.perf_counter(), paused.paused_at, self._interval(paused))
         again = None if self.take_arrivals is None else lambda: self._should_pause(rule)
         result = self.runner.resume(again)
         if result is None:  # paused again

@@ -29,6 +29,9 @@ class PauseRule:
     previous_unit: float = 0.0
     # When the decodes left out are due their step: `slice_s` after the start, then `resumed`'s.
     due_at: float | None = field(default=None)
+    # Their TPOT target (the step's decode_interval_s, or, once a cut-in admitted a request
+    # whose class sets one, that class's): None while the step pauses for arrivals only.
+    interval_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.due_at is None and self.slice_s is not None:
@@ -54,7 +57,7 @@ class PauseRule:
         due_at = None
         if interval_s is not None:
             due_at = max(paused_at + interval_s, now + interval_s * MIN_SLICE_FRACTION)
-        return replace(self, since=now, due_at=due_at)
+        return replace(self, since=now, due_at=due_at, interval_s=interval_s)
 
 
 @dataclass
