@@ -218,20 +218,20 @@ def test_the_decodes_are_due_when_the_next_unit_would_end_past_their_slice(
         engine.step()  # the chat decodes from now on, outside the step asked about
         now = llm_engine.time.perf_counter()
         # 60 ms into a 100 ms slice, the last unit took 50 ms: the next would end at 110.
-        rule = PauseRule(frozenset(), None, 0.100, since=now - 0.060)
+        rule = PauseRule.start(frozenset(), None, 0.100, since=now - 0.060)
         rule.asked = now - 0.050
         assert engine._should_pause(rule)
         # The same point with 20 ms units: the next ends at 80 ms, within the slice.
-        rule = PauseRule(frozenset(), None, 0.100, since=now - 0.060)
+        rule = PauseRule.start(frozenset(), None, 0.100, since=now - 0.060)
         rule.asked = now - 0.020
         assert not engine._should_pause(rule)
         # A 20 ms unit after a 45 ms one (an MLP half after a long attention): the next, the
         # same half as that one, would end at 105 ms.
-        rule = PauseRule(frozenset(), None, 0.100, since=now - 0.060)
+        rule = PauseRule.start(frozenset(), None, 0.100, since=now - 0.060)
         rule.asked, rule.previous_unit = now - 0.020, 0.045
         assert engine._should_pause(rule)
         # Nothing outside the step to decode: never due.
-        rule = PauseRule(frozenset({chat.request_id}), None, 0.100, since=now - 1)
+        rule = PauseRule.start(frozenset({chat.request_id}), None, 0.100, since=now - 1)
         assert not engine._should_pause(rule)
     finally:
         engine.close()
@@ -241,7 +241,7 @@ def test_after_a_pause_the_decodes_are_due_their_target_after_its_step_began() -
     """The chats got their token at the end of the pause's step; the next comes at the end of
     the next one: so that step starts a TPOT target after this one started, the pause's step
     and the host's time around it counted (a slice from the resume left them out)."""
-    rule = PauseRule(frozenset(), None, 0.030, since=0.0)
+    rule = PauseRule.start(frozenset(), None, 0.030, since=0.0)
     assert rule.due_at == pytest.approx(0.030)  # the first slice: from the step's start
     # Paused at 30 ms; its decode step and the host took 12 ms; the target is 35 ms.
     resumed = rule.resumed(now=0.042, paused_at=0.030, interval_s=0.035)
@@ -253,7 +253,7 @@ def test_after_a_pause_the_decodes_are_due_their_target_after_its_step_began() -
     late = rule.resumed(now=0.115, paused_at=0.030, interval_s=0.035)
     assert late.due_at == pytest.approx(0.115 + 0.035 / 4)
     # A step that pauses for arrivals only is never due for decodes.
-    arrivals_only = PauseRule(frozenset(), 3, None, since=0.0)
+    arrivals_only = PauseRule.start(frozenset(), 3, None, since=0.0)
     assert arrivals_only.resumed(now=0.1, paused_at=0.05, interval_s=None).due_at is None
 
 

@@ -237,7 +237,7 @@ class Engine:
         slice_s = sched.interleave_slice_s(out)
         if rank is None and slice_s is None:
             return self._finish(out, self.executor.execute(out), started)
-        rule = PauseRule(
+        rule = PauseRule.start(
             out.request_ids(), rank, slice_s, started, interval_s=out.decode_interval_s
         )
         result = self.runner.execute_or_pause(out, lambda: self._should_pause(rule))

@@ -19,23 +19,31 @@ class PauseRule:
     request_ids: frozenset[str]
     # The queue rank an arrival must beat to cut into it (Scheduler.cut_in_rank); None: none.
     rank: int | None
-    # Seconds of forward after which the decodes it left out get their step
-    # (Scheduler.interleave_slice_s); None: it carries its decodes.
-    slice_s: float | None
     # When its forward last started or resumed, when a pause was last asked (between which
     # two, the unit that just ran: a layer's half, run_layers), and the unit before's length.
     since: float
     asked: float = 0.0
     previous_unit: float = 0.0
-    # When the decodes left out are due their step: `slice_s` after the start, then `resumed`'s.
-    due_at: float | None = field(default=None)
+    # When the decodes left out are due their step (None: never): the first slice's end
+    # (`start`), then `resumed`'s.
+    due_at: float | None = None
     # Their TPOT target (the step's decode_interval_s, or, once a cut-in admitted a request
     # whose class sets one, that class's): None while the step pauses for arrivals only.
     interval_s: float | None = None
 
-    def __post_init__(self) -> None:
-        if self.due_at is None and self.slice_s is not None:
-            self.due_at = self.since + self.slice_s
+    @classmethod
+    def start(
+        cls,
+        request_ids: frozenset[str],
+        rank: int | None,
+        slice_s: float | None,
+        since: float,
+        interval_s: float | None = None,
+    ) -> PauseRule:
+        """The rule of a step starting at `since`: the decodes it left out are due `slice_s`
+        later (Scheduler.interleave_slice_s; None: it carries its decodes)."""
+        due_at = None if slice_s is None else since + slice_s
+        return cls(request_ids, rank, since, due_at=due_at, interval_s=interval_s)
 
     def due(self, now: float) -> bool:
         """Whether the next unit would end past `due_at` (a pause at the first check past it
