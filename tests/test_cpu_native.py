@@ -140,13 +140,15 @@ def test_cpu_backend_sends_decodes_native_and_the_rest_to_torch(
     monkeypatch.setattr(
         cpu_native, "paged_decode_attention", lambda *a: calls.append(1) or native(*a)
     )
-    out = cpu_paged_attention(*args)
+    out = cpu_paged_attention(*args, native_prefill=True)
     torch.testing.assert_close(out, paged_attention(*args), atol=1e-5, rtol=1e-5)
     assert len(calls) == (max_query_len == 1)
     # A quantized cache always takes the torch path (the kernels read model-dtype caches).
     calls.clear()
     scale = torch.ones(2)
-    cpu_paged_attention(*args[:7], max_query_len, max(seq_lens), "int8", scale, scale)
+    cpu_paged_attention(
+        *args[:7], max_query_len, max(seq_lens), "int8", scale, scale, native_prefill=True
+    )
     assert not calls
 
 

@@ -90,8 +90,28 @@ def test_a_step_of_several_prefills_takes_the_native_kernel_per_sequence() -> No
     q = torch.randn(int(starts[-1]), heads, head_dim, generator=gen).to(torch.bfloat16)
     args = (q, k, v, tables, seq_lens, starts, 0.125, 64, 200)
     want = paged_attention(*args).float()
-    got = cpu_paged_attention(*args).float()
+    got = cpu_paged_attention(*args, native_prefill=True).float()
     assert float((got - want).norm() / want.norm()) < RTOL
+
+
+def test_a_plan_without_the_native_prefill_attention_runs_sdpa(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On AMX the plan leaves prefill chunks to torch's SDPA: the dispatch never calls the
+    native kernel then, and gives the reference's answer."""
+    gen = torch.Generator().manual_seed(8)
+    k = torch.randn(8, 16, 3, 64, generator=gen).to(torch.bfloat16)
+    v = torch.randn(8, 16, 3, 64, generator=gen).to(torch.bfloat16)
+    q = torch.randn(40, 9, 64, generator=gen).to(torch.bfloat16)
+    tables = torch.arange(8).view(1, 8)
+    args = (q, k, v, tables, torch.tensor([100]), torch.tensor([0, 40]), 0.125, 40, 100)
+
+    def refuse(*_: object) -> torch.Tensor:
+        raise AssertionError("the native prefill attention was called")
+
+    monkeypatch.setattr(cpu_native, "prefill_attention", refuse)
+    got = cpu_paged_attention(*args, native_prefill=False)
+    torch.testing.assert_close(got, paged_attention(*args))
 
 
 @needs_kernel

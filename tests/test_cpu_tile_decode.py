@@ -374,3 +374,36 @@ def test_smollm2_greedy_at_twelve_a_step_follows_the_torch_path(
         return sum(a.token_ids == b.token_ids for a, b in pairs)
 
     assert equal_to_float32("amx") >= equal_to_float32("torch")
+
+
+@pytest.mark.parametrize(
+    ("flags", "native_prefill", "said"),
+    [
+        (AMX, False, "prefill attention: torch's SDPA (its products on AMX tiles)"),
+        ((), True, "prefill attention: native, in AVX-512-BF16 pair dot products"),
+    ],
+)
+def test_prefill_chunks_take_the_native_attention_only_without_amx(
+    tiny_model_dir: Path, flags: tuple[str, ...], native_prefill: bool, said: str
+) -> None:
+    """torch's flash attention runs its products on AMX tiles where the CPU has them (2x the
+    pair dot products there); without AMX the native kernel is the faster one."""
+    c = choose(
+        bf16_config(tiny_model_dir), 8, 2, features(*flags), True, lambda: (True, None), None
+    )
+    assert c.native_decode and c.native_prefill_attention is native_prefill
+    assert said in c.notes
+
+
+def test_no_native_prefill_attention_for_a_quantized_cache(tiny_model_dir: Path) -> None:
+    """The kernel reads a bf16 cache; an int8 cache keeps the torch path for every batch."""
+    c = choose(
+        bf16_config(tiny_model_dir, **{"cache.kv_cache_dtype": "int8"}),
+        8,
+        2,
+        features(),
+        True,
+        lambda: (True, None),
+        None,
+    )
+    assert not c.native_prefill_attention

@@ -472,9 +472,13 @@ def test_each_device_pair_holds_its_kernels() -> None:
 
     from appliance.cpu.attention import cpu_attention, cpu_paged_attention
 
-    native = cpu_attention(native=True)
-    assert (native.write_kv, native.paged_attention) == (write_kv, cpu_paged_attention)
-    assert cpu_attention(native=False) is TORCH_ATTENTION
+    for native_prefill in (True, False):
+        native = cpu_attention(native=True, native_prefill=native_prefill)
+        dispatch = native.paged_attention
+        assert native.write_kv is write_kv
+        assert dispatch.func is cpu_paged_attention  # type: ignore[attr-defined]
+        assert dispatch.keywords == {"native_prefill": native_prefill}  # type: ignore[attr-defined]
+    assert cpu_attention(native=False, native_prefill=False) is TORCH_ATTENTION
     assert (TORCH_ATTENTION.write_kv, TORCH_ATTENTION.paged_attention) == (
         write_kv,
         paged_attention,

@@ -48,7 +48,7 @@ def backend(name: str) -> AttentionBackend:
         from appliance.kernels.triton_attention import TRITON_ATTENTION
 
         return TRITON_ATTENTION
-    return cpu_attention(native=True) if name == "cpu" else TORCH_ATTENTION
+    return cpu_attention(native=True, native_prefill=True) if name == "cpu" else TORCH_ATTENTION
 
 
 def stored(x: torch.Tensor, fmt: str, scale: torch.Tensor) -> torch.Tensor:

@@ -147,7 +147,7 @@ def test_every_layer_gets_the_devices_backend(
     asked: list[bool] = []
     probe = AttentionBackend("probe", write_kv, paged_attention)
 
-    def cpu_attention(native: bool) -> AttentionBackend:
+    def cpu_attention(native: bool, native_prefill: bool) -> AttentionBackend:
         asked.append(native)
         return probe
 

@@ -1,13 +1,16 @@
 """The CPU backend's attention pair: decode batches over a 16/32-bit cache go to the native
 kernel (cpu_decode.c), which reads each K/V row in place (the torch path first gathers the
 context into padded copies: ~40% of a 64-sequence decode step of the small demo model);
-prefill chunks over a bf16 cache, where the build has AVX-512-BF16, to the native prefill
-attention (cpu_prefill_attention.inc.c: pair dot products, ~2x torch's SDPA on a 2-core Zen 4);
-everything else (float32 prefills, quantized caches with their fresh key/value) to the torch
-reference. Which batch takes which kernel is this backend's policy, so it lives here and not
-among the kernels."""
+prefill chunks over a bf16 cache, where the plan chose it (AVX-512-BF16 without AMX:
+appliance.cpu.choice), to the native prefill attention (cpu_prefill_attention.inc.c: pair dot
+products, ~2x torch's SDPA on a 2-core Zen 4); everything else (prefills on AMX, whose SDPA
+runs its products on tiles; float32 prefills; quantized caches with their fresh key/value) to
+the torch reference. Which batch takes which kernel is this backend's policy, so it lives here
+and not among the kernels."""
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 
@@ -31,6 +34,8 @@ def cpu_paged_attention(
     v_scale: torch.Tensor | None = None,
     key: torch.Tensor | None = None,
     value: torch.Tensor | None = None,
+    *,
+    native_prefill: bool,
 ) -> torch.Tensor:
     if (
         max_query_len == 1
@@ -43,7 +48,8 @@ def cpu_paged_attention(
             query, k_cache, v_cache, block_tables, seq_lens, scale
         )
     if (
-        max_query_len > 1
+        native_prefill
+        and max_query_len > 1
         and kv_cache_dtype == "auto"
         and query.dtype == k_cache.dtype
         and cpu_native.prefill_attention_available(k_cache, query.shape[2])
@@ -94,9 +100,18 @@ def _native_prefills(
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-CPU_NATIVE_ATTENTION = AttentionBackend("cpu-native", write_kv, cpu_paged_attention)
+CPU_NATIVE_ATTENTION = AttentionBackend(
+    "cpu-native", write_kv, partial(cpu_paged_attention, native_prefill=True)
+)
+# Native decode, torch's SDPA for prefill chunks (CPUs with AMX).
+CPU_NATIVE_DECODE_ATTENTION = AttentionBackend(
+    "cpu-native-decode", write_kv, partial(cpu_paged_attention, native_prefill=False)
+)
 
 
-def cpu_attention(native: bool) -> AttentionBackend:
-    """The pair the CPU plan chose: the native decode dispatch, or the torch reference."""
-    return CPU_NATIVE_ATTENTION if native else TORCH_ATTENTION
+def cpu_attention(native: bool, native_prefill: bool) -> AttentionBackend:
+    """The pair the CPU plan chose: the native decode dispatch, with or without the native
+    prefill attention, or the torch reference."""
+    if not native:
+        return TORCH_ATTENTION
+    return CPU_NATIVE_ATTENTION if native_prefill else CPU_NATIVE_DECODE_ATTENTION

@@ -153,7 +153,9 @@ class CpuBackend:
             if plan.native_ops
             else LayerOps(plan.compute_dtype)
         )
-        kernels = cpu_attention(native=plan.native_ops)
+        kernels = cpu_attention(
+            native=plan.native_ops, native_prefill=plan.native_prefill_attention
+        )
         for attn in model.attention_layers():
             attn.wire(PlainKV(kernels))
 

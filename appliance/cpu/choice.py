@@ -59,6 +59,9 @@ class CpuChoice:
     # the row-major one (appliance.cpu.tile_weights), dense bf16 models: "amx" (tile products)
     # or "avx512_bf16" (the same products in vectors); "": the matrix-vector decode.
     tile_decode: str = ""
+    # Prefill chunks over the bf16 cache through the native pair-dot-product attention
+    # (AVX-512-BF16 without AMX); False: torch's SDPA.
+    native_prefill_attention: bool = False
     notes: list[str] = field(default_factory=list)
     # Set when the configuration asks for something slow on this CPU (logged as a warning).
     warning: str = ""
@@ -181,6 +184,18 @@ def choose(
                 f"16-bit weights: native decode for steps of up to {BF16_FUSED_MAX} sequences "
                 f"({why}: its matrix-vector loops cost ~3-4 ms a step per extra row; torch beyond)"
             )
+    native_prefill_attention = False
+    if native_decode and compute == "bfloat16":
+        # torch's flash attention for CPUs runs its products as bf16 brgemm, on AMX tiles where
+        # the CPU has them: a 1,500-token prefill of the small demo model took 0.46 s through
+        # it against 0.88 s through the pair dot products (2-core Sapphire Rapids,
+        # docs/benchmarks.md, "Sapphire Rapids, prefill attention"); without AMX the pair dot
+        # products run ~2x its vector path (Zen 4).
+        if features.has("amx_bf16") and features.has("amx_tile"):
+            notes.append("prefill attention: torch's SDPA (its products on AMX tiles)")
+        elif features.has("avx512_bf16") and features.has("avx512bw"):
+            native_prefill_attention = True
+            notes.append("prefill attention: native, in AVX-512-BF16 pair dot products")
     return CpuChoice(
         weight=weight,
         compute=compute,
@@ -190,6 +205,7 @@ def choose(
         native_decode=native_decode,
         quant_dense_copy=quant_dense_copy,
         tile_decode=tile_decode,
+        native_prefill_attention=native_prefill_attention,
         notes=notes,
         warning=warning,
     )

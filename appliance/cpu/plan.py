@@ -76,6 +76,11 @@ class CpuPlan:
         return self.choice.native_decode
 
     @property
+    def native_prefill_attention(self) -> bool:
+        """Prefill chunks through the native pair-dot-product attention (no AMX)."""
+        return self.choice.native_prefill_attention
+
+    @property
     def tile_decode(self) -> str:
         """The native decode's products over tile-packed weights: "amx", "avx512_bf16", or ""
         (the matrix-vector decode)."""
@@ -112,6 +117,7 @@ class CpuPlan:
             "native_ops": self.native_ops,
             "native_decode": self.native_decode,
             "tile_decode": self.tile_decode,
+            "native_prefill_attention": self.native_prefill_attention,
             "fused_decode_max_batch": self.fused_max_batch if self.native_decode else 0,
             "notes": list(self.notes),
             "warning": self.warning,
