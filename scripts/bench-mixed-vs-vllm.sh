@@ -4,7 +4,8 @@
 # 1 req/s (seed 0) and at 0.75 req/s (seed 1: other prompts, so no prefix-cache hits from the
 # first rate), then at 1.25 req/s over seeds 2-6 (one 48-request run is one draw of the load: a
 # seed whose summaries come in a burst overloads 2 cores, another's do not), pooled per server by
-# `appliance bench pool` (good requests over the runs' total seconds); then 64 requests at once
+# `appliance bench pool` (good requests over the runs' total seconds; SWEEP_RATE sets another
+# rate for a faster box); then 64 requests at once
 # (128/128), and 8 one at a time. Results print; plots and JSON reports land in $OUT.
 #
 # Usage: scripts/bench-mixed-vs-vllm.sh [appliance|matvec|vllm ...]   (default: appliance vllm)
@@ -20,6 +21,7 @@ M=${MODEL:-$HOME/.cache/appliance/models/small}
 VLLM_VENV=${VLLM_VENV:-/tmp/vllm}
 OUT=${OUT:-/tmp/bench-mixed}
 SWEEP_SEEDS=${SWEEP_SEEDS-2 3 4 5 6}
+SWEEP_RATE=${SWEEP_RATE:-1.25}
 mkdir -p "$OUT"
 [ -d "$M" ] || .venv/bin/appliance demo-model --shape small --out "$M" >/dev/null
 C="--no-priority --vocab 49152 --prompt-format tokens"
@@ -41,10 +43,11 @@ load() {  # name port
     --num-requests 48 --seed 1 $C $SLO --plot "$OUT/$n-0.75rps.png" \
     --json-out "$OUT/$n-0.75rps.json" 2>&1 | tail -25
   for seed in $SWEEP_SEEDS; do
-    echo "== $n 1.25rps-seed$seed $(date -u +%H:%M:%S)"
-    .venv/bin/appliance bench serve --url "$url" --profile mixed --arrival poisson --rate 1.25 \
-      --num-requests 48 --seed "$seed" $C $SLO --plot "$OUT/$n-1.25rps-seed$seed.png" \
-      --json-out "$OUT/$n-1.25rps-seed$seed.json" 2>&1 | tail -9 | head -7
+    echo "== $n ${SWEEP_RATE}rps-seed$seed $(date -u +%H:%M:%S)"
+    .venv/bin/appliance bench serve --url "$url" --profile mixed --arrival poisson \
+      --rate "$SWEEP_RATE" --num-requests 48 --seed "$seed" $C $SLO \
+      --plot "$OUT/$n-${SWEEP_RATE}rps-seed$seed.png" \
+      --json-out "$OUT/$n-${SWEEP_RATE}rps-seed$seed.json" 2>&1 | tail -9 | head -7
   done
   echo "== $n 64-at-once $(date -u +%H:%M:%S)"
   .venv/bin/appliance bench serve --url "$url" --profile chat --arrival burst --num-requests 64 \
@@ -87,11 +90,11 @@ for w in "${servers[@]}"; do
   esac
 done
 if [ -n "$SWEEP_SEEDS" ]; then
-  echo "== 1.25 req/s, seeds $SWEEP_SEEDS, pooled per server"
+  echo "== $SWEEP_RATE req/s, seeds $SWEEP_SEEDS, pooled per server"
   args=()
   for n in "${names[@]}"; do
     args+=(--reports "$n")
-    for seed in $SWEEP_SEEDS; do args+=("$OUT/$n-1.25rps-seed$seed.json"); done
+    for seed in $SWEEP_SEEDS; do args+=("$OUT/$n-${SWEEP_RATE}rps-seed$seed.json"); done
   done
   base=$(printf '%s\n' "${names[@]}" | grep -m1 '^vllm')
   .venv/bin/appliance bench pool "${args[@]}" ${base:+--baseline "$base"}
