@@ -188,9 +188,9 @@ def choose(
     if native_decode and compute == "bfloat16":
         # torch's flash attention for CPUs runs its products as bf16 brgemm, on AMX tiles where
         # the CPU has them: a 1,500-token prefill of the small demo model took 0.46 s through
-        # it against 0.88 s through the pair dot products (2-core Sapphire Rapids,
-        # docs/benchmarks.md, "Sapphire Rapids, prefill attention"); without AMX the pair dot
-        # products run ~2x its vector path (Zen 4).
+        # it against 0.88 s through the pair dot products on a 2-core Sapphire Rapids
+        # (docs/benchmarks.md, "Sapphire Rapids: torch's SDPA for prefill chunks"); without
+        # AMX the pair dot products run ~2x its vector path (Zen 4).
         if features.has("amx_bf16") and features.has("amx_tile"):
             notes.append("prefill attention: torch's SDPA (its products on AMX tiles)")
         elif features.has("avx512_bf16") and features.has("avx512bw"):
