@@ -50,11 +50,11 @@ def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
 def backends() -> list[tuple[str, object, object]]:
     from appliance.kernels.triton_attention import paged_attention_triton, write_kv_triton
 
-    from appliance.cpu.attention import cpu_paged_attention
+    from appliance.cpu.attention import CPU_NATIVE_ATTENTION
 
     return [
         ("torch", write_kv, paged_attention),
-        ("cpu", write_kv, cpu_paged_attention),
+        ("cpu", write_kv, CPU_NATIVE_ATTENTION.paged_attention),
         ("triton", write_kv_triton, paged_attention_triton),
     ]
 
