@@ -67,6 +67,16 @@ class CpuChoice:
     warning: str = ""
 
 
+def bf16_matrix_isa(features: CpuFeatures) -> str:
+    """Where this CPU runs bf16 matrix products: "amx" (tiles), "avx512_bf16" (pair dot
+    products in vectors), or "" (neither)."""
+    if features.has("amx_bf16") and features.has("amx_tile"):
+        return "amx"
+    if features.has("avx512_bf16") and features.has("avx512bw"):
+        return "avx512_bf16"
+    return ""
+
+
 def choose(
     config: ApplianceConfig,
     num_heads: int,
@@ -156,13 +166,7 @@ def choose(
                 )
     tile_decode = ""
     if native_decode and compute == weight == "bfloat16":
-        cpu_tiles = (
-            "amx"
-            if features.has("amx_bf16") and features.has("amx_tile")
-            else "avx512_bf16"
-            if features.has("avx512_bf16") and features.has("avx512bw")
-            else ""
-        )
+        cpu_tiles = bf16_matrix_isa(features)
         why = (
             "model.cpu_tile_decode = false"
             if not config.model.cpu_tile_decode
@@ -191,9 +195,10 @@ def choose(
         # it against 0.88 s through the pair dot products on a 2-core Sapphire Rapids
         # (docs/benchmarks.md, "Sapphire Rapids: torch's SDPA for prefill chunks"); without
         # AMX the pair dot products run ~2x its vector path (Zen 4).
-        if features.has("amx_bf16") and features.has("amx_tile"):
+        isa = bf16_matrix_isa(features)
+        if isa == "amx":
             notes.append("prefill attention: torch's SDPA (its products on AMX tiles)")
-        elif features.has("avx512_bf16") and features.has("avx512bw"):
+        elif isa == "avx512_bf16":
             native_prefill_attention = True
             notes.append("prefill attention: native, in AVX-512-BF16 pair dot products")
     return CpuChoice(
