@@ -272,7 +272,13 @@ async def test_preemptions_move_on_screen_and_requests_screen(server: ServerProc
             assert shown() <= admin_stats(server)["engine"]["counters"]["preemptions"]
             assert re.search(r"cmpl-\S+ (batch|interactive) recompute", screen_text(app))
 
-            # The requests screen lists what the engine holds, with the same figures.
+            # The requests screen lists what the engine holds, with the same figures. The engine
+            # is paused before the long request is sent, so that it cannot finish (or be missed
+            # between two polls) on a fast machine: a tiny model's 240 steps take well under a
+            # second. The three above, preempted or not, finish first.
+            done = await asyncio.wait_for(asyncio.gather(*tasks), 60)
+            assert all(r.json()["choices"][0]["finish_reason"] == "length" for r in done)
+            assert (await http.post("/admin/pause", headers=auth)).json() == {"paused": True}
             victim = asyncio.create_task(
                 http.post(
                     "/v1/completions",
@@ -285,11 +291,10 @@ async def test_preemptions_move_on_screen_and_requests_screen(server: ServerProc
                 )
             )
             await app.switch_mode("requests")
-            # Hold the engine still (as an operator would before an abort) as soon as it holds
-            # the long request, so that it cannot finish first on a fast machine (240 steps to
-            # go); figures stop moving too.
-            await asyncio.wait_for(live(4), 30)
-            assert (await http.post("/admin/pause", headers=auth)).json() == {"paused": True}
+            listed = asyncio.create_task(live(4))
+            await asyncio.wait({listed, victim}, timeout=30, return_when=asyncio.FIRST_COMPLETED)
+            assert not victim.done(), f"answered before it was listed: {victim.result().text}"
+            assert listed.done(), "the long request was never listed"
             await until(
                 pilot,
                 lambda: any(r.prompt_tokens == 4 for r in app.snapshot.stats.requests),
@@ -319,11 +324,13 @@ async def test_preemptions_move_on_screen_and_requests_screen(server: ServerProc
             assert resp.json()["choices"][0]["finish_reason"] == "abort"
             assert resp.json()["usage"]["completion_tokens"] < 240
             await until(pilot, lambda: f"aborted {target}" in screen_text(app), 10, "abort outcome")
-            # Its blocks are back while still paused; the others finish after a resume.
+            # It is gone while still paused; after a resume the engine serves again.
             assert all(r["request_id"] != target for r in admin_stats(server)["requests"])
             assert (await http.post("/admin/resume", headers=auth)).json() == {"paused": False}
-            done = await asyncio.wait_for(asyncio.gather(*tasks), 60)
-            assert all(r.json()["choices"][0]["finish_reason"] == "length" for r in done)
+            after = await http.post(
+                "/v1/completions", json={"model": "tiny", "prompt": [5, 6], "max_tokens": 3}
+            )
+            assert after.json()["usage"]["completion_tokens"] >= 1
 
 
 # -- templates -----------------------------------------------------------------------------------
