@@ -210,8 +210,10 @@ static inline vf exp_v(vf x) {
 
 /* attend_heads' scores of G query heads (compile-time, so their accumulators stay in
  * registers) against the chunk's K rows of their KV head: sc[h][t] = q_h . k_t * scale. */
-#define QK_GROUP(LOADV, G)                                                                     \
-        for (int64_t t = 0; t < n; t++) {                                                      \
+#define QK_GROUP(LOADV, G) QK_GROUP_FROM(LOADV, G, 0)
+/* The same from token T0 of the chunk on. */
+#define QK_GROUP_FROM(LOADV, G, T0)                                                            \
+        for (int64_t t = (T0); t < n; t++) {                                                   \
             QK_PREFETCH(t);                                                                    \
             const __typeof__(*kh) *kr = kh + slot_of[t] * row;                                 \
             vf acc[G];                                                                         \
@@ -222,6 +224,72 @@ static inline vf exp_v(vf x) {
             }                                                                                  \
             for (int h = 0; h < G; h++) sc[h][t] = hsum(acc[h]) * scale;                       \
         }
+
+#if VW == 16 && defined(__AVX512F__)
+/* Sixteen accumulators' lane sums in one vector: lane 4b + q holds accumulator 4q + b's sum.
+ * Each sum pairs the same lanes in the same order as hsum's tree (i with i + 8, then i + 4,
+ * i + 2, i + 1), so it is hsum's bit for bit, in 45 instructions for the sixteen instead of
+ * ~9 each. */
+static inline vf hsum16(const vf a[16]) {
+    __m512 c[8], e[4], g[2];
+    for (int k = 0; k < 8; k++) {
+        __m512 x, y;
+        memcpy(&x, &a[2 * k], sizeof x);
+        memcpy(&y, &a[2 * k + 1], sizeof y);
+        c[k] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 2, 3, 2)));
+    }
+    for (int k = 0; k < 4; k++)
+        e[k] = _mm512_add_ps(
+            _mm512_shuffle_f32x4(c[2 * k], c[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+            _mm512_shuffle_f32x4(c[2 * k], c[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    for (int k = 0; k < 2; k++)
+        g[k] = _mm512_add_ps(_mm512_shuffle_ps(e[2 * k], e[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(e[2 * k], e[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    __m512 r = _mm512_add_ps(_mm512_shuffle_ps(g[0], g[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_ps(g[0], g[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    vf out;
+    memcpy(&out, &r, sizeof out);
+    return out;
+}
+
+/* QK_GROUP over NT tokens at a time (NT = 16 / G, 4 for G = 3): the G x NT dot products'
+ * accumulators are summed together by hsum16, whose lane h * NT + u is head h's score of
+ * token u (its accumulator is hsum16's transpose of that lane). The per-token sums were most
+ * of the decode attention's instructions at VW 16 (three hsums a token for SmolLM's 3 query
+ * heads a KV head), if only ~8% of its time at 2k tokens of context (docs/benchmarks.md).
+ * The same sums as QK_GROUP's, bit for bit; the tokens past the last whole NT take
+ * QK_GROUP's loop. */
+#define QK_BATCH(LOADV, G)                                                                     \
+        {                                                                                      \
+            enum { NT = 16 / ((G) == 3 ? 4 : (G)) };                                           \
+            int64_t t0b = 0;                                                                   \
+            for (; t0b + NT <= n; t0b += NT) {                                                 \
+                vf acc[16];                                                                    \
+                _Pragma("GCC unroll 16") for (int a = 0; a < 16; a++) acc[a] = (vf){0};        \
+                _Pragma("GCC unroll 16") for (int u = 0; u < NT; u++) {                        \
+                    QK_PREFETCH(t0b + u);                                                      \
+                    const __typeof__(*kh) *kr = kh + slot_of[t0b + u] * row;                   \
+                    for (int64_t j = 0; j < d; j += VW) {                                      \
+                        vf kv = LOADV(kr + j);                                                 \
+                        _Pragma("GCC unroll 4") for (int h = 0; h < (G); h++) {                \
+                            const int l = h * NT + u;                                          \
+                            acc[4 * (l % 4) + l / 4] += f32_loadv(qg + h * d + j) * kv;        \
+                        }                                                                      \
+                    }                                                                          \
+                }                                                                              \
+                float sums[16];                                                                \
+                const vf scaled = hsum16(acc) * scale;                                         \
+                memcpy(sums, &scaled, sizeof sums);                                            \
+                for (int h = 0; h < (G); h++)                                                  \
+                    memcpy(&sc[h][t0b], sums + h * NT, NT * sizeof(float));                    \
+            }                                                                                  \
+            QK_GROUP_FROM(LOADV, G, t0b)                                                       \
+        }
+#else
+/* (narrower vectors: one hsum per score, as QK_GROUP) */
+#define QK_BATCH(LOADV, G) QK_GROUP(LOADV, G)
+#endif
 
 /* out_h += sum_t p[h][t] v_t for G query heads, VW columns at a time over the chunk's V
  * rows: one V load serves the G heads, the sums stay in registers. */

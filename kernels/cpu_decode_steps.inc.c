@@ -107,10 +107,10 @@ static void FN(attend_heads_limited)(const float *q, const T *k_cache, const T *
                 for (int64_t h0 = 0; h0 < group; h0 += 4, qg += 4 * d, sc += 4) {
                     const int first_pass = h0 == 0;
                     switch (group - h0 < 4 ? group - h0 : 4) {
-                    case 1: QK_GROUP(LOADV, 1); break;
-                    case 2: QK_GROUP(LOADV, 2); break;
-                    case 3: QK_GROUP(LOADV, 3); break;
-                    default: QK_GROUP(LOADV, 4); break;
+                    case 1: QK_BATCH(LOADV, 1); break;
+                    case 2: QK_BATCH(LOADV, 2); break;
+                    case 3: QK_BATCH(LOADV, 3); break;
+                    default: QK_BATCH(LOADV, 4); break;
                     }
                 }
                 continue;
