@@ -17,6 +17,7 @@ from appliance.config import ApplianceConfig
 from appliance.cpu.attention import cpu_attention
 from appliance.cpu.choice import BF16_FUSED_MAX, QUANT_COPY_FUSED_MAX, TILE_ISA_NAMES
 from appliance.cpu.fused_decode import FusedCpuDecode
+from appliance.cpu.huge_pages import zeros_on_huge_pages
 from appliance.cpu.ops import NativeCpuOps
 from appliance.cpu.plan import (
     BF16_GEMV_MAX_ROWS,
@@ -221,6 +222,10 @@ class CpuBackend:
         block_bytes: int,
     ) -> tuple[int, str]:
         return int(self.kv_cache_memory * GiB // block_bytes), ""
+
+    def cache_zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        # The decode attention reads the pool's blocks at random: 2 MiB pages, fewer TLB walks.
+        return zeros_on_huge_pages(shape, dtype)
 
     def wire(
         self,

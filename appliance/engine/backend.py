@@ -69,6 +69,10 @@ class Backend(ForwardHooks, Protocol):
         it is one line of config)."""
         ...
 
+    def cache_zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """One of the KV pool's tensors, zeroed, where the attention reads it best."""
+        ...
+
     def wire(self, model: LlamaForCausalLM, caches: list[LayerCache], block_size: int) -> None:
         """With the KV cache allocated: whatever reads it in place (the fused decode)."""
         ...

@@ -104,6 +104,9 @@ class CudaBackend:
         )
         return plan.num_blocks, plan.describe()
 
+    def cache_zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype, device=self.device)
+
     def wire(self, model: LlamaForCausalLM, caches: list[LayerCache], block_size: int) -> None:
         """No fused decode on CUDA: every step runs the model's forward."""
 

@@ -25,6 +25,7 @@ class KVCachePool:
         dtype: torch.dtype | Sequence[torch.dtype] | KVStorage,
         device: torch.device,
         pin_host_memory: bool = False,
+        zeros: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
     ) -> None:
         # One storage dtype per layer (or one for all): with kv_cache_keep_16bit some layers keep
         # the model dtype while the rest store FP8/INT8 bytes. Zeros, never empty: the torch
@@ -56,10 +57,9 @@ class KVCachePool:
                 ),
             )
 
-        self.device_caches = [
-            layer(num_blocks, i, lambda s, dt: torch.zeros(s, dtype=dt, device=device))
-            for i in range(num_layers)
-        ]
+        # `zeros`: the device backend's allocation (Backend.cache_zeros: the CPU's on huge pages).
+        device_zeros = zeros or (lambda s, dt: torch.zeros(s, dtype=dt, device=device))
+        self.device_caches = [layer(num_blocks, i, device_zeros) for i in range(num_layers)]
         # Empty, not zeros: a swap block is only read after a whole device block was copied
         # into it, and untouched pages cost nothing (zero-filling took ~1 s per GiB at start).
         self.host_caches = [

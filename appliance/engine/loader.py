@@ -314,6 +314,7 @@ def wire_backend(
         layout.storage,
         backend.device,
         pin_host_memory=backend.pin_host_memory,
+        zeros=backend.cache_zeros,
     )
     eos = eos_token_ids(w.hf_config, w.tokenizer)
     backend.wire(w.model, pool.device_caches, config.cache.block_size)
