@@ -18,9 +18,16 @@ seconds ~= a + b * decode_rows + c * decode_context + d * prefill_tokens + e * p
   one intercept for both, the fit split that difference between them: decode steps looked
   dearer than they are and chunks were sized as if the switch cost nothing.
 
-Fitted by least squares, coefficients kept non-negative, over the last steps of two kinds
-(decode-only steps and steps with prefill, each its own window, so a long run of decodes does not
-forget what prefill costs). Pure Python: the core stays torch-free.
+Fitted by least squares, coefficients kept non-negative, over the steps of two kinds (decode-only
+steps and steps with prefill, each its own sums, so a long run of decodes does not forget what
+prefill costs), older steps weighing less (FORGET per step of the kind: a memory of ~2,000
+steps, ~30 s of serving). A short window (128 steps a kind, as before) fitted the few shapes of
+the last seconds: in a steady mix its rows and context moved together and the fit traded one
+for the other (context cost 0, a lone row 16 ms against 11 measured; a replay of a served
+run: docs/benchmarks.md). What a shared box's drift changes is the speed, not the shape of
+the cost: each kind's estimate is scaled by a running mean (SPEED_RATE a step) of its steps'
+measured / fitted ratio, which follows a box that got 2x slower within ~50 steps. Pure
+Python: the core stays torch-free.
 """
 
 from __future__ import annotations
@@ -41,8 +48,10 @@ NAMES = (
     "prefill_pair",
     "prefill_step",
 )
-WINDOW = 128  # steps kept of each kind
-REFIT_EVERY = 8  # observations between refits (a 6x6 solve over up to 256 rows)
+FORGET = 0.9995  # the weight a step of its kind keeps per newer step of that kind
+SPEED_RATE = 0.1  # how far each step moves its kind's speed factor toward its own ratio
+ERROR_WINDOW = 128  # steps of each kind the mean absolute error (a stat) is taken over
+REFIT_EVERY = 8  # observations between refits (a 6x6 solve)
 RIDGE = 1e-6
 # A chunk is never cut below this many tokens by time alone: a long prompt always progresses.
 MIN_CHUNK = 16
@@ -121,39 +130,76 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
 
 
 def fit_nonnegative(rows: list[tuple[tuple[float, ...], float]]) -> list[float] | None:
-    """Least squares with every coefficient >= 0 (a cost never makes a step faster): solve,
-    drop the columns that came out negative, solve again (an active set, a few rounds)."""
+    """Least squares over (features, seconds) rows with every coefficient >= 0."""
     if not rows:
         return None
-    width = len(rows[0][0])
-    active = list(range(width))
-    for _ in range(width):
-        ata = [[RIDGE * (i == j) for j in active] for i in active]
-        atb = [0.0] * len(active)
-        for x, y in rows:
-            for ii, i in enumerate(active):
-                atb[ii] += x[i] * y
-                for jj, j in enumerate(active):
-                    ata[ii][jj] += x[i] * x[j]
-        sol = _solve(ata, atb)
-        if sol is None:
-            return None
-        negative = [active[k] for k, v in enumerate(sol) if v < 0]
-        if not negative:
-            coef = [0.0] * width
-            for k, i in enumerate(active):
-                coef[i] = sol[k]
-            return coef
-        active = [i for i in active if i not in negative]
-        if not active:
-            return [0.0] * width
-    return None
+    sums = NormalSums(len(rows[0][0]))
+    for x, y in rows:
+        sums.add(x, y, 1.0)
+    return sums.fit()
+
+
+class NormalSums:
+    """The normal equations' sums (X'X, X'y) of weighted rows."""
+
+    def __init__(self, width: int) -> None:
+        self.xtx = [[0.0] * width for _ in range(width)]
+        self.xty = [0.0] * width
+        self.count = 0
+
+    def add(self, x: tuple[float, ...], y: float, decay: float) -> None:
+        """Add a row, the earlier ones weighted `decay` times less."""
+        for i, xi in enumerate(x):
+            self.xty[i] = decay * self.xty[i] + xi * y
+            row = self.xtx[i]
+            for j, xj in enumerate(x):
+                row[j] = decay * row[j] + xi * xj
+        self.count += 1
+
+    def plus(self, other: NormalSums) -> NormalSums:
+        both = NormalSums(len(self.xty))
+        both.xtx = [
+            [a + b for a, b in zip(r, o, strict=True)]
+            for r, o in zip(self.xtx, other.xtx, strict=True)
+        ]
+        both.xty = [a + b for a, b in zip(self.xty, other.xty, strict=True)]
+        both.count = self.count + other.count
+        return both
+
+    def fit(self) -> list[float] | None:
+        """Least squares with every coefficient >= 0 (a cost never makes a step faster):
+        solve, drop the columns that came out negative, solve again (an active set, a few
+        rounds)."""
+        width = len(self.xty)
+        active = list(range(width))
+        for _ in range(width):
+            ata = [[self.xtx[i][j] + RIDGE * (i == j) for j in active] for i in active]
+            sol = _solve(ata, [self.xty[i] for i in active])
+            if sol is None:
+                return None
+            negative = [active[k] for k, v in enumerate(sol) if v < 0]
+            if not negative:
+                coef = [0.0] * width
+                for k, i in enumerate(active):
+                    coef[i] = sol[k]
+                return coef
+            active = [i for i in active if i not in negative]
+            if not active:
+                return [0.0] * width
+        return None
 
 
 class StepCostModel:
     def __init__(self) -> None:
-        self._decode_steps: deque[tuple[tuple[float, ...], float]] = deque(maxlen=WINDOW)
-        self._prefill_steps: deque[tuple[tuple[float, ...], float]] = deque(maxlen=WINDOW)
+        width = len(NAMES)
+        # Per kind (decode-only, with prefill): the decayed sums, the speed factor, and the
+        # last steps for the error figure.
+        self._sums = {False: NormalSums(width), True: NormalSums(width)}
+        self._speed = {False: 1.0, True: 1.0}
+        self._recent: dict[bool, deque[tuple[tuple[float, ...], float]]] = {
+            False: deque(maxlen=ERROR_WINDOW),
+            True: deque(maxlen=ERROR_WINDOW),
+        }
         self._since_fit = 0
         self.coef: list[float] | None = None
         self.observations = 0
@@ -161,21 +207,25 @@ class StepCostModel:
     @property
     def ready(self) -> bool:
         """Fitted from steps with prefill and steps without: only then does it bound chunks."""
-        return self.coef is not None and bool(self._prefill_steps) and bool(self._decode_steps)
+        return self.coef is not None and all(s.count for s in self._sums.values())
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         if shape.decode_rows == 0 and shape.prefill_tokens == 0:
             return
-        window = self._prefill_steps if shape.prefill_tokens else self._decode_steps
-        window.append((shape.features(), seconds))
+        kind = bool(shape.prefill_tokens)
+        x = shape.features()
+        fitted = self._dot(x) if self.coef is not None else 0.0
+        if fitted > 0:
+            self._speed[kind] += SPEED_RATE * (seconds / fitted - self._speed[kind])
+        self._sums[kind].add(x, seconds, FORGET)
+        self._recent[kind].append((x, seconds))
         self.observations += 1
         self._since_fit += 1
         if self.coef is None or self._since_fit >= REFIT_EVERY:
             self.refit()
 
     def refit(self) -> None:
-        rows = [*self._decode_steps, *self._prefill_steps]
-        coef = fit_nonnegative(rows)
+        coef = self._sums[False].plus(self._sums[True]).fit()
         self._since_fit = 0
         if coef is None:
             return
@@ -185,22 +235,27 @@ class StepCostModel:
         assert self.coef is not None
         return sum(c * x for c, x in zip(self.coef, features, strict=True))
 
+    def _scaled(self, features: tuple[float, ...]) -> float:
+        # features[-1]: the prefill-step indicator (StepShape.features).
+        return self._dot(features) * self._speed[features[-1] > 0]
+
     def mean_abs_error_s(self) -> float:
-        """Of the current fit over the steps it was fitted to (for the stats, not the loop)."""
-        rows = [*self._decode_steps, *self._prefill_steps]
+        """Of the estimates over the last steps of each kind (for the stats, not the loop)."""
+        rows = [*self._recent[False], *self._recent[True]]
         if self.coef is None or not rows:
             return 0.0
-        return sum(abs(self._dot(x) - y) for x, y in rows) / len(rows)
+        return sum(abs(self._scaled(x) - y) for x, y in rows) / len(rows)
 
     def estimate(self, shape: StepShape) -> float | None:
         """Seconds the step is expected to take (None until fitted)."""
-        return self._dot(shape.features()) if self.coef is not None else None
+        return self._scaled(shape.features()) if self.coef is not None else None
 
     def decode_row_terms(self) -> tuple[float, float]:
         """(seconds a decode row adds, seconds per context token it attends over): what the
         speculative planner prices each draft row with, without building shapes."""
         assert self.coef is not None
-        return self.coef[1] * SCALES[1], self.coef[2] * SCALES[2]
+        speed = self._speed[False]
+        return self.coef[1] * SCALES[1] * speed, self.coef[2] * SCALES[2] * speed
 
     def max_chunk(self, shape: StepShape, start: int, remaining: int, limit_s: float) -> int:
         """The largest chunk of a prompt at `start` (at most `remaining` tokens) that keeps a step
@@ -230,7 +285,10 @@ class StepCostModel:
     def describe(self) -> dict[str, Any]:
         """The current figures in readable units (ms; µs per context token)."""
         coef = self.coef or [0.0] * len(NAMES)
-        per = [c * s for c, s in zip(coef, SCALES, strict=True)]
+        # As the estimates use them: the decode terms at decode steps' speed, the prefill
+        # terms at prefill steps'.
+        speeds = [self._speed[False]] * 3 + [self._speed[True]] * 3
+        per = [c * s * v for c, s, v in zip(coef, SCALES, speeds, strict=True)]
         return {
             "fitted": self.coef is not None,
             "ready": self.ready,
