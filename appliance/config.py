@@ -189,6 +189,14 @@ class SchedulerConfig(_Section):
     # a step cannot pause (the offline API, tensor parallelism, LoRA rows, cut_in off), chunks
     # are cut to the target instead.
     interleave_decodes: bool = False
+    # How much of a class's token interval (its TPOT target) work of classes without one may
+    # take, as a share of what a decode step of the class's rows alone costs (the step cost
+    # model's estimate): 1.0, its tokens come at most twice as far apart as the box can
+    # serve them, or at its target if that is tighter. It paces the pauses of a summary's
+    # prefill for the chats' decodes (scheduler.interleave_decodes) and leaves the
+    # summaries' decode rows that do not fit out of a chats' decode step, never two steps
+    # running (StepBuilder.defer_untimed_decodes). None: the target alone.
+    untimed_work_share: PositiveFloat | None = None
 
     def __post_init__(self) -> None:
         # One name inside the appliance for one behaviour.

@@ -64,6 +64,8 @@ class Request:
 
     num_preemptions: int = 0
     preempted_at: float | None = None
+    # Decode steps in a row it waited out (scheduler.defer_untimed_decodes): at most one.
+    decode_deferrals: int = 0
     time_preempted: float = 0.0
     first_scheduled_time: float | None = None
     # Prompt logprobs handed out so far: entries for prompt positions 1 .. this (the engine

@@ -213,6 +213,7 @@ class Scheduler:
         out.admit()
         out.schedule_deferred()
         out.detach_decodes()
+        out.defer_untimed_decodes()
         result = out.build()
         assert result.num_scheduled_tokens <= self.cfg.max_num_batched_tokens
         assert len(self.running) <= seq_limit
@@ -304,6 +305,20 @@ class Scheduler:
         """A step's time limit: the tightest TPOT target among the classes it decodes."""
         targets = [t for r in decodes if (t := self.config.tpot_slo_s(r.priority_class))]
         return min(targets) if targets else None
+
+    def token_interval_s(self, decodes: list[Request]) -> float | None:
+        """How far apart the tokens of `decodes` (rows of classes with a TPOT target) may come:
+        their tightest target, or less where scheduler.untimed_work_share bounds it by what
+        a decode step of theirs alone is expected to cost."""
+        limit = self.time_limit_s(decodes)
+        share = self.cfg.untimed_work_share
+        if limit is None or share is None or not self.cost.ready:
+            return limit
+        shape = StepShape()
+        for r in decodes:
+            shape = shape.with_decode(r.num_computed_tokens)
+        alone = self.cost.estimate(shape)
+        return limit if alone is None else min(limit, (1.0 + share) * alone)
 
     def class_present(self, priority_class: str, now: float | None = None) -> bool:
         """Whether a class has traffic: a request of it running or waiting, or one that arrived

@@ -181,7 +181,35 @@ class StepBuilder:
         detached = [r for r in decodes if not self.s.rides_prefill(r, lowest)]
         for r in detached:
             self._ungrant(r)
-        self.decode_interval_s = self.limit_s if detached else None
+        self.decode_interval_s = self.s.token_interval_s(detached) if detached else None
+
+    def defer_untimed_decodes(self) -> None:
+        """A decode-only step with rows of classes with a TPOT target (chats): the decode rows
+        of classes without one (summaries, batch work) that would make it outlast the chats'
+        token interval (Scheduler.token_interval_s) wait for the next step. One reading 2k
+        tokens of context costs a chat's step as much as a few chats do. Deferred, it goes
+        first next time and never waits two steps running: it still gets every other token
+        at worst."""
+        s = self.s
+        if s.cfg.untimed_work_share is None or self.shape.prefill_tokens or not s.cost.ready:
+            return
+        timed = [r for r in self.order if s.config.tpot_slo_s(r.priority_class)]
+        untimed = [r for r in self.order if r not in timed]
+        limit = s.token_interval_s(timed)
+        if limit is None or not untimed:
+            return
+        shape = StepShape()
+        for r in timed:
+            shape = self._add(shape, r, self.granted[r.request_id])
+        # The ones that waited last step first (stable: the policy's order otherwise).
+        for r in sorted(untimed, key=lambda r: -r.decode_deferrals):
+            with_it = self._add(shape, r, self.granted[r.request_id])
+            if r.decode_deferrals or (s.cost.estimate(with_it) or 0.0) <= limit:
+                shape, r.decode_deferrals = with_it, 0
+            else:
+                r.decode_deferrals += 1
+                self._ungrant(r)
+                self._bound("time_budget")
 
     def serve_besides(self, paused: frozenset[str]) -> int:
         """A step run while `paused` (request ids) is paused: the running decodes it left out,

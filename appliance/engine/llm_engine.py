@@ -290,7 +290,7 @@ class Engine:
         if paused.rule.interval_s is not None or not self._interleaving():
             return paused.rule.interval_s
         sched = self.scheduler
-        return sched.time_limit_s(sched.detached_decodes(paused.rule.request_ids))
+        return sched.token_interval_s(sched.detached_decodes(paused.rule.request_ids))
 
     def _resume(self) -> list[EngineOutput]:
         paused, self._paused = self._paused, None

@@ -1,0 +1,118 @@
+"""scheduler.untimed_work_share: how much of a chat's token interval work without a TPOT target
+may take. A decode step of chats leaves out the summaries' decode rows that would make it cost
+more than (1 + share) times the chats' rows alone (the step cost model's estimate against a
+synthetic box whose costs the test knows), never one of them two steps running; and the
+pauses of a summary's prefill come at that interval, not only at the chats' target."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from appliance.config import ConfigError, load_config
+from appliance.core.scheduler import Scheduler
+from appliance.core.step_cost import StepShape
+from tests.test_scheduler import make, req, step
+from tests.test_step_cost import trained, true_seconds
+
+TARGET_S = 0.060
+CLASSES: dict[str, Any] = {
+    "scheduler.policy": "priority",
+    "priority_classes.interactive.priority": 5,
+    "priority_classes.interactive.tpot_slo_ms": TARGET_S * 1e3,
+    "priority_classes.batch.priority": 10,
+    "scheduler.max_num_batched_tokens": 4096,
+}
+
+
+def scheduler(share: float | None) -> Scheduler:
+    s = make({**CLASSES, "scheduler.untimed_work_share": share}, num_blocks=1024)
+    s.cost = trained()  # the synthetic box of test_step_cost: a row 1.5 ms, a context token 2 us
+    return s
+
+
+def chats_and_summaries_decoding(s: Scheduler) -> None:
+    """Two chats (100-token prompts) and three summaries (2,000) past their prompts."""
+    for i in range(3):
+        s.add_request(
+            req(f"summary-{i}", 2000, max_tokens=200, priority=10, cls="batch", base=10_000 * i)
+        )
+    while s.waiting or any(r.num_tokens - r.num_computed_tokens > 1 for r in s.running):
+        step(s)
+    for i in range(2):
+        s.add_request(
+            req(f"chat-{i}", 100, max_tokens=200, priority=5, cls="interactive", base=50_000 + i)
+        )
+    step(s)
+    assert all(r.num_tokens - r.num_computed_tokens == 1 for r in s.running)
+    assert len(s.running) == 5
+
+
+def chats_alone_s(s: Scheduler) -> float:
+    shape = StepShape()
+    for r in s.running:
+        if r.priority_class == "interactive":
+            shape = shape.with_decode(r.num_computed_tokens)
+    return true_seconds(shape)
+
+
+def test_without_a_share_every_row_decodes_every_step() -> None:
+    s = scheduler(None)
+    chats_and_summaries_decoding(s)
+    for _ in range(6):
+        assert len(step(s).scheduled) == 5
+
+
+@pytest.mark.parametrize("share", [0.5, 1.0, 2.0])
+def test_summaries_that_do_not_fit_wait_one_step_at_most(share: float) -> None:
+    s = scheduler(share)
+    chats_and_summaries_decoding(s)
+    # Each summary row adds 1.5 ms + 2,000 x 2 us = 5.5 ms to the chats' ~7.4 ms.
+    alone = chats_alone_s(s)
+    interval = min(TARGET_S, (1 + share) * alone)
+    assert s.token_interval_s([r for r in s.running if r.priority_class == "interactive"]) == (
+        pytest.approx(interval, rel=0.05)
+    )
+    missed: dict[str, int] = {}
+    summary_tokens = 0
+    for _ in range(12):
+        out = step(s)
+        ids = {r.request_id for r in out.scheduled}
+        assert {"chat-0", "chat-1"} <= ids
+        forced = [rid for rid, n in missed.items() if n == 1]
+        assert set(forced) <= ids, "a summary waited two steps running"
+        summaries = [rid for rid in ids if rid.startswith("summary")]
+        summary_tokens += len(summaries)
+        for rid in (f"summary-{i}" for i in range(3)):
+            missed[rid] = 0 if rid in ids else missed.get(rid, 0) + 1
+        # A step over the interval carries only summaries that waited the step before.
+        if true_seconds(StepShape.of(out)) > interval * 1.05:
+            assert set(summaries) <= set(forced)
+        if len(summaries) < 3:
+            assert out.bound_by == "time_budget"
+    # The tighter the share, the fewer summary rows per step; never under every other step.
+    assert 12 * 3 / 2 <= summary_tokens < 12 * 3
+
+
+def test_a_summarys_prefill_pauses_at_the_chats_interval() -> None:
+    s = scheduler(0.5)
+    s.add_request(req("chat", 100, max_tokens=64, priority=5, cls="interactive"))
+    step(s)
+    s.add_request(req("summary", 2000, max_tokens=4, priority=10, cls="batch", base=9000))
+    out = s.schedule(interleave=True)
+    assert [r.request_id for r in out.scheduled] == ["summary"]  # the chat left out
+    alone = chats_alone_s(s)
+    assert out.decode_interval_s == pytest.approx(min(TARGET_S, 1.5 * alone), rel=0.05)
+    # Without the share, at the chats' target.
+    t = scheduler(None)
+    t.add_request(req("chat", 100, max_tokens=64, priority=5, cls="interactive"))
+    step(t)
+    t.add_request(req("summary", 2000, max_tokens=4, priority=10, cls="batch", base=9000))
+    assert t.schedule(interleave=True).decode_interval_s == TARGET_S
+
+
+@pytest.mark.parametrize("bad", [0, -0.5])
+def test_a_share_of_zero_or_below_is_a_config_error_naming_the_key(bad: float) -> None:
+    with pytest.raises(ConfigError, match="untimed_work_share"):
+        load_config(None, {"scheduler.untimed_work_share": bad})
