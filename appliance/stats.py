@@ -43,6 +43,9 @@ class SchedulerCounters(msgspec.Struct, kw_only=True):
     # Steps of the running decodes that a paused prefill step left out
     # (scheduler.interleave_decodes).
     interleaved_decode_steps: int = 0
+    # Decode rows of classes without a TPOT target left out of a chats' decode step for the
+    # next one (scheduler.untimed_work_share).
+    deferred_decode_rows: int = 0
 
     def count_preemption(self, mode: str, priority_class: str) -> None:
         self.preemptions += 1

@@ -76,6 +76,7 @@ def test_summaries_that_do_not_fit_wait_one_step_at_most(share: float) -> None:
     )
     missed: dict[str, int] = {}
     summary_tokens = 0
+    deferred_before = s.counters.deferred_decode_rows
     for _ in range(12):
         out = step(s)
         ids = {r.request_id for r in out.scheduled}
@@ -93,6 +94,7 @@ def test_summaries_that_do_not_fit_wait_one_step_at_most(share: float) -> None:
             assert out.bound_by == "time_budget"
     # The tighter the share, the fewer summary rows per step; never under every other step.
     assert 12 * 3 / 2 <= summary_tokens < 12 * 3
+    assert s.counters.deferred_decode_rows - deferred_before == 12 * 3 - summary_tokens
 
 
 def test_a_summarys_prefill_pauses_at_the_chats_interval() -> None:

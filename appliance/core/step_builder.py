@@ -208,6 +208,7 @@ class StepBuilder:
                 shape, r.decode_deferrals = with_it, 0
             else:
                 r.decode_deferrals += 1
+                s.counters.deferred_decode_rows += 1
                 self._ungrant(r)
                 self._bound("time_budget")
 

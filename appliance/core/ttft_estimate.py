@@ -67,13 +67,18 @@ def estimate_ttft_s(sched: Scheduler, req: Request, interleave: bool = False) ->
     outranked = [urgent is not None and rank > urgent for rank in ranks]
     lowest = min((rank for rank, low in zip(ranks, outranked, strict=True) if low), default=0)
     detached, riding = StepShape(), StepShape()
+    apart: list[Request] = []
     for r in decoding:
         if interleave and any(outranked) and sched.rides_prefill(r, lowest):
             riding = riding.with_decode(r.num_computed_tokens)
         else:
             detached = detached.with_decode(r.num_computed_tokens)
+            apart.append(r)
     decode_s = (cost.estimate(detached) or 0.0) if detached.decode_rows else 0.0
-    interval = step_limit if interleave else None
+    # A step leaves its decodes out where its prefill would outlast their target; its pauses
+    # then come at their token interval (Scheduler.token_interval_s: tighter with
+    # scheduler.untimed_work_share).
+    pacing = (step_limit, sched.token_interval_s(apart)) if interleave and step_limit else None
     total, steps = 0.0, 0
     while own[1] > 0:
         shape, budget = decodes, sched.cfg.max_num_batched_tokens - decodes.decode_rows
@@ -90,7 +95,7 @@ def estimate_ttft_s(sched: Scheduler, req: Request, interleave: bool = False) ->
             budget -= chunk
             item[0] += chunk
             item[1] -= chunk
-        total += _step_s(sched, shape, lower, riding, decode_s, interval)
+        total += _step_s(sched, shape, lower, riding, decode_s, pacing)
         steps += 1
         if steps >= MAX_STEPS:
             # A queue this deep: the rest of req's prompt at the last step's pace.
@@ -104,19 +109,21 @@ def _step_s(
     lower: StepShape,
     riding: StepShape,
     decode_s: float,
-    interval: float | None,
+    pacing: tuple[float, float | None] | None,
 ) -> float:
-    """A simulated step's seconds. With `interval` (an interleaving engine's decodes' target),
-    a step whose prefill of requests the decodes outrank (`lower`) is expected to outlast it
-    runs without the decodes, but for those `riding` it (Scheduler.rides_prefill); the others
-    get a step of their own, `decode_s`, each slice (StepBuilder.detach_decodes,
-    Scheduler.interleave_slice_s)."""
+    """A simulated step's seconds. With `pacing` (an interleaving engine's decodes' target and
+    token interval), a step whose prefill of requests the decodes outrank (`lower`) is expected
+    to outlast the target runs without the decodes, but for those `riding` it
+    (Scheduler.rides_prefill); the others get a step of their own, `decode_s`, each slice
+    (StepBuilder.detach_decodes, Scheduler.interleave_slice_s)."""
     cost = sched.cost
     whole = cost.estimate(shape) or 0.0
-    if interval is None or not decode_s or not lower.prefill_tokens:
+    if pacing is None or not decode_s or not lower.prefill_tokens:
         return whole
-    if (cost.estimate(lower) or 0.0) <= interval:
+    target, interval = pacing
+    if (cost.estimate(lower) or 0.0) <= target:
         return whole
+    interval = interval or target
     prefill = StepShape(
         decode_rows=riding.decode_rows,
         decode_context=riding.decode_context,

@@ -148,6 +148,13 @@ class Metrics:
             m,
             registry=reg,
         )
+        self.deferred_decodes = Counter(
+            "appliance_deferred_decode_rows",
+            "Decode rows of classes without a TPOT target left out of a decode step for the "
+            "next one (scheduler.untimed_work_share).",
+            m,
+            registry=reg,
+        )
         self.drain = Counter(
             "appliance_drain_requests",
             "Requests in flight when a drain began: drained (finished in time) or cut.",
@@ -284,6 +291,7 @@ class Metrics:
             "prefix_hits": _CounterMirror(self.prefix_hits),
             "cut_ins": _CounterMirror(self.cut_ins),
             "interleaved_decodes": _CounterMirror(self.interleaved_decodes),
+            "deferred_decodes": _CounterMirror(self.deferred_decodes),
         }
 
     # -- request level (API process) -------------------------------------------------------------
@@ -456,6 +464,7 @@ class Metrics:
         mir["prefix_hits"].set_total((name,), s.prefix_cache_hits)
         mir["cut_ins"].set_total((name,), s.counters.cut_in_steps)
         mir["interleaved_decodes"].set_total((name,), s.counters.interleaved_decode_steps)
+        mir["deferred_decodes"].set_total((name,), s.counters.deferred_decode_rows)
         self.spec_decode.update(name, s.spec_decode)
         if s.max_loras:
             # One series, the current one, stamped with the time (as vLLM does).
