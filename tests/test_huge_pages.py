@@ -38,11 +38,21 @@ def huge_kib_around(address: int) -> int:
     return 0
 
 
+def thp_allowed_here() -> bool:
+    """Whether this process may get huge pages (a parent's prctl(PR_SET_THP_DISABLE) is
+    inherited; /proc/self/status says so from Linux 5.0)."""
+    status = Path("/proc/self/status").read_text()
+    found = re.search(r"^THP_enabled:\s*(\d)", status, re.MULTILINE)
+    return found is None or found.group(1) == "1"
+
+
 # Marked ranges get huge pages at their first touch where THP is on for them and a fault may
 # compact memory to find one (defrag not "never").
 grants_huge_pages = pytest.mark.skipif(
-    thp_setting("enabled") not in ("always", "madvise") or thp_setting("defrag") in (None, "never"),
-    reason="transparent huge pages are off for madvise'd ranges on this kernel",
+    thp_setting("enabled") not in ("always", "madvise")
+    or thp_setting("defrag") in (None, "never")
+    or not thp_allowed_here(),
+    reason="transparent huge pages are off for madvise'd ranges here",
 )
 
 

@@ -2,41 +2,28 @@
 
 The KV pool's blocks lie anywhere in it and each decode row reads its blocks in a 16-token
 run, so a step over 2k-token contexts touches a new 4 KiB page every few rows read: one TLB
-walk each. On 2 MiB pages the same reads take 4-6% less time (docs/benchmarks.md, "Sapphire
+walk each. On 2 MiB pages the same reads take 3-6% less time (docs/benchmarks.md, "Sapphire
 Rapids, afternoon"). Linux backs a range with huge pages on first touch only where the range
 was marked (madvise(MADV_HUGEPAGE)) and the system's policy allows it (`enabled` = always or
 madvise); elsewhere the mark is a no-op and the tensor is the same zeroed tensor on small
-pages.
+pages. The tensor gets a mapping of its own: memory from the allocator may have been touched
+before (a freed heap region it reuses), and touched small pages stay small.
 """
 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
+import math
 import mmap
-from collections.abc import Callable
 
 import torch
 
 log = logging.getLogger(__name__)
 
 HUGE_PAGE_BYTES = 2 << 20
-# (Linux; 14 in its headers)
-_MADV_HUGEPAGE: int = getattr(mmap, "MADV_HUGEPAGE", 14)
-
-
-def _madvise() -> Callable[[int, int, int], int] | None:
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
-    fn = ctypes.CDLL(name, use_errno=True).madvise
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_MADVISE = _madvise()
+# (Linux only; elsewhere the tensors stay on the allocator's pages)
+_MADV_HUGEPAGE: int | None = getattr(mmap, "MADV_HUGEPAGE", None)
 
 
 def huge_page_span(start: int, nbytes: int) -> tuple[int, int] | None:
@@ -48,12 +35,21 @@ def huge_page_span(start: int, nbytes: int) -> tuple[int, int] | None:
 
 
 def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """torch.zeros(shape, dtype) on the host, its whole 2 MiB pages marked for huge pages
-    before the zeros first touch them (a large allocation comes from a fresh mapping that no
-    page backs yet)."""
-    tensor = torch.empty(shape, dtype=dtype)
-    span = huge_page_span(tensor.data_ptr(), tensor.numel() * tensor.element_size())
-    if span is not None and _MADVISE is not None and _MADVISE(span[0], span[1], _MADV_HUGEPAGE):
-        # EINVAL where the kernel has no transparent huge pages: small pages, as before.
-        log.debug("madvise(MADV_HUGEPAGE): errno %d", ctypes.get_errno())
-    return tensor.zero_()
+    """torch.zeros(shape, dtype) on the host, in an anonymous mapping of its own marked for
+    huge pages before the zeros first touch it, starting on a 2 MiB boundary. A tensor under
+    one huge page, or a system without MADV_HUGEPAGE, gets plain torch.zeros."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes < HUGE_PAGE_BYTES or _MADV_HUGEPAGE is None:
+        return torch.zeros(shape, dtype=dtype)
+    # One huge page more than needed: the tensor starts at the first 2 MiB boundary in it.
+    # Private: a shared anonymous mapping is shmem, whose huge pages follow another setting.
+    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        mapping.madvise(_MADV_HUGEPAGE)
+    except OSError as exc:  # EINVAL where the kernel has no transparent huge pages
+        log.debug("madvise(MADV_HUGEPAGE): %s", exc)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
+    offset = -base % HUGE_PAGE_BYTES
+    # The tensor keeps the mapping alive (frombuffer holds a reference to it).
+    flat = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=offset)
+    return flat.view(dtype).view(shape).zero_()
