@@ -1,6 +1,6 @@
-"""The CPU KV pool on transparent huge pages (appliance/cpu/huge_pages.py): the span arithmetic,
-zeros whatever the memory held before, and, where the kernel grants huge pages to marked
-ranges, an engine's KV pool actually backed by them (read back from /proc/self/smaps)."""
+"""The CPU KV pool on transparent huge pages (appliance/cpu/huge_pages.py): zeros whatever the
+memory held before, and, where the kernel grants huge pages to marked ranges, an engine's KV
+pool actually backed by them (read back from /proc/self/smaps)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from appliance import Engine
-from appliance.config import load_config
-from appliance.cpu.huge_pages import HUGE_PAGE_BYTES, huge_page_span, zeros_on_huge_pages
+from appliance.cpu.huge_pages import HUGE_PAGE_BYTES, zeros_on_huge_pages
+from tests.test_preemption import engine_for
 
 MiB = 1 << 20
 
@@ -56,13 +55,6 @@ grants_huge_pages = pytest.mark.skipif(
 )
 
 
-def test_span_covers_whole_huge_pages_only() -> None:
-    assert huge_page_span(0, 2 * HUGE_PAGE_BYTES) == (0, 2 * HUGE_PAGE_BYTES)
-    assert huge_page_span(1, 3 * HUGE_PAGE_BYTES) == (HUGE_PAGE_BYTES, 2 * HUGE_PAGE_BYTES)
-    assert huge_page_span(HUGE_PAGE_BYTES - 4096, HUGE_PAGE_BYTES) is None
-    assert huge_page_span(12345, 100) is None
-
-
 def test_zeros_even_in_reused_memory() -> None:
     for _ in range(3):
         t = zeros_on_huge_pages((3, 5 * MiB // 4), torch.float32)
@@ -86,16 +78,7 @@ def test_a_large_tensor_is_backed_by_huge_pages() -> None:
 
 @grants_huge_pages
 def test_the_engines_cpu_kv_pool_is_on_huge_pages(tiny_model_dir: Path) -> None:
-    engine = Engine(
-        load_config(
-            None,
-            {
-                "model.path": str(tiny_model_dir),
-                "hardware.device": "cpu",
-                "cache.kv_cache_memory": 0.25,
-            },
-        )
-    )
+    engine = engine_for(tiny_model_dir, cache__kv_cache_memory=0.25)
     k = engine.runner.kv.device_caches[0].k
     nbytes = k.numel() * k.element_size()
     assert nbytes >= 4 * HUGE_PAGE_BYTES, "pool layer too small for the check"

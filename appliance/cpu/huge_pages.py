@@ -26,14 +26,6 @@ HUGE_PAGE_BYTES = 2 << 20
 _MADV_HUGEPAGE: int | None = getattr(mmap, "MADV_HUGEPAGE", None)
 
 
-def huge_page_span(start: int, nbytes: int) -> tuple[int, int] | None:
-    """The whole 2 MiB pages inside [start, start + nbytes): (first address, bytes); None when
-    the range holds none (a small tensor stays on small pages)."""
-    first = -(-start // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
-    last = (start + nbytes) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
-    return (first, last - first) if last > first else None
-
-
 def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """torch.zeros(shape, dtype) on the host, in an anonymous mapping of its own marked for
     huge pages before the zeros first touch it, starting on a 2 MiB boundary. A tensor under
