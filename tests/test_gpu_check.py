@@ -166,3 +166,22 @@ def test_scripts_are_executable_bash(name: str) -> None:
     if shutil.which("shellcheck"):
         proc = subprocess.run(["shellcheck", str(path)], capture_output=True, text=True)
         assert proc.returncode == 0, proc.stdout
+
+
+def test_cli_child_ignores_an_appliance_folder_in_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stages run from the checkout, whose appliance/ lacks the kernels/ that the installed
+    package maps in: the first GPU run's `bench` child imported it (its -c put the working
+    directory on the path) and died. A folder that breaks on import stands in for it here."""
+    from appliance.tools.gpu_check import StageContext
+    from appliance.tools.gpu_check_engine import run_cli
+
+    shadow = tmp_path / "checkout" / "appliance"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('the checkout, not the package')\n")
+    monkeypatch.chdir(shadow.parent)
+    ctx = StageContext(device="cpu", work=tmp_path, out=tmp_path, result_file=tmp_path / "r.json")
+    code, stdout = run_cli(ctx, ["templates"])
+    assert code == 0 and "cpu-demo" in stdout
+    assert ctx.figures["exit_code"] == 0

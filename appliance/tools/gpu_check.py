@@ -344,7 +344,7 @@ def _cuda_count() -> int:
     code = "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)"
     try:
         out = subprocess.run(
-            [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+            [sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=120
         )
         return int(out.stdout.strip().splitlines()[-1])
     except (subprocess.SubprocessError, ValueError, IndexError):

@@ -268,8 +268,10 @@ def run_cli(ctx: StageContext, argv: list[str]) -> tuple[int, str]:
     print("  appliance " + " ".join(argv), flush=True)
     start = time.monotonic()
     cli = "import sys; from appliance.cli import main; sys.exit(main(sys.argv[1:]))"
+    # -P: the stage runs from the checkout, whose appliance/ (without the kernels/ that the
+    # installed package maps in) would shadow the installed one on `-c`'s path.
     done = subprocess.run(
-        [sys.executable, "-c", cli, *argv], stdout=subprocess.PIPE, text=True, check=False
+        [sys.executable, "-P", "-c", cli, *argv], stdout=subprocess.PIPE, text=True, check=False
     )
     print(done.stdout[-6000:], flush=True)
     ctx.figure(exit_code=done.returncode, seconds=round(time.monotonic() - start, 1))
