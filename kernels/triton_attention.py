@@ -221,7 +221,9 @@ def paged_attention_decode(
         out.stride(1),
         *a.cache_strides,
         *part_strides,
-        SPLIT_SIZE=split_size,
+        # Unsplit, the kernel reads no split size: a constant keeps Triton's ==1 / %16
+        # specialisation of this argument from following the context length.
+        split_size if use_splits else 0,
         USE_SPLITS=use_splits,
         GROUP=a.group,
         GROUP_PAD=group_pad,
@@ -244,7 +246,7 @@ def paged_attention_decode(
             *part_strides,
             out.stride(0),
             out.stride(1),
-            SPLIT_SIZE=split_size,
+            split_size,
             SPLITS_PAD=max(triton.next_power_of_2(num_splits), 2),
             HEAD_DIM=a.head_dim,
             HEAD_DIM_PAD=a.head_dim_pad,

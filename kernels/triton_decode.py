@@ -38,7 +38,7 @@ def _decode_kernel(
     stride_pb,
     stride_ph,
     stride_ps,
-    SPLIT_SIZE: tl.constexpr,
+    split_size,
     USE_SPLITS: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
@@ -50,16 +50,23 @@ def _decode_kernel(
     FP32_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Grid (batch, num_kv_heads, num_splits): one query token per sequence."""
+    """Grid (batch, num_kv_heads, num_splits): one query token per sequence.
+
+    split_size is a runtime argument, not a constexpr: it follows the step's longest context
+    (the whole of it when unsplit), and a constexpr that changes with every step's length
+    made Triton compile a new kernel almost every step (~0.4 s each on the first H200 run)."""
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     ctx_len = tl.load(seq_lens_ptr + seq)
-    start = split * SPLIT_SIZE
     if USE_SPLITS:
-        if start >= ctx_len:  # this sequence is shorter: nothing to do
+        start = split * split_size
+        end = tl.minimum(start + split_size, ctx_len)
+        if start >= end:  # this sequence is shorter: nothing to do
             return
-    end = tl.minimum(start + SPLIT_SIZE, ctx_len)  # empty (unsplit, ctx_len 0): zeros out
+    else:
+        start = 0
+        end = ctx_len  # empty (ctx_len 0): zeros out
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     offs_n = tl.arange(0, BLOCK_N)
@@ -124,7 +131,7 @@ def _decode_reduce_kernel(
     stride_ps,
     stride_ot,
     stride_oh,
-    SPLIT_SIZE: tl.constexpr,
+    split_size,
     SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
@@ -133,7 +140,7 @@ def _decode_reduce_kernel(
     seq = tl.program_id(0)
     head = tl.program_id(1)
     ctx_len = tl.load(seq_lens_ptr + seq)
-    num_splits = tl.cdiv(ctx_len, SPLIT_SIZE)
+    num_splits = tl.cdiv(ctx_len, split_size)
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     s_mask = offs_s < num_splits

@@ -58,7 +58,7 @@ AOT_SCRIPT = textwrap.dedent("""
                       DOT_PRECISION="ieee" if fp32 else "tf32")
         gpad = triton.next_power_of_2(group)
         yield compile_(cc, td._decode_kernel, types, dict(
-            common, SPLIT_SIZE=2048, USE_SPLITS=use_splits, GROUP_PAD=max(gpad, 16)), cfg)
+            common, USE_SPLITS=use_splits, GROUP_PAD=max(gpad, 16)), cfg)
         yield compile_(cc, tp._prefill_kernel, types, dict(
             common, GROUP_PAD=gpad, BLOCK_Q=max(ta.PREFILL_BLOCK_M // gpad, 1), FRESH=fmt != 0),
             cfg)
@@ -80,7 +80,7 @@ AOT_SCRIPT = textwrap.dedent("""
             results += variant(cc, fmt)
         results.append(compile_(cc, td._decode_reduce_kernel, dict(
             part_out_ptr="*fp32", part_lse_ptr="*fp32", seq_lens_ptr="*i32", out_ptr="*bf16"),
-            dict(SPLIT_SIZE=2048, SPLITS_PAD=16, HEAD_DIM=128, HEAD_DIM_PAD=128),
+            dict(SPLITS_PAD=16, HEAD_DIM=128, HEAD_DIM_PAD=128),
             ta.default_config(128)))
     results += variant(80, 2, use_splits=False)  # e5m2, unsplit decode
     results += variant(80, 0, group=1, head_dim=64)
