@@ -24,10 +24,10 @@ def test_bench_decode_step_times_rows_over_scattered_blocks(
 ) -> None:
     """--scatter: the rows' blocks anywhere in the pool (as a served engine's are); the tile
     forward's logits over them are checked against the plain native forward's before timing
-    (a mismatch is refused, rc 2)."""
-    args = ["--model", str(tiny_model_dir), "--rows", "1,3", "--context", "70", "--repeats", "1"]
+    (a mismatch is refused, rc 2). A list of contexts is taken by the rows in turn."""
+    args = ["--model", str(tiny_model_dir), "--rows", "1,3", "--context", "70,20", "--repeats", "1"]
     rc = main(["bench", "decode-step", *args, "--scatter", "--json"])
     out = json.loads(capsys.readouterr().out)
-    assert rc == 0 and out["scatter"] is True
+    assert rc == 0 and out["scatter"] is True and out["context"] == [70, 20]
     assert [r["rows"] for r in out["results"]] == [1, 3]
     assert all(r["torch_ms"] > 0 and r["native_ms"] > 0 for r in out["results"])

@@ -8,7 +8,8 @@ for that path (appliance.cpu.choice: BF16_FUSED_MAX, TILE_FUSED_MAX).
 
 The model is loaded once with the tile decode off (model.cpu_tile_decode = false), so it
 keeps the row-major matrices the matrix-vector forward reads; the tile forward gets its own
-tile-packed copy. Every row attends over `--context` tokens of random K/V. Before timing, the
+tile-packed copy. Every row attends over `--context` tokens of random K/V (a list: the rows
+take its lengths in turn, a step of long and short contexts as mixed traffic has). Before timing, the
 tile forward's logits are checked against the other native forward's (the bench refuses to
 time a wrong kernel). Each figure is the median of
 `--repeats` calls, the paths interleaved, so the machine's drift hits all alike.
@@ -53,7 +54,7 @@ def _median_ms(fn: Callable[[], Any], times: list[float]) -> None:
 def run(
     model: str,
     rows: list[int],
-    context: int,
+    context: list[int],
     repeats: int,
     kv_gib: float = 0.5,
     scatter: bool = False,
@@ -80,8 +81,9 @@ def run(
 
 
 def _time_paths(
-    loaded: Any, rows: list[int], context: int, repeats: int, scatter: bool
+    loaded: Any, rows: list[int], contexts: list[int], repeats: int, scatter: bool
 ) -> dict[str, Any]:
+    context = max(contexts)
     if context + 1 > loaded.max_model_len:
         # Past the rotary table the positions read garbage: NaN logits, and slow arithmetic on
         # them (a 2,048-token context on a 2,048-position model timed 3x a 1,024 one).
@@ -121,7 +123,8 @@ def _time_paths(
     results = []
     for n in rows:
         tables = blocks[: n * blocks_per_seq].view(n, blocks_per_seq)
-        paths = _step_paths(runner, model, caches, plain, tiled, tables, context, gen)
+        lens = torch.tensor([contexts[i % len(contexts)] + 1 for i in range(n)])
+        paths = _step_paths(runner, model, caches, plain, tiled, tables, lens, gen)
         times: dict[str, list[float]] = {name: [] for name in paths}
         for fn in paths.values():
             fn()  # warm: primitives, pages
@@ -136,7 +139,7 @@ def _time_paths(
         "features": sorted(features.flags),
         "tiles": isa,
         "tiles_why_not": why,
-        "context": context,
+        "context": contexts,
         "results": results,
     }
 
@@ -148,19 +151,19 @@ def _step_paths(
     plain: Any,
     tiled: FusedCpuDecode | None,
     tables: torch.Tensor,
-    context: int,
+    lens: torch.Tensor,
     gen: torch.Generator,
 ) -> dict[str, Callable[[], Any]]:
-    """One decode step of a row per block table over `context` tokens each, as a call per
-    path; the tile forward's logits checked against the float32-activation forward's first."""
+    """One decode step of a row per block table, row i over lens[i] - 1 tokens and its new
+    one, as a call per path; the tile forward's logits checked against the float32-activation
+    forward's first."""
     n = tables.shape[0]
-    lens = torch.full((n,), context + 1)
     pos = lens - 1
     slots = tables[torch.arange(n), pos // 16] * 16 + pos % 16
     ids = torch.randint(0, model.args.vocab_size, (n,), generator=gen)
     meta = AttentionMetadata(
         slot_mapping=slots,
-        decode=PagedBatch(tables, lens, torch.arange(n + 1), 1, context + 1, n),
+        decode=PagedBatch(tables, lens, torch.arange(n + 1), 1, int(lens.max()), n),
         prefill=None,
     )
 
@@ -193,7 +196,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     p.add_argument("--model", required=True, help="an HF model directory (dense weights)")
     p.add_argument("--rows", default="1,2,4,6,8,12,16,24,32", help="sequences in the step")
-    p.add_argument("--context", type=int, default=256, help="tokens each row attends over")
+    p.add_argument(
+        "--context",
+        default="256",
+        help="tokens each row attends over; a list (2000,150,150) is taken in turn by the rows",
+    )
     p.add_argument("--repeats", type=int, default=9, help="interleaved calls, median kept")
     p.add_argument("--kv-gib", type=float, default=0.5, help="the KV pool (random K/V)")
     p.add_argument(
@@ -209,11 +216,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 def main(ns: argparse.Namespace) -> int:
     try:
         rows = [int(r) for r in ns.rows.split(",") if r]
+        contexts = [int(c) for c in ns.context.split(",") if c]
     except ValueError:
-        rows = []
-    if not rows or min(rows) < 1 or ns.context < 1 or ns.repeats < 1:
+        rows = contexts = []
+    if not rows or min(rows) < 1 or not contexts or min(contexts) < 1 or ns.repeats < 1:
         print(
-            "bench decode-step: --rows takes positive integers (1,2,4), --context and "
+            "bench decode-step: --rows and --context take positive integers (1,2,4), "
             "--repeats at least 1",
             file=sys.stderr,
         )
@@ -221,7 +229,7 @@ def main(ns: argparse.Namespace) -> int:
     if ns.threads > 0:
         torch.set_num_threads(ns.threads)
     try:
-        out = run(ns.model, rows, ns.context, ns.repeats, ns.kv_gib, ns.scatter)
+        out = run(ns.model, rows, contexts, ns.repeats, ns.kv_gib, ns.scatter)
     except RuntimeError as exc:  # a setting this model or pool cannot take (KernelMismatch too)
         print(f"bench decode-step: {exc}", file=sys.stderr)
         return 2
@@ -234,7 +242,8 @@ def main(ns: argparse.Namespace) -> int:
         else f"no tile forward ({out['tiles_why_not']})"
     )
     print(
-        f"{out['cpu']}, {out['threads']} threads, {tiles}; context {out['context']}"
+        f"{out['cpu']}, {out['threads']} threads, {tiles}; context "
+        f"{','.join(map(str, out['context']))}"
         f"{' in scattered blocks' if out['scatter'] else ''}; "
         f"median of {ns.repeats} interleaved calls"
     )
