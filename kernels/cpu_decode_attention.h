@@ -34,12 +34,45 @@ static inline int64_t attention_parts(const Shape *s) {
  * unnormalized outputs, then each query head's max and sum. */
 static inline int64_t attention_part_floats(const Shape *s) { return s->heads * (2 * s->head_dim + 2); }
 
-/* Floats of scratch rope_attention_ needs for the split (attention_parts > 1): a slot per
- * sequence and range, then one completion counter per sequence. */
+/* Steps of at least as many sequences as threads cut the step's context into about this many
+ * ranges a thread (attention_range_tokens), each over all of a sequence's KV heads, for the
+ * dynamic schedule to balance: one 2k-token summary beside short chats was one item per KV
+ * head, whose rows are a third of each token's contiguous K/V (the loads' prefetch and the
+ * memory's pages followed a 128-byte piece every 384 bytes), or one item per sequence that one
+ * thread took alone while the other finished the chats. */
+#define RANGES_PER_THREAD 2
+/* ... but no range under this many tokens: each range starts its prefetch from cold and adds a
+ * merge. */
+#define MIN_RANGE_TOKENS 256
+
+/* Tokens per range for a step of batch >= threads: the step's context over the team's ranges. */
+static inline int64_t attention_range_tokens(const int32_t *seq_lens, const Shape *s) {
+    int64_t total = 0;
+    for (int64_t b = 0; b < s->batch; b++) total += seq_lens[b];
+    const int64_t ranges = s->threads * RANGES_PER_THREAD;
+    const int64_t unit = (total + ranges - 1) / ranges;
+    return unit < MIN_RANGE_TOKENS ? MIN_RANGE_TOKENS : unit;
+}
+
+/* Ranges of a sequence of len tokens: a sequence no longer than a range is one. */
+static inline int64_t attention_seq_ranges(int64_t len, int64_t unit) {
+    return len > unit ? (len + unit - 1) / unit : 1;
+}
+
+/* Floats of scratch rope_attention_ needs: a slot per range of a split sequence, then one
+ * completion counter per sequence. With attention_parts > 1, parts slots a sequence; else at
+ * most batch + threads * RANGES_PER_THREAD slots in all (a sequence's ranges are at most its
+ * share of the step's ranges, rounded up). */
 static inline size_t attention_scratch_floats(const Shape *s) {
     const int64_t parts = attention_parts(s);
-    if (parts == 1) return 0;
-    return (size_t)s->batch * parts * attention_part_floats(s) + (size_t)s->batch;
+    const int64_t slots = parts > 1 ? s->batch * parts : s->batch + s->threads * RANGES_PER_THREAD;
+    return (size_t)slots * attention_part_floats(s) + (size_t)s->batch;
+}
+
+/* Where rope_attention_ranges' counters start in its scratch. */
+static inline int32_t *attention_range_counters(float *split, const Shape *s) {
+    return (int32_t *)(split + (s->batch + s->threads * RANGES_PER_THREAD) *
+                                   attention_part_floats(s));
 }
 
 /* Whether row b continues row b - 1's sequence: its context holds the previous row's new

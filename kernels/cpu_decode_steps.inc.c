@@ -328,6 +328,70 @@ static void FN(attend_runs)(float *qkv, const float *cos_table, const float *sin
     }
 }
 
+/* rope_attention for steps of at least as many sequences as threads: a work item is (sequence,
+ * token range, chunk of KV heads: one for up to MAX_QUERY_HEADS query heads), the ranges cut as
+ * attention_range_tokens says. A sequence of one range is rotated in place and attended
+ * straight into out; one of several is handled as rope_attention_split handles its ranges (its
+ * queries rotated into its slots, the new K/V stored by the item of its last range, the last
+ * item to finish merging). Every thread finds the same ranges. */
+static void FN(rope_attention_ranges)(float *qkv, const float *cos_table,
+                                      const float *sin_table, const int64_t *positions,
+                                      const int64_t *slots, T *k_cache, T *v_cache,
+                                      const int32_t *tables, const int32_t *seq_lens,
+                                      const Shape *s, float scale, float *out, float *split) {
+    const int64_t group = s->heads / s->kv_heads, d = s->head_dim, heads = s->heads;
+    const int64_t q_stride = (heads + 2 * s->kv_heads) * d;
+    int64_t per_item = MAX_QUERY_HEADS / group;
+    if (per_item > s->kv_heads) per_item = s->kv_heads;
+    const int64_t chunks = (s->kv_heads + per_item - 1) / per_item;
+    const int64_t unit = attention_range_tokens(seq_lens, s);
+    const int64_t stride = attention_part_floats(s);
+    int32_t *done = attention_range_counters(split, s);
+    int64_t first[s->batch + 1]; /* sequence b's ranges: first[b] .. first[b + 1] - 1 */
+    first[0] = 0;
+    for (int64_t b = 0; b < s->batch; b++)
+        first[b + 1] = first[b] + attention_seq_ranges(seq_lens[b], unit);
+    #pragma omp for schedule(dynamic, 1)
+    for (int64_t w = 0; w < first[s->batch] * chunks; w++) {
+        const int64_t r = w / chunks, c = w % chunks;
+        int64_t b = 0;
+        while (first[b + 1] <= r) b++;
+        const int64_t parts = first[b + 1] - first[b], p = r - first[b];
+        const int64_t g0 = c * per_item;
+        const int64_t nkv = s->kv_heads - g0 < per_item ? s->kv_heads - g0 : per_item;
+        const int64_t head = g0 * group, len = seq_lens[b];
+        if (parts == 1) {
+            for (int64_t h = head; h < head + nkv * group; h++)
+                FN(rotate_head)(qkv, b, h, cos_table, sin_table, positions, slots, k_cache,
+                                v_cache, s);
+            for (int64_t kv = g0; kv < g0 + nkv; kv++)
+                FN(rotate_head)(qkv, b, heads + kv, cos_table, sin_table, positions, slots,
+                                k_cache, v_cache, s);
+            FN(attend_heads)(qkv + b * q_stride + head * d, k_cache, v_cache,
+                             tables + b * s->table_stride, 0, len, g0, nkv, group, s, scale,
+                             out + (b * heads + head) * d, NULL, NULL);
+            continue;
+        }
+        float *base = split + r * stride;
+        float *qr = base, *o = base + heads * d, *m = base + 2 * heads * d, *l = m + heads;
+        for (int64_t h = head; h < head + nkv * group; h++) /* qkv left as it is */
+            rotate_half(qkv + b * q_stride + h * d, qr + h * d, cos_table + positions[b] * d,
+                        sin_table + positions[b] * d, d);
+        if (p == parts - 1) /* the only range that reaches the new token */
+            for (int64_t kv = g0; kv < g0 + nkv; kv++)
+                FN(rotate_head)(qkv, b, heads + kv, cos_table, sin_table, positions, slots,
+                                k_cache, v_cache, s);
+        FN(attend_heads)(qr + head * d, k_cache, v_cache, tables + b * s->table_stride,
+                         len * p / parts, len * (p + 1) / parts, g0, nkv, group, s, scale,
+                         o + head * d, m + head, l + head);
+        /* acq_rel: the last item sees every other item's partial results. */
+        if (__atomic_add_fetch(&done[b], 1, __ATOMIC_ACQ_REL) == parts * chunks) {
+            done[b] = 0;
+            merge_parts(split + first[b] * stride, parts, stride, heads, d, out + b * heads * d);
+        }
+    }
+}
+
 /* Rotary, K/V store and attention in one pass over attention's work items: an item
  * rotates its own query heads and KV heads, stores its K/V, then attends. Nothing it reads
  * is written by another item, so the barrier between the two phases goes (one of a
@@ -358,29 +422,8 @@ static NOINLINE void FN(rope_attention)(float *qkv, const float *cos_table,
                         seq_lens, s, scale, out);
         return;
     }
-    const int64_t group = s->heads / s->kv_heads, d = s->head_dim;
-    const int64_t q_stride = (s->heads + 2 * s->kv_heads) * d;
-    int64_t per_item = 1;
-    if (s->batch >= 4 * s->threads) {
-        per_item = MAX_QUERY_HEADS / group;
-        if (per_item > s->kv_heads) per_item = s->kv_heads;
-    }
-    const int64_t items_per_seq = (s->kv_heads + per_item - 1) / per_item;
-    #pragma omp for schedule(dynamic, 1)
-    for (int64_t w = 0; w < s->batch * items_per_seq; w++) {
-        int64_t b = w / items_per_seq, g0 = (w % items_per_seq) * per_item;
-        int64_t nkv = s->kv_heads - g0 < per_item ? s->kv_heads - g0 : per_item;
-        int64_t head = g0 * group;
-        for (int64_t h = head; h < head + nkv * group; h++)
-            FN(rotate_head)(qkv, b, h, cos_table, sin_table, positions, slots, k_cache,
-                            v_cache, s);
-        for (int64_t kv = g0; kv < g0 + nkv && !stored; kv++)
-            FN(rotate_head)(qkv, b, s->heads + kv, cos_table, sin_table, positions, slots,
-                            k_cache, v_cache, s);
-        FN(attend_heads)(qkv + b * q_stride + head * d, k_cache, v_cache,
-                         tables + b * s->table_stride, 0, seq_lens[b], g0, nkv, group,
-                         s, scale, out + (b * s->heads + head) * d, NULL, NULL);
-    }
+    FN(rope_attention_ranges)(qkv, cos_table, sin_table, positions, slots, k_cache, v_cache,
+                              tables, seq_lens, s, scale, out, split);
 }
 
 #undef SUFFIX
