@@ -99,6 +99,36 @@ def test_a_chat_arriving_during_a_summary_chunk_gets_its_first_token_before_the_
         engine.close()
 
 
+def test_a_chat_cuts_into_a_summary_chunk_that_another_chat_s_prompt_rides(
+    tiny_model_dir: Path,
+) -> None:
+    """The step prefills a summary's chunk and a chat's prompt together: a chat arriving during
+    it outranks the step's least urgent prefill (the summary's) and cuts in; the chat already
+    in the step gets its first token at the step's end, as it would have. (Ranked by the
+    step's most urgent prefill, the chat's, the arrival waited for the step's end.)"""
+    expected = reference(tiny_model_dir)
+    engine = engine_for(tiny_model_dir, **LENGTH)
+    try:
+        summary = engine.add_request(SUMMARY, GREEDY)
+        riding = engine.add_request(DECODING_CHAT, GREEDY)
+        new = arrive_at_call(engine, 2, NEW_CHAT)
+        outputs = {o.request_id: o.new_token_ids for o in engine.step()}
+        assert outputs == {new[0].request_id: expected["new"][:1]}
+        assert engine.runner.paused is not None
+        assert engine.scheduler.counters.cut_in_steps == 1
+        outputs = {o.request_id: o.new_token_ids for o in engine.step()}
+        assert outputs[riding.request_id] == expected["chat"][:1]
+        assert summary.num_computed_tokens > 0  # its chunk ran in that step
+        engine.take_arrivals = None
+        while engine.has_unfinished():
+            engine.step()
+        assert summary.output_token_ids == expected["summary"]
+        assert riding.output_token_ids == expected["chat"]
+        assert new[0].output_token_ids == expected["new"]
+    finally:
+        engine.close()
+
+
 def test_a_resumed_step_pauses_again_for_a_later_arrival(tiny_model_dir: Path) -> None:
     """Two chats arrive during one summary step, after units 1 and 2 of 8: the first's
     cut-in step runs, the step goes on, and pauses again for the second; each chat's first

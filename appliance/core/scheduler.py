@@ -225,15 +225,19 @@ class Scheduler:
 
     # -- cut-in steps (engine: a step paused between two half-layers) ----------------------------
     def cut_in_rank(self, step: SchedulerOutput) -> int | None:
-        """The queue rank a waiting request must beat to cut into `step`: that of the most
-        urgent request the step prefills. None: it prefills nothing (a decode step is short)."""
+        """The queue rank a waiting request must beat to cut into `step`: that of the least
+        urgent request the step prefills, whose chunk is what makes the step long. None: it
+        prefills nothing (a decode step is short). The most urgent one's, before: once a chat's
+        prompt rode a summary's chunk, no chat arriving during that step could cut in, the
+        next step took them with the next chunk, and so on (1.5 req/s on a loaded 2-core box:
+        chats' first tokens came in groups at the chunks' ends, 1.1-2.1 s after arrival)."""
         ranks = [
             self.rank(req)
             for sr in step.scheduled
             if len(sr.token_ids) > 1 and not sr.draft_token_ids
             if (req := self.requests.get(sr.request_id)) is not None
         ]
-        return min(ranks, default=None)
+        return max(ranks, default=None)
 
     def cuts_in(self, req: Request, rank: int) -> bool:
         """Whether a waiting request may cut into a paused step of `rank`: it outranks the
