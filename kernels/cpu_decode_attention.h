@@ -69,12 +69,6 @@ static inline size_t attention_scratch_floats(const Shape *s) {
     return (size_t)slots * attention_part_floats(s) + (size_t)s->batch;
 }
 
-/* Where rope_attention_ranges' counters start in its scratch. */
-static inline int32_t *attention_range_counters(float *split, const Shape *s) {
-    return (int32_t *)(split + (s->batch + s->threads * RANGES_PER_THREAD) *
-                                   attention_part_floats(s));
-}
-
 /* Whether row b continues row b - 1's sequence: its context holds the previous row's new
  * token (a speculative step's drafts are consecutive positions of one sequence, each a decode
  * row of its own length). A block being written belongs to one request, so rows of different

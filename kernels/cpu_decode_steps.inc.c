@@ -236,51 +236,6 @@ static void FN(store_new_kv)(float *qkv, const float *cos_table, const float *si
                         sin_table, positions, slots, k_cache, v_cache, s);
 }
 
-/* rope_attention for steps of fewer sequences than threads (attention_parts): a work item
- * is (sequence, head chunk, token range). Each item rotates its queries into its own slot of
- * `split`; the item holding the sequence's last range rotates and stores the new token's K/V
- * before reading it (no other range reaches that token), unless store_new_kv did (`stored`). The sequence's last item to finish
- * merges its ranges into out, so no barrier is added. */
-static void FN(rope_attention_split)(float *qkv, const float *cos_table,
-                                     const float *sin_table, const int64_t *positions,
-                                     const int64_t *slots, T *k_cache, T *v_cache,
-                                     const int32_t *tables, const int32_t *seq_lens,
-                                     const Shape *s, float scale, float *out,
-                                     float *split, int stored) {
-    const int64_t group = s->heads / s->kv_heads, d = s->head_dim, heads = s->heads;
-    const int64_t parts = attention_parts(s);
-    int64_t per_item = MAX_QUERY_HEADS / group;
-    if (per_item > s->kv_heads) per_item = s->kv_heads;
-    const int64_t chunks = (s->kv_heads + per_item - 1) / per_item, items = chunks * parts;
-    const int64_t stride = attention_part_floats(s);
-    int32_t *done = (int32_t *)(split + s->batch * parts * stride);
-    #pragma omp for schedule(dynamic, 1)
-    for (int64_t w = 0; w < s->batch * items; w++) {
-        int64_t b = w / items, c = (w % items) / parts, p = w % parts;
-        int64_t g0 = c * per_item;
-        int64_t nkv = s->kv_heads - g0 < per_item ? s->kv_heads - g0 : per_item;
-        int64_t head = g0 * group, len = seq_lens[b];
-        float *base = split + (b * parts + p) * stride;
-        float *qr = base, *o = base + heads * d, *m = base + 2 * heads * d, *l = m + heads;
-        for (int64_t h = head; h < head + nkv * group; h++) /* qkv left as it is */
-            rotate_half(qkv + b * (heads + 2 * s->kv_heads) * d + h * d, qr + h * d,
-                        cos_table + positions[b] * d, sin_table + positions[b] * d, d);
-        if (p == parts - 1 && !stored)
-            for (int64_t kv = g0; kv < g0 + nkv; kv++)
-                FN(rotate_head)(qkv, b, s->heads + kv, cos_table, sin_table, positions,
-                                slots, k_cache, v_cache, s);
-        FN(attend_heads)(qr + head * d, k_cache, v_cache, tables + b * s->table_stride,
-                         len * p / parts, len * (p + 1) / parts, g0, nkv, group, s,
-                         scale, o + head * d, m + head, l + head);
-        /* acq_rel: the last item sees every other item's partial results. */
-        if (__atomic_add_fetch(&done[b], 1, __ATOMIC_ACQ_REL) == items) {
-            done[b] = 0;
-            merge_parts(split + b * parts * stride, parts, stride, heads, d,
-                        out + b * heads * d);
-        }
-    }
-}
-
 /* Attention for a step whose rows share sequences (their new K/V already stored): the rows of
  * one sequence (a drafting request's last token and its drafts) attend in one pass over its
  * context, each row masked to its own length, instead of one pass a row. A work item is (run
@@ -328,29 +283,36 @@ static void FN(attend_runs)(float *qkv, const float *cos_table, const float *sin
     }
 }
 
-/* rope_attention for steps of at least as many sequences as threads: a work item is (sequence,
- * token range, chunk of KV heads: one for up to MAX_QUERY_HEADS query heads), the ranges cut as
- * attention_range_tokens says. A sequence of one range is rotated in place and attended
- * straight into out; one of several is handled as rope_attention_split handles its ranges (its
- * queries rotated into its slots, the new K/V stored by the item of its last range, the last
- * item to finish merging). Every thread finds the same ranges. */
+/* rope_attention over token ranges: a work item is (sequence, token range, chunk of KV heads:
+ * one for up to MAX_QUERY_HEADS query heads). Steps of fewer sequences than threads cut each
+ * sequence into attention_parts ranges (flash-decoding's split); the others cut the step's
+ * context as attention_range_tokens says. A sequence of one range is rotated in place and
+ * attended straight into out. One of several: each item rotates its queries into its own slot
+ * of `split`; the item holding the last range rotates and stores the new token's K/V before
+ * reading it (no other range reaches that token), unless store_new_kv did (`stored`); the
+ * sequence's last item to finish merges its ranges into out, so no barrier is added. Every
+ * thread finds the same ranges. */
 static void FN(rope_attention_ranges)(float *qkv, const float *cos_table,
                                       const float *sin_table, const int64_t *positions,
                                       const int64_t *slots, T *k_cache, T *v_cache,
                                       const int32_t *tables, const int32_t *seq_lens,
-                                      const Shape *s, float scale, float *out, float *split) {
+                                      const Shape *s, float scale, float *out, float *split,
+                                      int stored) {
     const int64_t group = s->heads / s->kv_heads, d = s->head_dim, heads = s->heads;
     const int64_t q_stride = (heads + 2 * s->kv_heads) * d;
     int64_t per_item = MAX_QUERY_HEADS / group;
     if (per_item > s->kv_heads) per_item = s->kv_heads;
     const int64_t chunks = (s->kv_heads + per_item - 1) / per_item;
-    const int64_t unit = attention_range_tokens(seq_lens, s);
+    const int64_t split_parts = attention_parts(s);
+    const int64_t unit = split_parts > 1 ? 0 : attention_range_tokens(seq_lens, s);
     const int64_t stride = attention_part_floats(s);
-    int32_t *done = attention_range_counters(split, s);
     int64_t first[s->batch + 1]; /* sequence b's ranges: first[b] .. first[b + 1] - 1 */
     first[0] = 0;
     for (int64_t b = 0; b < s->batch; b++)
-        first[b + 1] = first[b] + attention_seq_ranges(seq_lens[b], unit);
+        first[b + 1] =
+            first[b] + (split_parts > 1 ? split_parts : attention_seq_ranges(seq_lens[b], unit));
+    /* After the slots: the same place in every layer of the forward (seq_lens do not change). */
+    int32_t *done = (int32_t *)(split + first[s->batch] * stride);
     #pragma omp for schedule(dynamic, 1)
     for (int64_t w = 0; w < first[s->batch] * chunks; w++) {
         const int64_t r = w / chunks, c = w % chunks;
@@ -364,7 +326,7 @@ static void FN(rope_attention_ranges)(float *qkv, const float *cos_table,
             for (int64_t h = head; h < head + nkv * group; h++)
                 FN(rotate_head)(qkv, b, h, cos_table, sin_table, positions, slots, k_cache,
                                 v_cache, s);
-            for (int64_t kv = g0; kv < g0 + nkv; kv++)
+            for (int64_t kv = g0; kv < g0 + nkv && !stored; kv++)
                 FN(rotate_head)(qkv, b, heads + kv, cos_table, sin_table, positions, slots,
                                 k_cache, v_cache, s);
             FN(attend_heads)(qkv + b * q_stride + head * d, k_cache, v_cache,
@@ -377,7 +339,7 @@ static void FN(rope_attention_ranges)(float *qkv, const float *cos_table,
         for (int64_t h = head; h < head + nkv * group; h++) /* qkv left as it is */
             rotate_half(qkv + b * q_stride + h * d, qr + h * d, cos_table + positions[b] * d,
                         sin_table + positions[b] * d, d);
-        if (p == parts - 1) /* the only range that reaches the new token */
+        if (p == parts - 1 && !stored) /* the only range that reaches the new token */
             for (int64_t kv = g0; kv < g0 + nkv; kv++)
                 FN(rotate_head)(qkv, b, heads + kv, cos_table, sin_table, positions, slots,
                                 k_cache, v_cache, s);
@@ -412,18 +374,13 @@ static NOINLINE void FN(rope_attention)(float *qkv, const float *cos_table,
      * the same answer, so all or none meet the worksharing loop. */
     const int stored = rows_share_sequence(positions, slots, tables, seq_lens, s);
     if (stored) FN(store_new_kv)(qkv, cos_table, sin_table, positions, slots, k_cache, v_cache, s);
-    if (attention_parts(s) > 1) {
-        FN(rope_attention_split)(qkv, cos_table, sin_table, positions, slots, k_cache,
-                                 v_cache, tables, seq_lens, s, scale, out, split, stored);
-        return;
-    }
-    if (stored) {
+    if (stored && attention_parts(s) == 1) {
         FN(attend_runs)(qkv, cos_table, sin_table, positions, slots, k_cache, v_cache, tables,
                         seq_lens, s, scale, out);
         return;
     }
     FN(rope_attention_ranges)(qkv, cos_table, sin_table, positions, slots, k_cache, v_cache,
-                              tables, seq_lens, s, scale, out, split);
+                              tables, seq_lens, s, scale, out, split, stored);
 }
 
 #undef SUFFIX

@@ -198,13 +198,19 @@ def lockstep(
 def test_native_decode_matches_torch_forward_float32(
     tiny_model_dir: Path, block_size: int, batch: int, cpu_path: str
 ) -> None:
-    (native, plain), (lp_native, lp_plain) = lockstep(tiny_model_dir, "float32", block_size, batch)
+    engines, logprobs = lockstep(tiny_model_dir, "float32", block_size, batch)
+    assert engines[1].loaded.runner.native_decode_steps == 0
+    assert_native_matches_torch(engines, logprobs)
+
+
+def assert_native_matches_torch(engines: list[Engine], logprobs: list[list[list[float]]]) -> None:
+    """lockstep's native engine decoded natively, and its logprobs and the K/V it wrote equal
+    the torch-only engine's."""
+    native, plain = engines
     assert native.loaded.runner.native_decode_steps > 0
-    assert plain.loaded.runner.native_decode_steps == 0
     torch.testing.assert_close(
-        torch.tensor(lp_native), torch.tensor(lp_plain), atol=1e-4, rtol=1e-4
+        torch.tensor(logprobs[0]), torch.tensor(logprobs[1]), atol=1e-4, rtol=1e-4
     )
-    # The K/V the native forward wrote equal the torch forward's.
     for c1, c2 in zip(
         native.loaded.runner.kv.device_caches, plain.loaded.runner.kv.device_caches, strict=True
     ):
