@@ -197,6 +197,10 @@ class SchedulerConfig(_Section):
     # summaries' decode rows that do not fit out of a chats' decode step, never two steps
     # running (StepBuilder.defer_untimed_decodes). None: the target alone.
     untimed_work_share: PositiveFloat | None = None
+    # The share is suspended while a request of a class without a TPOT target has waited
+    # longer than this for its first token: the box is not keeping up with the summaries, and
+    # they get its full pace back until none waits that long (core/untimed_share.py).
+    untimed_share_max_wait_s: PositiveFloat = 5.0
 
     def __post_init__(self) -> None:
         # One name inside the appliance for one behaviour.

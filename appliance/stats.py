@@ -46,6 +46,9 @@ class SchedulerCounters(msgspec.Struct, kw_only=True):
     # Decode rows of classes without a TPOT target left out of a chats' decode step for the
     # next one (scheduler.untimed_work_share).
     deferred_decode_rows: int = 0
+    # Steps built without the share because a summary had waited past
+    # scheduler.untimed_share_max_wait_s for its first token (core/untimed_share.py).
+    untimed_share_suspended_steps: int = 0
 
     def count_preemption(self, mode: str, priority_class: str) -> None:
         self.preemptions += 1

@@ -6,6 +6,7 @@ pauses of a summary's prefill come at that interval, not only at the chats' targ
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -118,3 +119,96 @@ def test_a_summarys_prefill_pauses_at_the_chats_interval() -> None:
 def test_a_share_of_zero_or_below_is_a_config_error_naming_the_key(bad: float) -> None:
     with pytest.raises(ConfigError, match="untimed_work_share"):
         load_config(None, {"scheduler.untimed_work_share": bad})
+
+
+def scheduler_with_wait(share: float, max_wait_s: float) -> Scheduler:
+    s = make(
+        {
+            **CLASSES,
+            "scheduler.untimed_work_share": share,
+            "scheduler.untimed_share_max_wait_s": max_wait_s,
+        },
+        num_blocks=1024,
+    )
+    s.cost = trained()
+    return s
+
+
+def chat_then_summary(s: Scheduler, summary_waited_s: float) -> float:
+    """A chat decoding, then a summary (2,000 tokens) that arrived `summary_waited_s` ago:
+    the interval the first step of its prefill pauses at for the chat."""
+    s.add_request(req("chat", 100, max_tokens=64, priority=5, cls="interactive"))
+    step(s)
+    arrival = time.monotonic() - summary_waited_s
+    s.add_request(
+        req("summary", 2000, max_tokens=4, priority=10, cls="batch", base=9000, arrival=arrival)
+    )
+    out = s.schedule(interleave=True)
+    assert [r.request_id for r in out.scheduled] == ["summary"]
+    assert out.decode_interval_s is not None
+    return out.decode_interval_s
+
+
+def test_a_summary_overdue_for_its_first_token_suspends_the_share() -> None:
+    """Past scheduler.untimed_share_max_wait_s without a first token, a summary's prefill
+    pauses at the chats' target, as without a share; within it, at the share's interval."""
+    fresh = scheduler_with_wait(0.5, max_wait_s=4.0)
+    interval = chat_then_summary(fresh, summary_waited_s=1.0)
+    assert interval == pytest.approx(min(TARGET_S, 1.5 * chats_alone_s(fresh)), rel=0.05)
+    assert interval < TARGET_S * 0.5
+    assert fresh.counters.untimed_share_suspended_steps == 0
+    overdue = scheduler_with_wait(0.5, max_wait_s=4.0)
+    assert chat_then_summary(overdue, summary_waited_s=5.0) == TARGET_S
+    assert overdue.untimed_share is None
+    assert overdue.counters.untimed_share_suspended_steps == 1
+
+
+def test_the_share_returns_once_the_overdue_summary_has_its_first_token() -> None:
+    s = scheduler_with_wait(0.5, max_wait_s=4.0)
+    chat_then_summary(s, summary_waited_s=5.0)
+    suspended = 0
+    while s.requests["summary"].num_output_tokens == 0:
+        out = s.schedule()
+        suspended += s.untimed_share is None
+        s.update_from_output(out, {r.request_id: 1 for r in out.scheduled if r.sample})
+    assert suspended >= 1
+    step(s)
+    assert s.untimed_share == 0.5
+    chat = [r for r in s.running if r.priority_class == "interactive"]
+    assert s.token_interval_s(chat) == pytest.approx(1.5 * chats_alone_s(s), rel=0.05)
+
+
+def test_a_chat_waiting_long_does_not_suspend_the_share() -> None:
+    """Only classes without a TPOT target (the work the share holds back) count: a chat held
+    in the queue is admission's business, not a sign the summaries fall behind."""
+    s = scheduler_with_wait(0.5, max_wait_s=4.0)
+    s.hold_class("interactive", True)
+    s.add_request(
+        req("held", 100, priority=5, cls="interactive", arrival=time.monotonic() - 30.0)
+    )
+    step(s)
+    assert s.untimed_share == 0.5
+    assert s.counters.untimed_share_suspended_steps == 0
+
+
+def test_decode_rows_are_deferred_only_while_the_share_is_in_force() -> None:
+    s = scheduler_with_wait(0.5, max_wait_s=4.0)
+    chats_and_summaries_decoding(s)
+    before = s.counters.deferred_decode_rows
+    step(s)
+    assert s.counters.deferred_decode_rows > before  # the share leaves summary rows out
+    # A summary that waits for a free sequence slot past the limit: the share is suspended,
+    # and every row decodes every step.
+    s.hold_class("batch", True)
+    s.add_request(
+        req("late", 2000, priority=10, cls="batch", base=90_000, arrival=time.monotonic() - 9.0)
+    )
+    for _ in range(4):
+        assert len(step(s).scheduled) == 5
+    assert s.counters.untimed_share_suspended_steps == 4
+
+
+@pytest.mark.parametrize("bad", [0, -1.0])
+def test_a_max_wait_of_zero_or_below_is_a_config_error_naming_the_key(bad: float) -> None:
+    with pytest.raises(ConfigError, match="untimed_share_max_wait_s"):
+        load_config(None, {"scheduler.untimed_share_max_wait_s": bad})

@@ -22,6 +22,7 @@ from appliance.core.spec_decode import SpecDecoder
 from appliance.core.step_builder import StepBuilder
 from appliance.core.step_cost import MIN_SLICE_FRACTION, StepCostModel, StepShape
 from appliance.core.ttft_estimate import estimate_ttft_s
+from appliance.core.untimed_share import share_in_force
 from appliance.stats import SchedulerCounters
 
 # How long a priority class counts as present after its last request arrived, ran or waited
@@ -78,6 +79,9 @@ class Scheduler:
         # When each priority class last had a request arrive, run or wait (monotonic seconds):
         # whether it is present, for chunk_limit_s.
         self._class_seen: dict[str, float] = {}
+        # scheduler.untimed_work_share as the current step is built with it: None while the
+        # summaries fall behind (core/untimed_share.py).
+        self.untimed_share = self.cfg.untimed_work_share
 
     def reconfigure(self, config: ApplianceConfig) -> None:
         """Live knobs, between two steps: the next step reads them. Running requests above a
@@ -85,6 +89,7 @@ class Scheduler:
         until the running count is under the new limit."""
         self.config, self.cfg = config, config.scheduler
         self.policy = make_policy(self.cfg)
+        self.untimed_share = self.cfg.untimed_work_share
 
     def hold_class(self, priority_class: str, held: bool) -> None:
         """Pause (or resume) admitting a class's waiting and swapped requests."""
@@ -209,6 +214,7 @@ class Scheduler:
         for queue in (self.running, self.waiting, self.swapped):
             for r in queue:
                 self._class_seen[r.priority_class] = now
+        self.untimed_share = share_in_force(self, now)
         out.schedule_running()
         out.admit()
         out.schedule_deferred()
@@ -313,9 +319,10 @@ class Scheduler:
     def token_interval_s(self, decodes: list[Request]) -> float | None:
         """How far apart the tokens of `decodes` (rows of classes with a TPOT target) may come:
         their tightest target, or less where scheduler.untimed_work_share bounds it by what
-        a decode step of theirs alone is expected to cost."""
+        a decode step of theirs alone is expected to cost (while it is in force:
+        core/untimed_share.py)."""
         limit = self.time_limit_s(decodes)
-        share = self.cfg.untimed_work_share
+        share = self.untimed_share
         if limit is None or share is None or not self.cost.ready:
             return limit
         shape = StepShape()

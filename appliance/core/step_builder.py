@@ -191,7 +191,7 @@ class StepBuilder:
         first next time and never waits two steps running: it still gets every other token
         at worst."""
         s = self.s
-        if s.cfg.untimed_work_share is None or self.shape.prefill_tokens or not s.cost.ready:
+        if s.untimed_share is None or self.shape.prefill_tokens or not s.cost.ready:
             return
         timed = [r for r in self.order if s.config.tpot_slo_s(r.priority_class)]
         untimed = [r for r in self.order if r not in timed]

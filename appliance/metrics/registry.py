@@ -155,6 +155,13 @@ class Metrics:
             m,
             registry=reg,
         )
+        self.untimed_share_suspended = Counter(
+            "appliance_untimed_share_suspended_steps",
+            "Steps built without scheduler.untimed_work_share: a request without a TPOT target "
+            "had waited past scheduler.untimed_share_max_wait_s for its first token.",
+            m,
+            registry=reg,
+        )
         self.drain = Counter(
             "appliance_drain_requests",
             "Requests in flight when a drain began: drained (finished in time) or cut.",
@@ -292,6 +299,7 @@ class Metrics:
             "cut_ins": _CounterMirror(self.cut_ins),
             "interleaved_decodes": _CounterMirror(self.interleaved_decodes),
             "deferred_decodes": _CounterMirror(self.deferred_decodes),
+            "untimed_share_suspended": _CounterMirror(self.untimed_share_suspended),
         }
 
     # -- request level (API process) -------------------------------------------------------------
@@ -465,6 +473,7 @@ class Metrics:
         mir["cut_ins"].set_total((name,), s.counters.cut_in_steps)
         mir["interleaved_decodes"].set_total((name,), s.counters.interleaved_decode_steps)
         mir["deferred_decodes"].set_total((name,), s.counters.deferred_decode_rows)
+        mir["untimed_share_suspended"].set_total((name,), s.counters.untimed_share_suspended_steps)
         self.spec_decode.update(name, s.spec_decode)
         if s.max_loras:
             # One series, the current one, stamped with the time (as vLLM does).
