@@ -328,3 +328,51 @@ def test_a_decoding_summary_rides_the_prefill_step_while_the_chat_gets_the_pause
         assert engine.kv.usage().used == 0
     finally:
         engine.close()
+
+
+def test_a_chat_admitted_beside_a_summarys_chunk_keeps_the_step_whole(
+    tiny_model_dir: Path,
+) -> None:
+    """A chat arrives between two steps while a summary's prompt is mid-prefill and another
+    chat decodes. The step that admits it gives the summary MIN_CHUNK tokens beside its
+    prompt; that chunk alone outlasts the (tight) target, but the step runs unpaused: the new
+    chat's first token and the decoding chat's next come at its end, not after a pause's
+    worth of decode steps each (which stretched such a step 5x at 1.5 req/s)."""
+    reference_engine = engine_for(tiny_model_dir)
+    try:
+        expected = {
+            name: reference_engine.generate(prompt, params)[0].token_ids
+            for name, prompt, params in (
+                ("chat", DECODING_CHAT, LONG),
+                ("new", NEW_CHAT, GREEDY),
+                ("summary", SUMMARY, GREEDY),
+            )
+        }
+    finally:
+        reference_engine.close()
+    engine = engine_for(tiny_model_dir, **TIGHT, scheduler__max_num_batched_tokens=128)
+    try:
+        no_arrivals(engine)
+        chat = engine.add_request(DECODING_CHAT, LONG)
+        engine.step()
+        summary = engine.add_request(SUMMARY, GREEDY)
+        while summary.num_computed_tokens == 0 or engine.runner.paused is not None:
+            engine.step()  # the summary's first chunk, paused for the chat's decodes
+        assert 0 < summary.num_computed_tokens < len(SUMMARY)
+        before = summary.num_computed_tokens
+        decoded = len(chat.output_token_ids)
+        new = engine.add_request(NEW_CHAT, GREEDY)
+        assert step_ids(engine) == {
+            chat.request_id: expected["chat"][decoded : decoded + 1],
+            new.request_id: expected["new"][:1],
+        }
+        assert engine.runner.paused is None
+        assert summary.num_computed_tokens > before  # the summary still progressed
+        while engine.has_unfinished():
+            engine.step()
+        assert chat.output_token_ids == expected["chat"]
+        assert new.output_token_ids == expected["new"]
+        assert summary.output_token_ids == expected["summary"]
+        assert engine.kv.usage().used == 0
+    finally:
+        engine.close()
