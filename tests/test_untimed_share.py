@@ -183,9 +183,7 @@ def test_a_chat_waiting_long_does_not_suspend_the_share() -> None:
     in the queue is admission's business, not a sign the summaries fall behind."""
     s = scheduler_with_wait(0.5, max_wait_s=4.0)
     s.hold_class("interactive", True)
-    s.add_request(
-        req("held", 100, priority=5, cls="interactive", arrival=time.monotonic() - 30.0)
-    )
+    s.add_request(req("held", 100, priority=5, cls="interactive", arrival=time.monotonic() - 30.0))
     step(s)
     assert s.untimed_share == 0.5
     assert s.counters.untimed_share_suspended_steps == 0
