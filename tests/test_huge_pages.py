@@ -4,6 +4,7 @@ pool actually backed by them (read back from /proc/self/smaps)."""
 
 from __future__ import annotations
 
+import mmap
 import re
 from pathlib import Path
 
@@ -70,10 +71,16 @@ def test_zeros_even_in_reused_memory() -> None:
 def test_a_large_tensor_is_backed_by_huge_pages() -> None:
     t = zeros_on_huge_pages((16 * MiB,), torch.float32)  # 64 MiB
     assert huge_kib_around(t.data_ptr() + 32 * MiB) >= 2048
-    plain = torch.zeros((16 * MiB,), dtype=torch.float32)
-    # (the comparison: without the mark, madvise mode leaves a fresh mapping on small pages)
+    # The comparison: without the mark, madvise mode leaves a fresh mapping on small pages.
+    # A mapping of its own, touched here: torch.zeros took memory whose history depended on
+    # the tests run before it in the process (in the full suite, once, 26 MiB of huge pages).
     if thp_setting("enabled") == "madvise":
+        mapping = mmap.mmap(-1, 64 * MiB)
+        plain = torch.frombuffer(mapping, dtype=torch.uint8)
+        plain.fill_(1)
         assert huge_kib_around(plain.data_ptr() + 32 * MiB) == 0
+        del plain
+        mapping.close()
 
 
 @grants_huge_pages

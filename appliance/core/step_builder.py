@@ -168,9 +168,8 @@ class StepBuilder:
         urgent = min(self.s.rank(r) for r in decodes)
         # A prompt as urgent as the decodes (a chat admitted beside a summary's MIN_CHUNK)
         # keeps the step whole: its first token comes at the step's end, which pauses paced
-        # for the decodes stretched to several times the step's own cost (measured: a chat's
-        # 72-token prompt and a summary's 16 tokens, 222 ms of forward, 1.15 s of wall time
-        # under a 0.3 share at 1.5 req/s; docs/benchmarks.md).
+        # for the decodes would stretch to several times the step's own cost
+        # (docs/benchmarks.md, "Sapphire Rapids, night").
         if any(r not in decodes and self.s.rank(r) <= urgent for r in self.order):
             return
         prefill = StepShape()
