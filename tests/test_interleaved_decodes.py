@@ -279,6 +279,15 @@ OTHER_SUMMARY = [(i * 53) % 4000 + 10 for i in range(150)]
 LONG = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 
 
+def references(model_dir: Path, *runs: tuple[str, list[int], SamplingParams]) -> dict:
+    """Each (name, prompt, params)'s tokens alone, no pause: what every step must reproduce."""
+    engine = engine_for(model_dir)
+    try:
+        return {name: engine.generate(prompt, params)[0].token_ids for name, prompt, params in runs}
+    finally:
+        engine.close()
+
+
 def test_a_decoding_summary_rides_the_prefill_step_while_the_chat_gets_the_pauses(
     tiny_model_dir: Path,
 ) -> None:
@@ -287,18 +296,12 @@ def test_a_decoding_summary_rides_the_prefill_step_while_the_chat_gets_the_pause
     prefill and its class sets no TPOT target: it stays in the step, its token at the step's
     end, and each pause's decode step is the chat's alone. Every token is a run's without
     pauses."""
-    reference_engine = engine_for(tiny_model_dir)
-    try:
-        expected = {
-            name: reference_engine.generate(prompt, params)[0].token_ids
-            for name, prompt, params in (
-                ("chat", DECODING_CHAT, LONG),
-                ("other", OTHER_SUMMARY, LONG),
-                ("summary", SUMMARY, GREEDY),
-            )
-        }
-    finally:
-        reference_engine.close()
+    expected = references(
+        tiny_model_dir,
+        ("chat", DECODING_CHAT, LONG),
+        ("other", OTHER_SUMMARY, LONG),
+        ("summary", SUMMARY, GREEDY),
+    )
     engine = engine_for(tiny_model_dir, **TIGHT)
     try:
         no_arrivals(engine)
@@ -338,18 +341,12 @@ def test_a_chat_admitted_beside_a_summarys_chunk_keeps_the_step_whole(
     prompt; that chunk alone outlasts the (tight) target, but the step runs unpaused: the new
     chat's first token and the decoding chat's next come at its end, not after a pause's
     worth of decode steps each (which stretched such a step 5x at 1.5 req/s)."""
-    reference_engine = engine_for(tiny_model_dir)
-    try:
-        expected = {
-            name: reference_engine.generate(prompt, params)[0].token_ids
-            for name, prompt, params in (
-                ("chat", DECODING_CHAT, LONG),
-                ("new", NEW_CHAT, GREEDY),
-                ("summary", SUMMARY, GREEDY),
-            )
-        }
-    finally:
-        reference_engine.close()
+    expected = references(
+        tiny_model_dir,
+        ("chat", DECODING_CHAT, LONG),
+        ("new", NEW_CHAT, GREEDY),
+        ("summary", SUMMARY, GREEDY),
+    )
     engine = engine_for(tiny_model_dir, **TIGHT, scheduler__max_num_batched_tokens=128)
     try:
         no_arrivals(engine)
