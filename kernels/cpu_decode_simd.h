@@ -153,6 +153,24 @@ static inline vf exp_v(vf x) {
     return (vf)((vi)scaled & ~too_small);
 }
 
+/* The largest of start and p[0 .. n), a vector at a time: GCC keeps the plain loop scalar
+ * (one vmaxss chain of 4-cycle steps a score: IEEE max is not a reduction it may reorder
+ * without -ffinite-math-only), and the decode attention's softmax takes one per query head
+ * and chunk. A maximum is exact in any order: the same value. */
+static inline float max_of(const float *p, int64_t n, float start) {
+    vf best = (vf){0} + start;
+    int64_t t = 0;
+    for (; t + VW <= n; t += VW) {
+        vf x = f32_loadv(p + t);
+        vi above = x > best;
+        best = (vf)(((vi)x & above) | ((vi)best & ~above));
+    }
+    float top = start;
+    for (int i = 0; i < VW; i++) top = best[i] > top ? best[i] : top;
+    for (; t < n; t++) top = p[t] > top ? p[t] : top;
+    return top;
+}
+
 /* Rows of x one pass of DOT_ROWS / DOT2_ROWS takes: 2 x 6 accumulators, 2 weight vectors and
  * an x vector fit AVX2's 16 registers (batch-32 decode step of the small demo shape, Zen 3:
  * 176 -> 162 ms with the widening load below, against 165 at 4 rows, interleaved). */
@@ -291,17 +309,42 @@ static inline vf hsum16(const vf a[16]) {
 #define QK_BATCH(LOADV, G) QK_GROUP(LOADV, G)
 #endif
 
-/* out_h += sum_t p[h][t] v_t for G query heads, VW columns at a time over the chunk's V
- * rows: one V load serves the G heads, the sums stay in registers. */
-#define PV_GROUP(LOADV, G)                                                                     \
-        for (int64_t j = 0; j < d; j += VW) {                                                  \
-            vf acc[G];                                                                         \
-            for (int h = 0; h < G; h++) acc[h] = f32_loadv(og + h * d + j);                    \
+/* Vectors of a head's output row PV_GROUP sums at once a head. Each accumulator is a chain of
+ * one FMA a token (4 cycles of latency): one vector at a time, the G chains of a 3-head group
+ * kept the FMA units idle 5 cycles in 8. G x PV_COLS chains fill them; AVX2's 16 registers hold
+ * 4 x 2 accumulators with their V vectors. */
+#if VW == 16
+#define PV_COLS 4
+#else
+#define PV_COLS 2
+#endif
+
+/* out_h += sum_t p[h][t] v_t for G query heads over the chunk's V rows, C vectors of columns
+ * from column j: one V load serves the G heads, the sums stay in registers, each column summed
+ * over the tokens in order (the same sums whatever C is). */
+#define PV_COLUMNS(LOADV, G, C)                                                                \
+        {                                                                                      \
+            vf acc[G][C];                                                                      \
+            for (int h = 0; h < G; h++)                                                        \
+                for (int c = 0; c < C; c++) acc[h][c] = f32_loadv(og + h * d + j + c * VW);    \
             for (int64_t t = 0; t < n; t++) {                                                  \
-                vf vv = LOADV(vh + slot_of[t] * row + j);                                      \
-                for (int h = 0; h < G; h++) acc[h] += sc[h][t] * vv;                           \
+                const __typeof__(*vh) *vr = vh + slot_of[t] * row + j;                         \
+                for (int c = 0; c < C; c++) {                                                  \
+                    vf vv = LOADV(vr + c * VW);                                                \
+                    for (int h = 0; h < G; h++) acc[h][c] += sc[h][t] * vv;                    \
+                }                                                                              \
             }                                                                                  \
-            for (int h = 0; h < G; h++) memcpy(og + h * d + j, &acc[h], sizeof acc[h]);        \
+            for (int h = 0; h < G; h++)                                                        \
+                for (int c = 0; c < C; c++)                                                    \
+                    memcpy(og + h * d + j + c * VW, &acc[h][c], sizeof acc[h][c]);             \
+        }
+
+/* PV_COLUMNS over the head's row: PV_COLS vectors at a time, then one at a time. */
+#define PV_GROUP(LOADV, G)                                                                     \
+        {                                                                                      \
+            int64_t j = 0;                                                                     \
+            for (; j + PV_COLS * VW <= d; j += PV_COLS * VW) PV_COLUMNS(LOADV, G, PV_COLS)     \
+            for (; j < d; j += VW) PV_COLUMNS(LOADV, G, 1)                                     \
         }
 
 #endif

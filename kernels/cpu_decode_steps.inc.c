@@ -138,8 +138,7 @@ static void FN(attend_heads_limited)(const float *q, const T *k_cache, const T *
                 for (int64_t t = limits[h] - t0 < 0 ? 0 : limits[h] - t0; t < n; t++)
                     scores[h][t] = -INFINITY;
         for (int64_t h = 0; h < nq; h++) {
-            float cm = m[h];
-            for (int64_t t = 0; t < n; t++) cm = scores[h][t] > cm ? scores[h][t] : cm;
+            float cm = max_of(scores[h], n, m[h]);
             float correction = expf(m[h] - cm);
             l[h] *= correction;
             for (int64_t j = 0; j < d; j++) out[h * d + j] *= correction;

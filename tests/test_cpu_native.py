@@ -51,9 +51,12 @@ def random_paged_batch(
 @pytest.mark.parametrize(
     ("block_size", "heads", "kv_heads", "head_dim"),
     # Query heads per KV head 3, 1, 8, 3, 2 (head_dim off the vector width: the generic loops),
-    # 2 and 4: each of the kernel's register-held group sizes (1-4) and the generic loop.
+    # 2 and 4: each of the kernel's register-held group sizes (1-4) and the generic loop. Head
+    # sizes of 1, 2, 4, 5 and 8 vectors of AVX-512 (2-16 of AVX2): the value pass's several
+    # columns at once (PV_COLS) and its one-vector remainder.
     [
         (16, 9, 3, 64),
+        (16, 6, 2, 80),
         (1, 4, 4, 32),
         (32, 8, 1, 128),
         (16, 6, 2, 40),
@@ -65,7 +68,13 @@ def random_paged_batch(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("copies", [1, 4])
 def test_decode_attention_matches_torch_reference(
-    block_size: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, copies: int
+    block_size: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    copies: int,
+    cpu_path: str,
 ) -> None:
     # Lengths cross the kernel's 64-token chunks and the block boundaries; one is a lone token.
     # 24 sequences are enough for the kernel to take all KV heads of a sequence per work item.
