@@ -373,3 +373,52 @@ def test_a_chat_admitted_beside_a_summarys_chunk_keeps_the_step_whole(
         assert engine.kv.usage().used == 0
     finally:
         engine.close()
+
+
+THIRD_CHAT = [(i * 29) % 4000 + 10 for i in range(25)]
+
+
+def test_a_step_carrying_chats_does_not_pause_for_a_cut_in_chats_decodes(
+    tiny_model_dir: Path,
+) -> None:
+    """The step that admits a chat beside a summary's MIN_CHUNK carries that chat's prompt and
+    another chat's decode. A third chat arriving during it cuts in and gets its first token;
+    the step then runs to its end instead of pausing for the third chat's decodes, which held
+    the two chats inside it for every pause (at 1 req/s on 2 cores: their tokens 470 ms late
+    while the third got twenty)."""
+    expected = references(
+        tiny_model_dir,
+        ("chat", DECODING_CHAT, LONG),
+        ("new", NEW_CHAT, GREEDY),
+        ("third", THIRD_CHAT, GREEDY),
+        ("summary", SUMMARY, GREEDY),
+    )
+    engine = engine_for(tiny_model_dir, **TIGHT, scheduler__max_num_batched_tokens=128)
+    try:
+        no_arrivals(engine)
+        chat = engine.add_request(DECODING_CHAT, LONG)
+        engine.step()
+        summary = engine.add_request(SUMMARY, GREEDY)
+        while summary.num_computed_tokens == 0 or engine.runner.paused is not None:
+            engine.step()  # the summary's first chunk, paused for the chat's decodes
+        decoded = len(chat.output_token_ids)
+        paced = engine.scheduler.counters.interleaved_decode_steps
+        new = engine.add_request(NEW_CHAT, GREEDY)
+        third = arrive_at_calls(engine, {1: THIRD_CHAT})
+        assert step_ids(engine) == {third[0].request_id: expected["third"][:1]}  # the cut-in
+        assert engine.runner.paused is not None
+        assert step_ids(engine) == {
+            chat.request_id: expected["chat"][decoded : decoded + 1],
+            new.request_id: expected["new"][:1],
+        }
+        assert engine.runner.paused is None
+        assert engine.scheduler.counters.interleaved_decode_steps == paced
+        while engine.has_unfinished():
+            engine.step()
+        assert chat.output_token_ids == expected["chat"]
+        assert new.output_token_ids == expected["new"]
+        assert third[0].output_token_ids == expected["third"]
+        assert summary.output_token_ids == expected["summary"]
+        assert engine.kv.usage().used == 0
+    finally:
+        engine.close()

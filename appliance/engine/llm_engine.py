@@ -286,10 +286,19 @@ class Engine:
         """The TPOT target the paused step's left-out decodes are due by: the step's own, or,
         where it left none out, that of the requests a cut-in admitted since (a chat arriving
         during a summary's prefill got its first token there, and its second waited for the
-        step's end: up to 0.76 s at 1 req/s on 2 cores, docs/admission.md)."""
+        step's end: up to 0.76 s at 1 req/s on 2 cores, docs/admission.md). None where the
+        step carries rows of such a class itself (a chat's prompt and decode kept beside a
+        summary's MIN_CHUNK, StepBuilder.detach_decodes): pauses for the cut-in's decodes held
+        those chats' tokens for every pause (docs/benchmarks.md, "Sapphire Rapids, Dec 5")."""
         if paused.rule.interval_s is not None or not self._interleaving():
             return paused.rule.interval_s
         sched = self.scheduler
+        if any(
+            (req := sched.requests.get(rid)) is not None
+            and sched.config.tpot_slo_s(req.priority_class)
+            for rid in paused.rule.request_ids
+        ):
+            return None
         return sched.token_interval_s(sched.detached_decodes(paused.rule.request_ids))
 
     def _resume(self) -> list[EngineOutput]:
