@@ -288,6 +288,18 @@ def references(model_dir: Path, *runs: tuple[str, list[int], SamplingParams]) ->
         engine.close()
 
 
+def chat_decoding_in_a_summarys_prefill(engine: Engine) -> tuple[Request, Request]:
+    """A chat decoding (LONG) and a summary whose first chunk has run, paused for the chat's
+    decodes; no step paused now, and no arrivals."""
+    no_arrivals(engine)
+    chat = engine.add_request(DECODING_CHAT, LONG)
+    engine.step()
+    summary = engine.add_request(SUMMARY, GREEDY)
+    while summary.num_computed_tokens == 0 or engine.runner.paused is not None:
+        engine.step()  # the summary's first chunk, paused for the chat's decodes
+    return chat, summary
+
+
 def test_a_decoding_summary_rides_the_prefill_step_while_the_chat_gets_the_pauses(
     tiny_model_dir: Path,
 ) -> None:
@@ -349,12 +361,7 @@ def test_a_chat_admitted_beside_a_summarys_chunk_keeps_the_step_whole(
     )
     engine = engine_for(tiny_model_dir, **TIGHT, scheduler__max_num_batched_tokens=128)
     try:
-        no_arrivals(engine)
-        chat = engine.add_request(DECODING_CHAT, LONG)
-        engine.step()
-        summary = engine.add_request(SUMMARY, GREEDY)
-        while summary.num_computed_tokens == 0 or engine.runner.paused is not None:
-            engine.step()  # the summary's first chunk, paused for the chat's decodes
+        chat, summary = chat_decoding_in_a_summarys_prefill(engine)
         assert 0 < summary.num_computed_tokens < len(SUMMARY)
         before = summary.num_computed_tokens
         decoded = len(chat.output_token_ids)
@@ -395,12 +402,7 @@ def test_a_step_carrying_chats_does_not_pause_for_a_cut_in_chats_decodes(
     )
     engine = engine_for(tiny_model_dir, **TIGHT, scheduler__max_num_batched_tokens=128)
     try:
-        no_arrivals(engine)
-        chat = engine.add_request(DECODING_CHAT, LONG)
-        engine.step()
-        summary = engine.add_request(SUMMARY, GREEDY)
-        while summary.num_computed_tokens == 0 or engine.runner.paused is not None:
-            engine.step()  # the summary's first chunk, paused for the chat's decodes
+        chat, summary = chat_decoding_in_a_summarys_prefill(engine)
         decoded = len(chat.output_token_ids)
         paced = engine.scheduler.counters.interleaved_decode_steps
         new = engine.add_request(NEW_CHAT, GREEDY)
