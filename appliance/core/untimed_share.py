@@ -3,11 +3,11 @@
 The share holds a summary's prefill and decode rows back for the chats' token pace: on a box
 with spare time that costs the summaries a few seconds of their first token and nothing else.
 On a saturated box it costs throughput: the summaries' backlog grows while they wait, and the
-run's last ones end later (docs/benchmarks.md, "Sapphire Rapids, afternoon"). A summary that has waited longer than
-scheduler.untimed_share_max_wait_s for its first token is that backlog made visible, in the one
-figure the operator can check against the summaries' own TTFT target: while one waits that
-long the share is suspended and the steps are built as without it (the TPOT targets alone), so
-the summaries get the box's full pace until none waits that long.
+run's last ones end later (docs/benchmarks.md, "Sapphire Rapids, afternoon"). A summary that
+has waited longer than scheduler.untimed_share_max_wait_s for its first token is that backlog
+made visible, in the one figure the operator can check against the summaries' own TTFT
+target: while one waits that long the share is suspended and the steps are built as without it
+(the TPOT targets alone), so the summaries get the box's full pace until none waits that long.
 """
 
 from __future__ import annotations

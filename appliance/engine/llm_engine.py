@@ -293,11 +293,8 @@ class Engine:
         if paused.rule.interval_s is not None or not self._interleaving():
             return paused.rule.interval_s
         sched = self.scheduler
-        if any(
-            (req := sched.requests.get(rid)) is not None
-            and sched.config.tpot_slo_s(req.priority_class)
-            for rid in paused.rule.request_ids
-        ):
+        carried = [r for rid in paused.rule.request_ids if (r := sched.requests.get(rid))]
+        if sched.time_limit_s(carried) is not None:
             return None
         return sched.token_interval_s(sched.detached_decodes(paused.rule.request_ids))
 
