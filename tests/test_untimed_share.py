@@ -98,6 +98,53 @@ def test_summaries_that_do_not_fit_wait_one_step_at_most(share: float) -> None:
     assert s.counters.deferred_decode_rows - deferred_before == 12 * 3 - summary_tokens
 
 
+def shape_of(out: Any, prefix: str) -> StepShape:
+    """The step's rows whose request id starts with `prefix`, as StepShape.of reads them."""
+    shape = StepShape()
+    for r in out.scheduled:
+        if r.request_id.startswith(prefix):
+            n = len(r.token_ids)
+            shape = shape.with_decode(r.start_pos) if n == 1 else shape.with_chunk(r.start_pos, n)
+    return shape
+
+
+@pytest.mark.parametrize("share", [0.1, 0.25])
+def test_a_chats_prompt_step_takes_the_summary_rows_its_share_allows(share: float) -> None:
+    """A step with a new chat's prompt beside the decoding chats is past their token interval
+    already: the summaries' decode rows add at most the share of what the chats' rows cost
+    alone (each held the new chat's first token and the others' next), those that waited the
+    step before excepted; one left out comes in the next step."""
+    s = scheduler(share)
+    chats_and_summaries_decoding(s)
+    for _ in range(4):  # to a step after which no summary has waited
+        step(s)
+        if not any(r.decode_deferrals for r in s.running):
+            break
+    waited = {r.request_id for r in s.running if r.decode_deferrals}
+    assert not waited
+    s.add_request(req("chat-new", 20, max_tokens=8, priority=5, cls="interactive", base=70_000))
+    out = step(s)
+    ids = {r.request_id for r in out.scheduled}
+    assert {"chat-0", "chat-1", "chat-new"} <= ids
+    assert waited <= ids, "a summary waited two steps running"
+    summaries = {rid for rid in ids if rid.startswith("summary")}
+    left_out = {f"summary-{i}" for i in range(3)} - summaries
+    assert left_out and out.bound_by == "time_budget"
+    # What the rows that did not wait the step before add: within the share.
+    allowance = share * true_seconds(shape_of(out, "chat"))
+    added = 5.5e-3 * len(summaries - waited)  # a row 1.5 ms + 2,000 x 2 us of context
+    assert added <= allowance * 1.05
+    assert added + 5.5e-3 > allowance * 0.95, "a summary that fit was left out"
+    assert left_out <= {r.request_id for r in step(s).scheduled}
+
+
+def test_without_a_share_a_chats_prompt_step_takes_every_summary_row() -> None:
+    s = scheduler(None)
+    chats_and_summaries_decoding(s)
+    s.add_request(req("chat-new", 20, max_tokens=8, priority=5, cls="interactive", base=70_000))
+    assert len(step(s).scheduled) == 6
+
+
 def test_a_summarys_prefill_pauses_at_the_chats_interval() -> None:
     s = scheduler(0.5)
     s.add_request(req("chat", 100, max_tokens=64, priority=5, cls="interactive"))

@@ -190,23 +190,34 @@ class StepBuilder:
         self.decode_interval_s = self.s.token_interval_s(detached) if detached else None
 
     def defer_untimed_decodes(self) -> None:
-        """A decode-only step with rows of classes with a TPOT target (chats): the decode rows
-        of classes without one (summaries, batch work) that would make it outlast the chats'
-        token interval (Scheduler.token_interval_s) wait for the next step. One reading 2k
-        tokens of context costs a chat's step as much as a few chats do. Deferred, it goes
-        first next time and never waits two steps running: it still gets every other token
-        at worst."""
+        """A step with rows of classes with a TPOT target (chats' decodes, a chat's prompt):
+        the decode rows of classes without one (summaries, batch work) that would make it
+        outlast what the chats' rows allow wait for the next step. One reading 2k tokens of
+        context costs a chat's step as much as a few chats do. The allowance: in a decode-only
+        step, the chats' token interval (Scheduler.token_interval_s); in a step with a chat's
+        prompt, already past that interval, the untimed share of what the chats' rows cost
+        alone (six summaries at 1.5k tokens added 40% to a 54-token prompt's step, holding
+        that chat's first token and the decoding chats' next: docs/benchmarks.md, "Sapphire
+        Rapids, Dec 5, morning"). A step that prefills a summary keeps them: they ride its
+        chunk. Deferred, a row goes first next time and never waits two steps running: it
+        still gets every other token at worst."""
         s = self.s
-        if s.untimed_share is None or self.shape.prefill_tokens or not s.cost.ready:
+        if s.untimed_share is None or not s.cost.ready:
             return
         timed = [r for r in self.order if s.config.tpot_slo_s(r.priority_class)]
         untimed = [r for r in self.order if r not in timed]
-        limit = s.token_interval_s(timed)
-        if limit is None or not untimed:
+        if not timed or not untimed or not all(self._decode_row(r) for r in untimed):
             return
         shape = StepShape()
         for r in timed:
             shape = self._add(shape, r, self.granted[r.request_id])
+        if shape.prefill_tokens:
+            alone = s.cost.estimate(shape)
+            limit = None if alone is None else (1.0 + s.untimed_share) * alone
+        else:
+            limit = s.token_interval_s(timed)
+        if limit is None:
+            return
         # The ones that waited last step first (stable: the policy's order otherwise).
         for r in sorted(untimed, key=lambda r: -r.decode_deferrals):
             with_it = self._add(shape, r, self.granted[r.request_id])
@@ -217,6 +228,10 @@ class StepBuilder:
                 s.counters.deferred_decode_rows += 1
                 self._ungrant(r)
                 self._bound("time_budget")
+
+    def _decode_row(self, req: Request) -> bool:
+        """Whether `req` decodes in this step (one token, or a draft's rows: _add's rule)."""
+        return self.granted[req.request_id] == 1 or req.request_id in self.drafts
 
     def serve_besides(self, paused: frozenset[str]) -> int:
         """A step run while `paused` (request ids) is paused: the running decodes it left out,
