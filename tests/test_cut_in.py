@@ -158,6 +158,33 @@ def test_a_resumed_step_pauses_again_for_a_later_arrival(tiny_model_dir: Path) -
         engine.close()
 
 
+def test_a_chat_added_while_the_step_is_paused_cuts_in_when_it_resumes(
+    tiny_model_dir: Path,
+) -> None:
+    """The core process takes its pipe between two step() calls: a chat that arrived during a
+    cut-in step is added while the summary's step is paused, not by take_arrivals. The resumed
+    step pauses for it at its first question, as for one take_arrivals brought; it gets its
+    first token before the summary's step ends."""
+    expected = reference(tiny_model_dir)
+    engine, summary = paused_on_a_summary(tiny_model_dir)
+    try:
+        engine.take_arrivals = lambda: False  # nothing more arrives through the pipe mid-step
+        late = engine.add_request(DECODING_CHAT, GREEDY)
+        outputs = {o.request_id: o.new_token_ids for o in engine.step()}
+        assert outputs == {late.request_id: expected["chat"][:1]}
+        assert engine.runner.paused is not None and summary.num_output_tokens == 0
+        assert engine.scheduler.counters.cut_in_steps == 2
+        outputs = {o.request_id: o.new_token_ids for o in engine.step()}  # the step ends
+        assert outputs[summary.request_id] == expected["summary"][:1]
+        engine.take_arrivals = None
+        while engine.has_unfinished():
+            engine.step()
+        assert summary.output_token_ids == expected["summary"]
+        assert late.output_token_ids == expected["chat"]
+    finally:
+        engine.close()
+
+
 def paused_on_a_summary(model_dir: Path) -> tuple[Engine, Request]:
     """An engine whose summary's prefill step paused after layer 1's attention half for a
     chat (the cut-in step ran), and that summary."""

@@ -94,6 +94,12 @@ class Engine:
         # that outranks the step's prefills cuts into it (step()). None: no step pauses.
         self.take_arrivals: Callable[[], bool] | None = None
         self._paused: PausedStep | None = None
+        # A request added while a step is paused (the core process takes its pipe between two
+        # step() calls): the resumed step's first question counts it as an arrival. Only
+        # take_arrivals' own were counted: a chat arriving during the pause that served the
+        # last decoding chat waited for the whole chunk, no decode left to pause for (0.77 s:
+        # docs/benchmarks.md, "Sapphire Rapids, Dec 5, morning").
+        self._added_while_paused = False
         # Embedding requests' pooled hidden states, summed over their prefill chunks.
         self.pooling_sums = PoolingSums()
         # Started requests leaving per busy second: the queue's estimated wait (wait_estimate).
@@ -185,6 +191,7 @@ class Engine:
         )
         if not self.scheduler.add_request(req, interleave=self._interleaving()):
             self._count_finish(req.finish_reason or FinishReason.QUEUE_FULL)
+        self._added_while_paused |= self._paused is not None
         return req
 
     def lora_adapters(self) -> list[str]:
@@ -228,6 +235,7 @@ class Engine:
         if self._paused is not None:
             return self._resume()
         started = time.perf_counter()
+        self._added_while_paused = False  # schedule() below sees every request added so far
         sched = self.scheduler
         pausable = self._pausable()
         out = sched.schedule(interleave=self._interleaving())
@@ -275,7 +283,8 @@ class Engine:
         requests that arrived; pause for any of them that cuts in, or when the decodes the
         step left out are due their next token."""
         assert self.take_arrivals is not None
-        arrived = self.take_arrivals()
+        arrived = self.take_arrivals() or self._added_while_paused
+        self._added_while_paused = False
         if arrived and rule.rank is not None and self.scheduler.wants_cut_in(rule.rank):
             return True
         return rule.due(time.perf_counter()) and bool(
