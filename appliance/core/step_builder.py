@@ -84,11 +84,15 @@ class StepBuilder:
         self.budget -= tokens
         self.shape = self._add(self.shape, req, tokens)
 
+    def _decodes(self, req: Request, tokens: int) -> bool:
+        """Whether `tokens` of `req` are decode rows to the model: one token, or a drafting
+        request's (the runner feeds them as decode rows); StepShape.of reads a step the same
+        way."""
+        return tokens == 1 or req.request_id in self.drafts
+
     def _add(self, shape: StepShape, req: Request, tokens: int) -> StepShape:
-        # One token is a decode row to the model, and so is each of a drafting request's
-        # (the runner feeds them as decode rows); StepShape.of reads a step the same way.
         start = req.num_computed_tokens
-        if tokens == 1 or req.request_id in self.drafts:
+        if self._decodes(req, tokens):
             for j in range(tokens):
                 shape = shape.with_decode(start + j)
             return shape
@@ -206,7 +210,9 @@ class StepBuilder:
             return
         timed = [r for r in self.order if s.config.tpot_slo_s(r.priority_class)]
         untimed = [r for r in self.order if r not in timed]
-        if not timed or not untimed or not all(self._decode_row(r) for r in untimed):
+        if not timed or not untimed:
+            return
+        if not all(self._decodes(r, self.granted[r.request_id]) for r in untimed):
             return
         shape = StepShape()
         for r in timed:
@@ -228,10 +234,6 @@ class StepBuilder:
                 s.counters.deferred_decode_rows += 1
                 self._ungrant(r)
                 self._bound("time_budget")
-
-    def _decode_row(self, req: Request) -> bool:
-        """Whether `req` decodes in this step (one token, or a draft's rows: _add's rule)."""
-        return self.granted[req.request_id] == 1 or req.request_id in self.drafts
 
     def serve_besides(self, paused: frozenset[str]) -> int:
         """A step run while `paused` (request ids) is paused: the running decodes it left out,
