@@ -45,6 +45,7 @@ class Scheduler:
         kv: KVCacheManager,
         max_model_len: int,
         fused_decode_rows: int = 0,
+        fused_prompt_rows: int = 0,
     ) -> None:
         self.config = config
         self.cfg = config.scheduler
@@ -58,8 +59,10 @@ class Scheduler:
         self.swapped: list[Request] = []
         self.running: list[Request] = []
         self.counters = SchedulerCounters()
-        # What a step costs on this box, learnt from the engine's steps (observe_step).
-        self.cost = StepCostModel()
+        # What a step costs on this box, learnt from the engine's steps (observe_step);
+        # `fused_prompt_rows`: the device runs a step with a prompt's chunk as decode rows up
+        # to this many rows (StepShape.runs_as_rows), and the model prices it so.
+        self.cost = StepCostModel(fused_prompt_rows)
         # Prompt-lookup drafts for decodes, and whether they pay this step (config [speculative]).
         # `fused_decode_rows`: the device's fused decode takes steps of up to this many decode
         # rows (0: none); drafts do not push a step that fits over it.

@@ -16,7 +16,10 @@ seconds ~= a + b * decode_rows + c * decode_context + d * prefill_tokens + e * p
   64 sequences is one fused native call (appliance/cpu/fused_decode.py) while a step with a
   chunk runs the torch forward: ~10-20 ms against ~40-50 ms before any token is computed. With
   one intercept for both, the fit split that difference between them: decode steps looked
-  dearer than they are and chunks were sized as if the switch cost nothing.
+  dearer than they are and chunks were sized as if the switch cost nothing. A short prompt's
+  chunk that the fused decode runs as decode rows (StepShape.runs_as_rows: on AMX tiles a
+  54-token prompt beside two chats took 22.7 ms so against 45.9 through torch) is priced and
+  learnt as those rows.
 
 Fitted by least squares, coefficients kept non-negative, over the steps of two kinds (decode-only
 steps and steps with prefill, each its own sums, so a long run of decodes does not forget what
@@ -33,10 +36,11 @@ Python: the core stays torch-free.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from appliance.core.scheduler_output import SchedulerOutput
+from appliance.sampling_params import SamplingParams
 
 # Feature scales: each column near 1 at typical sizes, so the normal equations stay well posed.
 SCALES = (1.0, 1.0, 1e-3, 1e-2, 1e-5, 1.0)
@@ -60,6 +64,13 @@ MIN_CHUNK = 16
 MIN_SLICE_FRACTION = 0.25
 
 
+def rowable(params: SamplingParams) -> bool:
+    """Whether a request's prompt chunks may run as decode rows (StepShape.runs_as_rows): not
+    where the prompt's positions are scored (prompt_logprobs) or pooled (embeddings), which
+    read the torch forward's hidden rows."""
+    return params.prompt_logprobs is None and not params.pooling
+
+
 @dataclass(frozen=True)
 class StepShape:
     """What a step computes, as the cost model reads it."""
@@ -68,6 +79,9 @@ class StepShape:
     decode_context: int = 0
     prefill_tokens: int = 0
     prefill_pairs: float = 0.0
+    # Whether every chunk may be fed as decode rows (rowable): none is a scored or pooled
+    # prompt's.
+    rowable: bool = True
 
     @classmethod
     def of(cls, out: SchedulerOutput) -> StepShape:
@@ -79,23 +93,42 @@ class StepShape:
                 for j in range(n):
                     shape = shape.with_decode(r.start_pos + j)
             else:
-                shape = shape.with_chunk(r.start_pos, n)
+                shape = shape.with_chunk(r.start_pos, n, rowable(r.sampling_params))
         return shape
 
     def with_decode(self, start: int) -> StepShape:
-        return StepShape(
-            self.decode_rows + 1,
-            self.decode_context + start + 1,
-            self.prefill_tokens,
-            self.prefill_pairs,
+        return replace(
+            self, decode_rows=self.decode_rows + 1, decode_context=self.decode_context + start + 1
         )
 
-    def with_chunk(self, start: int, tokens: int) -> StepShape:
+    def with_chunk(self, start: int, tokens: int, as_rows: bool = True) -> StepShape:
+        return replace(
+            self,
+            prefill_tokens=self.prefill_tokens + tokens,
+            prefill_pairs=self.prefill_pairs + tokens * (start + tokens / 2),
+            rowable=self.rowable and as_rows,
+        )
+
+    def runs_as_rows(self, limit: int) -> bool:
+        """Whether the step's chunks are fed as decode rows where the device's fused decode
+        takes prompts of steps of up to `limit` rows (ForwardHooks.fused_prompt_rows; the
+        runner asks this of each step, the cost model of each shape it prices)."""
+        return (
+            self.prefill_tokens > 0
+            and self.rowable
+            and self.decode_rows + self.prefill_tokens <= limit
+        )
+
+    def as_run(self, limit: int) -> StepShape:
+        """The step as the device runs it: with its chunks as decode rows where runs_as_rows.
+        A chunk of t tokens after s attends over t * s + t * (t + 1) / 2 tokens as rows, its
+        pairs plus t / 2."""
+        if not self.runs_as_rows(limit):
+            return self
         return StepShape(
-            self.decode_rows,
-            self.decode_context,
-            self.prefill_tokens + tokens,
-            self.prefill_pairs + tokens * (start + tokens / 2),
+            decode_rows=self.decode_rows + self.prefill_tokens,
+            decode_context=self.decode_context
+            + round(self.prefill_pairs + self.prefill_tokens / 2),
         )
 
     def features(self) -> tuple[float, ...]:
@@ -190,8 +223,12 @@ class NormalSums:
 
 
 class StepCostModel:
-    def __init__(self) -> None:
+    def __init__(self, prompt_rows: int = 0) -> None:
         width = len(NAMES)
+        # Steps of up to this many rows run their chunks as decode rows on this device
+        # (StepShape.runs_as_rows; 0: never): each shape is priced, and each step learnt, as
+        # the device runs it.
+        self.prompt_rows = prompt_rows
         # Per kind (decode-only, with prefill): the decayed sums, the speed factor, and the
         # last steps for the error figure.
         self._sums = {False: NormalSums(width), True: NormalSums(width)}
@@ -210,6 +247,7 @@ class StepCostModel:
         return self.coef is not None and all(s.count for s in self._sums.values())
 
     def observe(self, shape: StepShape, seconds: float) -> None:
+        shape = shape.as_run(self.prompt_rows)
         if shape.decode_rows == 0 and shape.prefill_tokens == 0:
             return
         kind = bool(shape.prefill_tokens)
@@ -248,7 +286,9 @@ class StepCostModel:
 
     def estimate(self, shape: StepShape) -> float | None:
         """Seconds the step is expected to take (None until fitted)."""
-        return self._scaled(shape.features()) if self.coef is not None else None
+        if self.coef is None:
+            return None
+        return self._scaled(shape.as_run(self.prompt_rows).features())
 
     def decode_row_terms(self) -> tuple[float, float]:
         """(seconds a decode row adds, seconds per context token it attends over): what the
@@ -257,16 +297,20 @@ class StepCostModel:
         speed = self._speed[False]
         return self.coef[1] * SCALES[1] * speed, self.coef[2] * SCALES[2] * speed
 
-    def max_chunk(self, shape: StepShape, start: int, remaining: int, limit_s: float) -> int:
+    def max_chunk(
+        self, shape: StepShape, start: int, remaining: int, limit_s: float, as_rows: bool = True
+    ) -> int:
         """The largest chunk of a prompt at `start` (at most `remaining` tokens) that keeps a step
         of `shape` plus the chunk within `limit_s`; never below MIN_CHUNK (nor above
-        `remaining`). The cost grows with the chunk, so a bisection finds it."""
+        `remaining`). The cost grows with the chunk (but for the drop where it no longer runs as
+        decode rows), so a bisection finds one that fits. `as_rows`: the chunk's request may
+        run as rows (rowable)."""
         if not self.ready:
             return remaining
         floor = min(MIN_CHUNK, remaining)
 
         def fits(tokens: int) -> bool:
-            cost = self.estimate(shape.with_chunk(start, tokens))
+            cost = self.estimate(shape.with_chunk(start, tokens, as_rows))
             return cost is not None and cost <= limit_s
 
         if fits(remaining):

@@ -15,7 +15,14 @@ import torch
 
 from appliance.config import ApplianceConfig
 from appliance.cpu.attention import cpu_attention
-from appliance.cpu.choice import BF16_FUSED_MAX, QUANT_COPY_FUSED_MAX, TILE_ISA_NAMES
+from appliance.cpu.choice import (
+    BF16_FUSED_MAX,
+    BF16_PROMPT_ROWS,
+    QUANT_COPY_FUSED_MAX,
+    QUANT_COPY_PROMPT_ROWS,
+    QUANT_PROMPT_ROWS,
+    TILE_ISA_NAMES,
+)
 from appliance.cpu.fused_decode import FusedCpuDecode
 from appliance.cpu.huge_pages import zeros_on_huge_pages
 from appliance.cpu.ops import NativeCpuOps
@@ -334,6 +341,18 @@ class CpuBackend:
         if self.plan.tile_decode and self.tile_weights is None:
             return BF16_FUSED_MAX  # a packed model's decode: no tile forward of its own
         return self.plan.fused_max_batch
+
+    def fused_prompt_rows(self) -> int:
+        """Steps with a prompt's chunk take the fused decode up to this many rows in all, by
+        the same paths as fused_max_batch (appliance.cpu.choice: TILE_PROMPT_ROWS)."""
+        if self.fused_decode is None:
+            return 0
+        if getattr(self.fused_decode, "tiled", False):
+            amx_copy = self.plan.choice.quant_dense_copy and self.plan.features.has("amx_bf16")
+            return QUANT_COPY_PROMPT_ROWS if amx_copy else QUANT_PROMPT_ROWS
+        if self.plan.tile_decode and self.tile_weights is None:
+            return BF16_PROMPT_ROWS
+        return self.plan.fused_prompt_rows
 
     @contextmanager
     def matmuls(self, rows: int) -> Iterator[None]:

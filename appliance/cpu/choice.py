@@ -38,6 +38,25 @@ BF16_FUSED_MAX = 6
 # vdpbf16ps peak; 64-token context, ms tiles vs torch: 13.9 vs 32.0 (1), 24.8 vs 42.5 (16),
 # 39.4 vs 60.1 (32), 71.2 vs 97.8 (64): docs/benchmarks.md. 64 is cpu-demo's max_num_seqs.
 TILE_FUSED_MAX = 64
+# A step with a prompt's chunk takes the fused decode too, its tokens as decode rows (the
+# attention stores every row's K/V before any row reads, each row masked to its position), up
+# to this many rows in all, by path: beyond, the torch forward's batched matmuls win. ms a step
+# of the small demo model (or SmolLM2 Q4_1, packed) with two decodes at 150 tokens and a prompt
+# of n tokens (n + 2 rows), fused vs torch, 2-core Sapphire Rapids, paths by APPLIANCE_CPU_MASK
+# (docs/benchmarks.md, "A chat's prompt as decode rows"):
+# - AMX tiles: 15.1 vs 38.1 (18 rows), 26.6 vs 47.3 (66), 48.2 vs 61.2 (130), 70.2 vs 76.6
+#   (194), 103.1 vs 92.9 (258);
+# - AVX-512-BF16 tiles: 35.4 vs 45.1 (10), 43.6 vs 53.2 (18), 70.0 vs 73.2 (34), 119.2 vs 112.6
+#   (66);
+# - bf16 matrix-vector loops: 21.7 vs 35.8 (10), 41.6 vs 37.7 (18);
+# - float32 compute (AVX2): 25.0 vs 71.6 (10), 74.2 vs 100.4 (34), 140.3 vs 140.3 (66);
+# - packed, AMX (wider steps on the bf16 copy): 19.6 vs 37.9 (18), 34.2 vs 40.8 (34), 65.9 vs
+#   46.7 (66); packed, AVX2: 20.8 vs 31.7 (18), 68.0 vs 74.0 (66), 135.1 vs 130.0 (130).
+TILE_PROMPT_ROWS = {"amx": 128, "avx512_bf16": 16}
+BF16_PROMPT_ROWS = 8
+FP32_PROMPT_ROWS = 32
+QUANT_COPY_PROMPT_ROWS = 32  # AMX: the bf16 copy's matmuls
+QUANT_PROMPT_ROWS = 64
 # The tile forward's back-ends, as the notes name them.
 TILE_ISA_NAMES = {"amx": "AMX tiles", "avx512_bf16": "AVX-512-BF16 tiles"}
 

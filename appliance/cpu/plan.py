@@ -20,7 +20,15 @@ from typing import Any
 import torch
 
 from appliance.config import ApplianceConfig
-from appliance.cpu.choice import BF16_FUSED_MAX, TILE_FUSED_MAX, CpuChoice, choose
+from appliance.cpu.choice import (
+    BF16_FUSED_MAX,
+    BF16_PROMPT_ROWS,
+    FP32_PROMPT_ROWS,
+    TILE_FUSED_MAX,
+    TILE_PROMPT_ROWS,
+    CpuChoice,
+    choose,
+)
 from appliance.kernels import cpu_native
 from appliance.kernels.cpu_features import CpuFeatures, detect
 
@@ -44,11 +52,13 @@ TILED_FUSED_MAX = 64
 @dataclass
 class CpuPlan:
     """The decision (appliance.cpu.choice.CpuChoice, by dtype name) in torch dtypes, with the
-    features it was made for and the fused decode's batch limit."""
+    features it was made for, the fused decode's batch limit and how many rows a step with a
+    prompt's chunk may have on it (appliance.cpu.choice: TILE_PROMPT_ROWS)."""
 
     features: CpuFeatures
     choice: CpuChoice
     fused_max_batch: int
+    fused_prompt_rows: int
 
     @property
     def weight_dtype(self) -> torch.dtype:
@@ -119,6 +129,7 @@ class CpuPlan:
             "tile_decode": self.tile_decode,
             "native_prefill_attention": self.native_prefill_attention,
             "fused_decode_max_batch": self.fused_max_batch if self.native_decode else 0,
+            "fused_prompt_rows": self.fused_prompt_rows if self.native_decode else 0,
             "notes": list(self.notes),
             "warning": self.warning,
         }
@@ -164,7 +175,11 @@ def plan_cpu(
         lambda: cpu_native.tile_decode_ready(features),
     )
     if c.tile_decode:
-        fused_max = TILE_FUSED_MAX
+        fused_max, prompt_rows = TILE_FUSED_MAX, TILE_PROMPT_ROWS[c.tile_decode]
+    elif c.compute == "bfloat16":
+        fused_max, prompt_rows = BF16_FUSED_MAX, BF16_PROMPT_ROWS
     else:
-        fused_max = BF16_FUSED_MAX if c.compute == "bfloat16" else FP32_FUSED_MAX
-    return CpuPlan(features=features, choice=c, fused_max_batch=fused_max)
+        fused_max, prompt_rows = FP32_FUSED_MAX, FP32_PROMPT_ROWS
+    return CpuPlan(
+        features=features, choice=c, fused_max_batch=fused_max, fused_prompt_rows=prompt_rows
+    )

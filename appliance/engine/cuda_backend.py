@@ -116,6 +116,9 @@ class CudaBackend:
     def fused_max_batch(self) -> int:
         return 0
 
+    def fused_prompt_rows(self) -> int:
+        return 0
+
     def lora_tiles(self, factors: LoraFactors, slots: int) -> SlotCopy | None:
         """None: Triton reads the factors themselves."""
         return None

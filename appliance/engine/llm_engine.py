@@ -79,7 +79,11 @@ class Engine:
         )
         self.runner = self.loaded.runner
         self.scheduler = Scheduler(
-            config, self.kv, self.max_model_len, fused_decode_rows=self.runner.fused_max_batch
+            config,
+            self.kv,
+            self.max_model_len,
+            fused_decode_rows=self.runner.fused_max_batch,
+            fused_prompt_rows=self.runner.fused_prompt_rows,
         )
         # runner.execute at TP 1; at TP > 1 it also drives the worker ranks (engine/tp.py).
         self.executor: StepExecutor = self.loaded.executor or self.loaded.runner

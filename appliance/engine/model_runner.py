@@ -15,12 +15,13 @@ import numpy as np
 import torch
 
 from appliance.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from appliance.core.step_cost import StepShape
 from appliance.engine.guided import GuidedDecoder
 from appliance.engine.kv_pool import KVCachePool
 from appliance.engine.lora_pool import LoraSlotPool
 from appliance.engine.pooling import PooledChunk, pool_chunks
 from appliance.engine.sampler import Sampler, SampleRequest, TokenLogprobs
-from appliance.engine.spec_verify import as_decode_rows, sample_verified
+from appliance.engine.spec_verify import as_decode_rows, chunks_as_decode_rows, sample_verified
 from appliance.layers.attention import AttentionMetadata, PagedBatch
 from appliance.layers.lora import LoraLayerFactors
 from appliance.models.llama import ForwardState, LlamaForCausalLM
@@ -57,6 +58,8 @@ class _Step:
     # Sampled rows, then the scored prompt rows: the rows whose logits are computed.
     row_list: list[int]
     adapters: bool
+    # Its prompt chunks are fed as decode rows (StepShape.runs_as_rows).
+    prompt_rows: bool = False
     forward: ForwardState | None = None
 
 
@@ -90,6 +93,11 @@ class ForwardHooks(Protocol):
 
     def fused_max_batch(self) -> int: ...
 
+    def fused_prompt_rows(self) -> int:
+        """Steps with a prompt's chunk go to the fused decode, the chunk as decode rows, up to
+        this many rows in all (0: never)."""
+        ...
+
     def matmuls(self, rows: int) -> AbstractContextManager[None]:
         """Around a forward of `rows` rows (a backend may switch matmul paths by width)."""
         ...
@@ -102,6 +110,9 @@ class PlainForward:
     fused_decode: FusedDecode | None = None
 
     def fused_max_batch(self) -> int:
+        return 0
+
+    def fused_prompt_rows(self) -> int:
         return 0
 
     def matmuls(self, rows: int) -> AbstractContextManager[None]:
@@ -134,6 +145,8 @@ class ModelRunner:
         self.hooks: ForwardHooks = hooks if hooks is not None else PlainForward()
         self.fused_max_batch = self.hooks.fused_max_batch()
         self.native_decode_steps = 0
+        # Of those, the steps that ran a prompt's chunk as decode rows.
+        self.prompt_row_steps = 0
         # A step that execute() paused between two half-layers, until resume().
         self.paused: _Step | None = None
         # Block table per live request, kept up to date from what each step changed.
@@ -148,6 +161,12 @@ class ModelRunner:
             lora is not None
             and fused is not None
             and fused.bind_lora(lora.layer_factors(), lora.config.max_loras)
+        )
+        # A step with a prompt's chunk takes the fused decode, the chunk as decode rows, where
+        # it has at most this many rows (StepShape.runs_as_rows; the scheduler's cost model
+        # prices steps by the same rule). Not with adapters the fused decode does not add.
+        self.fused_prompt_rows = (
+            self.hooks.fused_prompt_rows() if lora is None or self.fused_lora else 0
         )
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
@@ -174,11 +193,13 @@ class ModelRunner:
         step = self._plan(out)
         decode = step.meta.decode
         # A drafting request is 1 + n decode rows here (as_decode_rows): a step of drafts is
-        # still a decode step, on the fused CPU decode when its rows fit.
+        # still a decode step, on the fused CPU decode when its rows fit; so is a step whose
+        # prompt chunks were made rows.
+        rows_limit = self.fused_prompt_rows if step.prompt_rows else self.fused_max_batch
         if (
             step.meta.prefill is None
             and decode is not None
-            and decode.num_tokens <= self.fused_max_batch
+            and decode.num_tokens <= rows_limit
             and not step.scoring
             and not step.pooling
             and (not step.adapters or self.fused_lora)
@@ -198,7 +219,11 @@ class ModelRunner:
         return self._run_layers(step, None if step.adapters else pause)
 
     def _plan(self, out: SchedulerOutput) -> _Step:
-        batch = sorted(as_decode_rows(out.scheduled), key=lambda r: len(r.token_ids) > 1)
+        rows = as_decode_rows(out.scheduled)
+        prompt_rows = StepShape.of(out).runs_as_rows(self.fused_prompt_rows)
+        if prompt_rows:
+            rows = chunks_as_decode_rows(rows)
+        batch = sorted(rows, key=lambda r: len(r.token_ids) > 1)
         input_ids, positions, meta, last_rows = self._prepare(batch)
         # Embedding requests are pooled, never sampled (their last chunk finishes them).
         pooling = [(i, r) for i, r in enumerate(batch) if r.sampling_params.pooling]
@@ -224,7 +249,7 @@ class ModelRunner:
         adapters = self.lora is not None and self.lora.begin_step(batch)
         return _Step(
             batch, input_ids, positions, meta, last_rows, pooling, sampling, scoring,
-            sample_rows, sample_rows + score_rows, adapters,
+            sample_rows, sample_rows + score_rows, adapters, prompt_rows,
         )  # fmt: skip
 
     def _fused_step(self, step: _Step) -> RunnerOutput:
@@ -244,6 +269,7 @@ class ModelRunner:
         if step.row_list != list(range(logits.shape[0])):
             logits = logits.index_select(0, torch.tensor(step.row_list, device=self.device))
         self.native_decode_steps += 1
+        self.prompt_row_steps += step.prompt_rows
         return self._sample(step, logits, {})
 
     def _run_layers(self, step: _Step, pause: Callable[[], bool] | None) -> RunnerOutput | None:

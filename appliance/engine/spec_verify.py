@@ -60,26 +60,43 @@ def as_decode_rows(scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
     last row carries the drafts; the runner samples all 1 + n rows."""
     rows: list[ScheduledRequest] = []
     for r in scheduled:
-        n = len(r.draft_token_ids)
-        if not n:
+        if not r.draft_token_ids:
             rows.append(r)
             continue
-        first = len(r.token_ids) - n - 1
-        assert first == 0, "drafts follow a decode's one known token"
-        for j in range(first, len(r.token_ids)):
-            last = j == len(r.token_ids) - 1
-            rows.append(
-                replace(
-                    r,
-                    token_ids=[r.token_ids[j]],
-                    start_pos=r.start_pos + j,
-                    sample=last,
-                    draft_token_ids=r.draft_token_ids if last else [],
-                    new_table=False,
-                    block_ids=[],
-                )
-            )
+        assert len(r.token_ids) == len(r.draft_token_ids) + 1, (
+            "drafts follow a decode's one known token"
+        )
+        rows.extend(_rows(r))
     return rows
+
+
+def chunks_as_decode_rows(scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
+    """Each prompt chunk (after as_decode_rows: every request of several tokens) as one decode
+    row per token, as as_decode_rows feeds drafts: the fused decode then runs a short prompt
+    beside the decodes in one call instead of the torch forward (StepShape.runs_as_rows says
+    when). Only the last row samples, where the chunk did."""
+    rows: list[ScheduledRequest] = []
+    for r in scheduled:
+        rows.extend(_rows(r) if len(r.token_ids) > 1 else [r])
+    return rows
+
+
+def _rows(r: ScheduledRequest) -> list[ScheduledRequest]:
+    """r's tokens as one row each, at its own position; the last keeps r's sample flag and
+    drafts. The runner already holds r's block table (new_table, block_ids: none again)."""
+    last = len(r.token_ids) - 1
+    return [
+        replace(
+            r,
+            token_ids=[token],
+            start_pos=r.start_pos + j,
+            sample=r.sample and j == last,
+            draft_token_ids=r.draft_token_ids if j == last else [],
+            new_table=False,
+            block_ids=[],
+        )
+        for j, token in enumerate(r.token_ids)
+    ]
 
 
 def _row_request(r: ScheduledRequest, offset: int) -> SampleRequest:

@@ -1,6 +1,6 @@
 """Seed the scheduler's step cost model at load (core/step_cost.py) with a few timed steps of
 known shape, run through the real executor on free KV blocks: two prefill chunks of one prompt
-(the second attends over the first), then decode steps of one row and of several rows. Only
+(the second attends over the first; each longer than a step of prompt rows), then decode steps of one row and of several rows. Only
 where a class sets an SLO (the model is then asked from the first request on); otherwise the
 model learns from the served steps alone."""
 
@@ -30,12 +30,14 @@ def seed_step_costs(engine: Engine) -> int:
     """Run and time the warm-up steps; returns how many were observed."""
     bs = engine.kv.block_size
     cfg = engine.config.scheduler
-    prompt = min(PREFILL_TOKENS, cfg.max_num_batched_tokens, engine.max_model_len - 2)
-    prompt -= prompt % 2
+    # Chunks longer than a step the fused decode takes as rows (StepShape.runs_as_rows): they
+    # seed what a torch prefill step costs.
+    half = max(PREFILL_TOKENS // 2, engine.scheduler.cost.prompt_rows + 1)
+    half = min(half, cfg.max_num_batched_tokens, (engine.max_model_len - 2) // 2)
+    prompt = 2 * half
     blocks = list(range(-(-(prompt + 1) // bs)))
     if prompt < 2 or len(blocks) > engine.kv.num_blocks:
         return 0
-    half = prompt // 2
     vocab = engine.loaded.args.vocab_size
     tokens = [(7 * i + 3) % vocab for i in range(prompt)]
     params = SamplingParams(max_tokens=1, temperature=0.0)
