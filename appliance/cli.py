@@ -108,7 +108,16 @@ def _command_of(argv: list[str]) -> str | None:
 
 def build_parser() -> argparse.ArgumentParser:
     from appliance import plan
-    from appliance.bench import cpu_kernels, decode_step, host_phases, offline, pool, serve, spec
+    from appliance.bench import (
+        cpu_kernels,
+        decode_step,
+        host_phases,
+        offline,
+        pool,
+        serve,
+        slo_scale,
+        spec,
+    )
     from appliance.bench import lora as bench_lora
     from appliance.cluster import bench as cluster_bench
     from appliance.cluster import cli as cluster_cli
@@ -157,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     offline.add_parser(bench_sub)
     serve.add_parser(bench_sub)
     pool.add_parser(bench_sub)
+    slo_scale.add_parser(bench_sub)
     cpu_kernels.add_parser(bench_sub)
     decode_step.add_parser(bench_sub)
     host_phases.add_parser(bench_sub)

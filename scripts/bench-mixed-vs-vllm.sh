@@ -6,7 +6,8 @@
 # seed whose summaries come in a burst overloads 2 cores, another's do not), pooled per server by
 # `appliance bench pool` (good requests over the runs' total seconds; SWEEP_RATE sets another
 # rate for a faster box); then 64 requests at once
-# (128/128), and 8 one at a time. Results print; plots and JSON reports land in $OUT.
+# (128/128), and 8 one at a time; last, each server's goodput as the chats' SLOs tighten
+# (`bench slo-scale`). Results print; plots and JSON reports land in $OUT.
 #
 # Usage: scripts/bench-mixed-vs-vllm.sh [appliance|matvec|noshare|vllm ...]  (default: appliance vllm)
 #   appliance: `appliance up --template cpu-demo` on the model; matvec: the same with
@@ -102,5 +103,16 @@ if [ -n "$SWEEP_SEEDS" ]; then
   done
   base=$(printf '%s\n' "${names[@]}" | grep -m1 '^vllm')
   .venv/bin/appliance bench pool "${args[@]}" ${base:+--baseline "$base"}
+  echo "== $SWEEP_RATE req/s pooled, goodput as the chats' SLOs tighten"
+  .venv/bin/appliance bench slo-scale "${args[@]}" ${base:+--baseline "$base"} --kinds short \
+    --plot "$OUT/slo-scale-${SWEEP_RATE}rps.png"
 fi
+base=$(printf '%s\n' "${names[@]}" | grep -m1 '^vllm')
+for rate in 1rps 0.75rps; do
+  echo "== $rate: goodput as the chats' SLOs tighten (bench slo-scale)"
+  args=()
+  for n in "${names[@]}"; do args+=(--reports "$n" "$OUT/$n-$rate.json"); done
+  .venv/bin/appliance bench slo-scale "${args[@]}" ${base:+--baseline "$base"} --kinds short \
+    --plot "$OUT/slo-scale-$rate.png"
+done
 echo "== done $(date -u +%H:%M:%S)"
