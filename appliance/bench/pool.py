@@ -211,11 +211,9 @@ def as_json(pooled: list[Pooled], baseline: str | None) -> str:
     )
 
 
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
-        "pool",
-        help="goodput pooled over `bench serve --json-out` reports of several seeds, per server",
-    )
+def add_report_groups(p: argparse.ArgumentParser, divided: str) -> None:
+    """--reports NAME FILE... (repeated) and --baseline: the groups `bench pool` and
+    `bench slo-scale` read."""
     p.add_argument(
         "--reports",
         nargs="+",
@@ -224,23 +222,34 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         required=True,
         help="a group's name, then its reports (repeat for each server)",
     )
-    p.add_argument("--baseline", help="the group the others' pooled goodput is divided by")
+    p.add_argument("--baseline", help=f"the group the others' {divided} is divided by")
+
+
+def report_groups(ns: argparse.Namespace) -> list[tuple[str, list[str]]]:
+    """The groups of add_report_groups' flags; PoolError names what is wrong with them."""
+    groups: list[tuple[str, list[str]]] = []
+    for group in ns.reports:
+        if len(group) < 2:
+            raise PoolError(f"--reports {group[0]} names no report file")
+        groups.append((group[0], group[1:]))
+    if ns.baseline is not None and ns.baseline not in {name for name, _ in groups}:
+        raise PoolError(f"--baseline {ns.baseline!r} names no --reports group")
+    return groups
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "pool",
+        help="goodput pooled over `bench serve --json-out` reports of several seeds, per server",
+    )
+    add_report_groups(p, "pooled goodput")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=main)
 
 
 def main(ns: argparse.Namespace) -> int:
-    groups: list[tuple[str, list[str]]] = []
-    for group in ns.reports:
-        if len(group) < 2:
-            print(f"bench pool: --reports {group[0]} names no report file", file=sys.stderr)
-            return 2
-        groups.append((group[0], group[1:]))
-    if ns.baseline is not None and ns.baseline not in {name for name, _ in groups}:
-        print(f"bench pool: --baseline {ns.baseline!r} names no --reports group", file=sys.stderr)
-        return 2
     try:
-        pooled = pool(groups)
+        pooled = pool(report_groups(ns))
     except PoolError as exc:
         print(f"bench pool: {exc}", file=sys.stderr)
         return 2

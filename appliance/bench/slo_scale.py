@@ -16,12 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import msgspec
 
 from appliance.bench.goodput import METRICS, SLO, SLOs, count
-from appliance.bench.pool import Pooled, PoolError, pool
+from appliance.bench.pool import Pooled, PoolError, add_report_groups, pool, report_groups
 from appliance.bench.serve import Result
 
 DEFAULT_SCALES = (2.0, 1.5, 1.0, 0.75, 0.5, 0.4, 0.3, 0.25, 0.2)
@@ -182,15 +182,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "slo-scale",
         help="each server's goodput as the SLOs of `bench serve --json-out` reports tighten",
     )
-    p.add_argument(
-        "--reports",
-        nargs="+",
-        action="append",
-        metavar="NAME FILE",
-        required=True,
-        help="a group's name, then its reports (repeat for each server)",
-    )
-    p.add_argument("--baseline", help="the group the others' goodput is divided by")
+    add_report_groups(p, "goodput")
     p.add_argument(
         "--scales",
         default=",".join(f"{s:g}" for s in DEFAULT_SCALES),
@@ -220,18 +212,8 @@ def parse_scales(text: str) -> list[float]:
 
 
 def main(ns: argparse.Namespace) -> int:
-    groups: list[tuple[str, list[str]]] = []
-    for group in ns.reports:
-        if len(group) < 2:
-            print(f"bench slo-scale: --reports {group[0]} names no report file", file=sys.stderr)
-            return 2
-        groups.append((group[0], group[1:]))
-    if ns.baseline is not None and ns.baseline not in {name for name, _ in groups}:
-        print(
-            f"bench slo-scale: --baseline {ns.baseline!r} names no --reports group", file=sys.stderr
-        )
-        return 2
     try:
+        groups = report_groups(ns)
         scales = parse_scales(ns.scales)
         pooled = pool(groups)
         kinds = None if ns.kinds is None else frozenset(k.strip() for k in ns.kinds.split(","))
@@ -246,7 +228,11 @@ def main(ns: argparse.Namespace) -> int:
         print(f"bench slo-scale: {exc}", file=sys.stderr)
         return 2
     if ns.json:
-        print(json.dumps([{**vars_of(p), "goodput": round(p.goodput, 4)} for p in points]))
+        rounded = [
+            {**asdict(p), "seconds": round(p.seconds, 3), "goodput": round(p.goodput, 4)}
+            for p in points
+        ]
+        print(json.dumps(rounded))
     else:
         print_curve(points, slos, kinds, ns.baseline)
     if ns.plot:
@@ -254,13 +240,3 @@ def main(ns: argparse.Namespace) -> int:
         title = f"goodput as the SLOs of {which} tighten\n(scale 1: {slos.describe()})"
         plot_curve(points, ns.plot, title)
     return 0
-
-
-def vars_of(p: Point) -> dict[str, object]:
-    return {
-        "group": p.group,
-        "scale": p.scale,
-        "good": p.good,
-        "requests": p.requests,
-        "seconds": round(p.seconds, 3),
-    }
