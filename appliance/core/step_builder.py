@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from appliance.core.block_pool import KVBlock
 from appliance.core.request import FinishReason, Request, RequestStatus
 from appliance.core.scheduler_output import ScheduledRequest, SchedulerOutput
-from appliance.core.step_cost import MIN_CHUNK, StepShape
+from appliance.core.step_cost import MIN_CHUNK, StepShape, rowable
 
 if TYPE_CHECKING:
     from appliance.core.scheduler import Scheduler
@@ -72,7 +72,8 @@ class StepBuilder:
         )
         if tokens > 1 and limit_s is not None:
             start = req.num_tokens - remaining
-            timed = self.s.cost.max_chunk(self.shape, start, tokens, limit_s)
+            as_rows = rowable(req.sampling_params)
+            timed = self.s.cost.max_chunk(self.shape, start, tokens, limit_s, as_rows)
             if timed < tokens:
                 self._bound("time_budget")
                 tokens = timed
@@ -96,7 +97,7 @@ class StepBuilder:
             for j in range(tokens):
                 shape = shape.with_decode(start + j)
             return shape
-        return shape.with_chunk(start, tokens)
+        return shape.with_chunk(start, tokens, rowable(req.sampling_params))
 
     def _ungrant(self, req: Request) -> None:
         tokens = self.granted.pop(req.request_id, None)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from appliance.core.step_cost import MIN_SLICE_FRACTION, StepShape
+from appliance.core.step_cost import MIN_SLICE_FRACTION, StepShape, rowable
 
 if TYPE_CHECKING:
     from appliance.core.request import Request
@@ -64,6 +64,8 @@ def estimate_ttft_s(sched: Scheduler, req: Request, interleave: bool = False) ->
     # the decodes that outrank none of them and have no TPOT target ride in its steps.
     urgent = min((sched.rank(r) for r in decoding), default=None)
     ranks = [sched.rank(r) for r in [*ahead, req, *behind]]
+    # Whether each prompt may run as decode rows (StepShape.runs_as_rows).
+    as_rows = [rowable(r.sampling_params) for r in [*ahead, req, *behind]]
     outranked = [urgent is not None and rank > urgent for rank in ranks]
     lowest = min((rank for rank, low in zip(ranks, outranked, strict=True) if low), default=0)
     detached, riding = StepShape(), StepShape()
@@ -83,15 +85,15 @@ def estimate_ttft_s(sched: Scheduler, req: Request, interleave: bool = False) ->
     while own[1] > 0:
         shape, budget = decodes, sched.cfg.max_num_batched_tokens - decodes.decode_rows
         lower = StepShape()
-        for item, limit, low in zip(work, limits, outranked, strict=True):
+        for item, limit, low, ok in zip(work, limits, outranked, as_rows, strict=True):
             if item[1] <= 0 or budget <= 0:
                 continue
             chunk = min(item[1], budget)
             if limit is not None:
-                chunk = cost.max_chunk(shape, item[0], chunk, limit)
-            shape = shape.with_chunk(item[0], chunk)
+                chunk = cost.max_chunk(shape, item[0], chunk, limit, ok)
+            shape = shape.with_chunk(item[0], chunk, ok)
             if low:
-                lower = lower.with_chunk(item[0], chunk)
+                lower = lower.with_chunk(item[0], chunk, ok)
             budget -= chunk
             item[0] += chunk
             item[1] -= chunk
@@ -129,6 +131,7 @@ def _step_s(
         decode_context=riding.decode_context,
         prefill_tokens=shape.prefill_tokens,
         prefill_pairs=shape.prefill_pairs,
+        rowable=shape.rowable,
     )
     prefill_s = cost.estimate(prefill) or 0.0
     slice_s = max(interval - decode_s, interval * MIN_SLICE_FRACTION)
