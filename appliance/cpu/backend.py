@@ -373,7 +373,8 @@ class CpuBackend:
     def describe(self) -> dict[str, Any]:
         info = self.plan.describe()
         info["native_decode_active"] = self.fused_decode is not None
-        # What the wired decode takes (a packed model's paths differ from the plan's).
+        # What the wired decode takes (0 without one; a packed model's paths differ from
+        # the plan's).
         info["fused_decode_max_batch"] = self.fused_max_batch()
         info["fused_prompt_rows"] = self.fused_prompt_rows()
         info["primitive_caches"] = dict(self.primitive_caches)

@@ -128,8 +128,6 @@ class CpuPlan:
             "native_decode": self.native_decode,
             "tile_decode": self.tile_decode,
             "native_prefill_attention": self.native_prefill_attention,
-            "fused_decode_max_batch": self.fused_max_batch if self.native_decode else 0,
-            "fused_prompt_rows": self.fused_prompt_rows if self.native_decode else 0,
             "notes": list(self.notes),
             "warning": self.warning,
         }

@@ -220,7 +220,12 @@ class ModelRunner:
 
     def _plan(self, out: SchedulerOutput) -> _Step:
         rows = as_decode_rows(out.scheduled)
-        prompt_rows = StepShape.of(out).runs_as_rows(self.fused_prompt_rows)
+        # Only a step with a chunk (a row of several tokens after as_decode_rows) is asked.
+        prompt_rows = (
+            self.fused_prompt_rows > 0
+            and any(len(r.token_ids) > 1 for r in rows)
+            and StepShape.of(out).runs_as_rows(self.fused_prompt_rows)
+        )
         if prompt_rows:
             rows = chunks_as_decode_rows(rows)
         batch = sorted(rows, key=lambda r: len(r.token_ids) > 1)
