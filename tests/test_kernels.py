@@ -478,7 +478,7 @@ def test_each_device_pair_holds_its_kernels() -> None:
         assert native.write_kv is write_kv
         assert dispatch.func is cpu_paged_attention  # type: ignore[attr-defined]
         assert dispatch.keywords == {"native_prefill": native_prefill}  # type: ignore[attr-defined]
-    assert cpu_attention(native=False, native_prefill=False) is TORCH_ATTENTION
+    assert cpu_attention(native=False, native_prefill=False).write_kv is write_kv
     assert (TORCH_ATTENTION.write_kv, TORCH_ATTENTION.paged_attention) == (
         write_kv,
         paged_attention,

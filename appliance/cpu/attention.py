@@ -5,7 +5,7 @@ prefill chunks over a bf16 cache, where the plan chose it (AVX-512-BF16 without 
 appliance.cpu.choice), to the native prefill attention (cpu_prefill_attention.inc.c: pair dot
 products, ~2x torch's SDPA on a 2-core Zen 4); everything else (prefills on AMX, whose SDPA
 runs its products on tiles; float32 prefills; quantized caches with their fresh key/value) to
-the torch reference. Which batch takes which kernel is this backend's policy, so it lives here
+the torch reference, a prefill batch in groups of sequences (cpu/prefill_groups.py). Which batch takes which kernel is this backend's policy, so it lives here
 and not among the kernels."""
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ from functools import partial
 
 import torch
 
+from appliance.cpu.prefill_groups import grouped_prefill_attention
 from appliance.kernels import cpu_native
 from appliance.kernels.attention_api import AttentionBackend
-from appliance.kernels.paged_attention import TORCH_ATTENTION, paged_attention, write_kv
+from appliance.kernels.paged_attention import write_kv
 
 
 def cpu_paged_attention(
@@ -57,7 +58,7 @@ def cpu_paged_attention(
         return _native_prefills(
             query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale
         )
-    return paged_attention(
+    return grouped_prefill_attention(
         query,
         k_cache,
         v_cache,
@@ -109,9 +110,13 @@ CPU_NATIVE_DECODE_ATTENTION = AttentionBackend(
 )
 
 
+# The torch reference, its prefill batches in groups (no native kernels: no C compiler).
+CPU_TORCH_ATTENTION = AttentionBackend("cpu-torch", write_kv, grouped_prefill_attention)
+
+
 def cpu_attention(native: bool, native_prefill: bool) -> AttentionBackend:
     """The pair the CPU plan chose: the native decode dispatch, with or without the native
-    prefill attention, or the torch reference."""
+    prefill attention, or the torch reference with its prefill batches in groups."""
     if not native:
-        return TORCH_ATTENTION
+        return CPU_TORCH_ATTENTION
     return CPU_NATIVE_ATTENTION if native_prefill else CPU_NATIVE_DECODE_ATTENTION
