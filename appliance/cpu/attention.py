@@ -5,8 +5,9 @@ prefill chunks over a bf16 cache, where the plan chose it (AVX-512-BF16 without 
 appliance.cpu.choice), to the native prefill attention (cpu_prefill_attention.inc.c: pair dot
 products, ~2x torch's SDPA on a 2-core Zen 4); everything else (prefills on AMX, whose SDPA
 runs its products on tiles; float32 prefills; quantized caches with their fresh key/value) to
-the torch reference, a prefill batch in groups of sequences (cpu/prefill_groups.py). Which batch takes which kernel is this backend's policy, so it lives here
-and not among the kernels."""
+the torch reference, a prefill batch in groups of sequences (cpu/prefill_groups.py). Which
+batch takes which kernel is this backend's policy, so it lives here and not among the
+kernels."""
 
 from __future__ import annotations
 

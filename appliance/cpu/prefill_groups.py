@@ -3,14 +3,10 @@ group.
 
 The reference attends a batch of prefills in one call over a padded grid: every sequence's
 queries padded to the longest chunk, its keys to the longest context, under a boolean mask that
-SDPA cannot skip. A summary's 1,024-token chunk beside the head of the next summary, or beside a
-chat's prompt, pads the short one to the chunk's grid and attends the chunk with no causal
-skipping: per layer of the small demo model (bf16, Sapphire Rapids, 2 cores), chunks of 952
-and 71 tokens over contexts of 1,500 and 71 took 39.4 ms padded and 11.1 ms one call each; 476
-and 548 over 1,500 and 548, 21.4 and 11.8 ms (docs/benchmarks.md, "Sapphire Rapids, Dec 5,
-afternoon"). Uniform prompts are the padded call's case: 64 prompts of 128 tokens, 12.7 ms
-padded and 16.2 ms one call each. So a sequence goes alone when the pairs it saves the group
-outweigh what one more call costs; the rest stay padded together."""
+SDPA cannot skip. A summary's chunk beside the next summary's head, or beside a chat's prompt,
+pads the short one to the chunk's grid; uniform prompts are the padded call's own case
+(measured: docs/benchmarks.md, "Sapphire Rapids, Dec 5, noon"). So a sequence goes alone when
+the pairs it saves the group outweigh what one more call costs; the rest stay padded together."""
 
 from __future__ import annotations
 
@@ -66,50 +62,46 @@ def grouped_prefill_attention(
 ) -> torch.Tensor:
     """paged_attention's result, with a prefill batch attended in prefill_groups' calls."""
     batch = seq_lens.shape[0]
-    bounds: list[int] = query_start_loc.tolist()
-    query_lens = [bounds[i + 1] - bounds[i] for i in range(batch)]
-    groups = (
-        prefill_groups(query_lens, seq_lens.tolist())
-        if max_query_len > 1 and batch > 1
-        else [list(range(batch))]
+    if max_query_len > 1 and batch > 1:
+        bounds: list[int] = query_start_loc.tolist()
+        query_lens = [bounds[i + 1] - bounds[i] for i in range(batch)]
+        groups = prefill_groups(query_lens, seq_lens.tolist())
+        if len(groups) > 1:
+            out = torch.empty_like(query)
+            for members in groups:
+                rows = torch.cat([torch.arange(bounds[i], bounds[i + 1]) for i in members])
+                lens = [query_lens[i] for i in members]
+                index = torch.tensor(members)
+                out[rows] = paged_attention(
+                    query[rows],
+                    k_cache,
+                    v_cache,
+                    block_tables[index],
+                    seq_lens[index],
+                    torch.tensor([0, *lens]).cumsum(0).to(query_start_loc.dtype),
+                    scale,
+                    max(lens),
+                    int(seq_lens[index].max()),
+                    kv_cache_dtype,
+                    k_scale,
+                    v_scale,
+                    None if key is None else key[rows],
+                    None if value is None else value[rows],
+                )
+            return out
+    return paged_attention(
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        scale,
+        max_query_len,
+        max_seq_len,
+        kv_cache_dtype,
+        k_scale,
+        v_scale,
+        key,
+        value,
     )
-    if len(groups) == 1:
-        return paged_attention(
-            query,
-            k_cache,
-            v_cache,
-            block_tables,
-            seq_lens,
-            query_start_loc,
-            scale,
-            max_query_len,
-            max_seq_len,
-            kv_cache_dtype,
-            k_scale,
-            v_scale,
-            key,
-            value,
-        )
-    out = torch.empty_like(query)
-    for members in groups:
-        rows = torch.cat([torch.arange(bounds[i], bounds[i + 1]) for i in members])
-        lens = [query_lens[i] for i in members]
-        starts = torch.tensor([0, *lens]).cumsum(0)
-        index = torch.tensor(members)
-        out[rows] = paged_attention(
-            query[rows],
-            k_cache,
-            v_cache,
-            block_tables[index],
-            seq_lens[index],
-            starts.to(query_start_loc.dtype),
-            scale,
-            max(lens),
-            int(seq_lens[index].max()),
-            kv_cache_dtype,
-            k_scale,
-            v_scale,
-            None if key is None else key[rows],
-            None if value is None else value[rows],
-        )
-    return out
