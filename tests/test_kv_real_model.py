@@ -66,9 +66,14 @@ MEASURED_BY_CPU: dict[
         # With the keep-list 13/16 (81%), above the 80% target.
         ("int8_token", tuple(KEEP), ()): (13 / 16, 0.911),
     },
+    # Sapphire Rapids class (AMX): two boxes, the same code (87ddaf8) and the same model (its
+    # perplexities equal the Zen 3's to 4 digits): fp8_e4m3 5/16 and 0.663 on 2026-12-02, 6/16
+    # and 0.733 on 2026-12-05; with the head keep-list 8/16 and 0.805, then 5/16 and 0.721.
+    # Greedy answers that lead by a hair follow the box's float32 roundings; each level is the
+    # lower of the two.
     "amx": {
         ("fp8_e4m3", (), ()): (5 / 16, 0.663),
-        ("fp8_e4m3", (), tuple(HEADS)): (8 / 16, 0.805),
+        ("fp8_e4m3", (), tuple(HEADS)): (5 / 16, 0.721),
         ("int8", (), ()): (11 / 16, 0.876),  # the Triton test's level, not measured here
         # Per-token INT8 alone keeps 11/16 here, under the 80% target; with the keep-list 14/16
         # (87.5%), above it.
