@@ -349,11 +349,11 @@ class CpuBackend:
             return 0
         if getattr(self.fused_decode, "tiled", False):
             if self.act8:
-                # A prompt's rows through the packed decode with int8 activations gave other
-                # answers than its torch prefill (SmolLM2's chat prompt after a cached prefix:
-                # "L'Étoile, la Cité..." for "The capital of France is Paris."); with float32
-                # activations the two agree. Until the cause is found, prompts take the torch
-                # forward there (docs/benchmarks.md, "Sapphire Rapids, Dec 5, noon").
+                # Rows would round every prompt token's activations to int8, not only the
+                # decode tokens': up to 1.7 in a top logprob, enough to turn SmolLM2's "The
+                # capital of France is Paris." into "L'Étoile, la Cité..." after a cached
+                # prefix. Prompts keep float precision through the torch forward
+                # (docs/benchmarks.md, "Sapphire Rapids, Dec 5, noon").
                 return 0
             amx_copy = self.plan.choice.quant_dense_copy and self.plan.features.has("amx_bf16")
             return QUANT_COPY_PROMPT_ROWS if amx_copy else QUANT_PROMPT_ROWS
