@@ -5,9 +5,9 @@
 # first rate), then at 1.25 req/s over seeds 2-6 (one 48-request run is one draw of the load: a
 # seed whose summaries come in a burst overloads 2 cores, another's do not), pooled per server by
 # `appliance bench pool` (good requests over the runs' total seconds; SWEEP_RATE sets another
-# rate for a faster box); then 64 requests at once
-# (128/128), and 8 one at a time; last, each server's goodput as the chats' SLOs tighten
-# (`bench slo-scale`). Results print; plots and JSON reports land in $OUT.
+# rate for a faster box); then 64 requests at once (128/128) three times (BURST_SEEDS), and 8
+# one at a time; last, each server's goodput as the chats' SLOs tighten (`bench slo-scale`).
+# Results print; plots and JSON reports land in $OUT.
 #
 # Usage: scripts/bench-mixed-vs-vllm.sh [appliance|matvec|noshare|vllm ...]  (default: appliance vllm)
 #   appliance: `appliance up --template cpu-demo` on the model; matvec: the same with
@@ -24,6 +24,7 @@ VLLM_VENV=${VLLM_VENV:-/tmp/vllm}
 OUT=${OUT:-/tmp/bench-mixed}
 SWEEP_SEEDS=${SWEEP_SEEDS-2 3 4 5 6}
 SWEEP_RATE=${SWEEP_RATE:-1.25}
+BURST_SEEDS=${BURST_SEEDS:-11 12 13}
 mkdir -p "$OUT"
 [ -d "$M" ] || .venv/bin/appliance demo-model --shape small --out "$M" >/dev/null
 C="--no-priority --vocab 49152 --prompt-format tokens"
@@ -51,9 +52,15 @@ load() {  # name port
       --plot "$OUT/$n-${SWEEP_RATE}rps-seed$seed.png" \
       --json-out "$OUT/$n-${SWEEP_RATE}rps-seed$seed.json" 2>&1 | tail -9 | head -7
   done
-  echo "== $n 64-at-once $(date -u +%H:%M:%S)"
-  .venv/bin/appliance bench serve --url "$url" --profile chat --arrival burst --num-requests 64 \
-    --prompt-len 128 --output-len 128 $C 2>&1 | tail -12
+  # Three bursts, other prompts each (seeds), so none hits the prefix cache of the one before:
+  # one 12 s burst is one draw of a box whose first burst on a fresh server varied 518-843 tok/s
+  # within four minutes (docs/benchmarks.md, "64 at once, first bursts").
+  for seed in $BURST_SEEDS; do
+    echo "== $n 64-at-once seed $seed $(date -u +%H:%M:%S)"
+    .venv/bin/appliance bench serve --url "$url" --profile chat --arrival burst --num-requests 64 \
+      --prompt-len 128 --output-len 128 --seed "$seed" $C \
+      --json-out "$OUT/$n-burst-seed$seed.json" 2>&1 | tail -12
+  done
   echo "== $n one-at-a-time $(date -u +%H:%M:%S)"
   .venv/bin/appliance bench serve --url "$url" --profile chat --arrival burst --num-requests 8 \
     --prompt-len 128 --output-len 128 --max-concurrency 1 $C 2>&1 | tail -12
@@ -114,5 +121,22 @@ for rate in 1rps 0.75rps; do
   for n in "${names[@]}"; do args+=(--reports "$n" "$OUT/$n-$rate.json"); done
   .venv/bin/appliance bench slo-scale "${args[@]}" ${base:+--baseline "$base"} --kinds short \
     --plot "$OUT/slo-scale-$rate.png"
+done
+echo "== 64 at once: output tok/s per burst (seeds $BURST_SEEDS), median"
+for n in "${names[@]}"; do
+  .venv/bin/python - "$n" "$OUT" $BURST_SEEDS <<'PY'
+import json, statistics, sys
+name, out, seeds = sys.argv[1], sys.argv[2], sys.argv[3:]
+tps = []
+for seed in seeds:
+    try:
+        report = json.load(open(f"{out}/{name}-burst-seed{seed}.json"))
+        tps.append(report["summary"]["output_token_throughput"])
+    except (OSError, KeyError, ValueError):
+        pass
+runs = "  ".join(f"{t:7.1f}" for t in tps)
+median = f"median {statistics.median(tps):7.1f}" if tps else "no bursts"
+print(f"{name:14s} {runs}   {median}")
+PY
 done
 echo "== done $(date -u +%H:%M:%S)"
