@@ -120,11 +120,11 @@ if [ -n "${INTERLEAVE:-}" ]; then
   # Every server up at once (an idle one took under 1% of the CPU), each load run on each in
   # turn: this box's speed moved by 40% within a quarter of an hour (docs/benchmarks.md, "Dec
   # 5, afternoon"), which one server after another takes as a difference between them.
+  # One after another: a server's load-time warm-up seeds its step cost model, which a
+  # neighbour's start-up would slow.
   pids=()
   for i in "${!servers[@]}"; do
     start_server "${servers[$i]}" "${names[$i]}" "${ports[$i]}"; pids+=("$server_pid")
-  done
-  for i in "${!names[@]}"; do
     wait_up "${ports[$i]}" || { echo "${names[$i]} did not start"; tail "$OUT/${names[$i]}.log"; }
   done
   for step in "${steps[@]}"; do
