@@ -142,6 +142,7 @@ else
     kill "$server_pid"; wait "$server_pid" 2>/dev/null
   done
 fi
+base=$(printf '%s\n' "${names[@]}" | grep -m1 '^vllm')
 if [ -n "$SWEEP_SEEDS" ]; then
   echo "== $SWEEP_RATE req/s, seeds $SWEEP_SEEDS, pooled per server"
   args=()
@@ -149,13 +150,11 @@ if [ -n "$SWEEP_SEEDS" ]; then
     args+=(--reports "$n")
     for seed in $SWEEP_SEEDS; do args+=("$OUT/$n-${SWEEP_RATE}rps-seed$seed.json"); done
   done
-  base=$(printf '%s\n' "${names[@]}" | grep -m1 '^vllm')
   .venv/bin/appliance bench pool "${args[@]}" ${base:+--baseline "$base"}
   echo "== $SWEEP_RATE req/s pooled, goodput as the chats' SLOs tighten"
   .venv/bin/appliance bench slo-scale "${args[@]}" ${base:+--baseline "$base"} --kinds short \
     --plot "$OUT/slo-scale-${SWEEP_RATE}rps.png"
 fi
-base=$(printf '%s\n' "${names[@]}" | grep -m1 '^vllm')
 for rate in 1rps 0.75rps; do
   echo "== $rate: goodput as the chats' SLOs tighten (bench slo-scale)"
   args=()

@@ -52,8 +52,8 @@ TILE_FUSED_MAX = 64
 # - float32 compute (AVX2): 25.0 vs 71.6 (10), 74.2 vs 100.4 (34), 140.3 vs 140.3 (66);
 # - packed, AMX (wider steps on the bf16 copy): 19.6 vs 37.9 (18), 34.2 vs 40.8 (34), 65.9 vs
 #   46.7 (66); packed, AVX2: 20.8 vs 31.7 (18), 68.0 vs 74.0 (66), 135.1 vs 130.0 (130).
-#   The packed limits hold with float32 activations only: with int8 ones a prompt's rows gave
-#   other answers than its torch prefill (CpuBackend.fused_prompt_rows).
+#   The packed limits hold with float32 activations only: with int8 ones the rows would round
+#   every prompt token's activations to int8 (CpuBackend.fused_prompt_rows).
 TILE_PROMPT_ROWS = {"amx": 128, "avx512_bf16": 16}
 BF16_PROMPT_ROWS = 8
 FP32_PROMPT_ROWS = 32
