@@ -101,6 +101,33 @@ def test_the_model_follows_a_box_that_got_slower() -> None:
     assert model.estimate(shape) == pytest.approx(2 * true_seconds(shape), rel=0.05)
 
 
+def test_the_first_served_chunks_correct_a_seed_a_neighbour_spoiled() -> None:
+    """The load-time seed's shapes (engine/step_warmup.py, before its budget-sized chunk), the
+    second 128-token chunk slowed 0.2 s by a neighbour: the pair term comes out ~4,000x its
+    value and a 960-token chunk is priced at ~13 s. The served steps then refit the model at
+    once: a summary's two chunks bring it within 1.5x of the truth, where a refit
+    every 8 steps left it above 9 s after four."""
+    model = StepCostModel()
+    rows = StepShape()
+    for _ in range(8):
+        rows = rows.with_decode(256)
+    seed = [StepShape().with_chunk(0, 128), StepShape().with_chunk(128, 128)]
+    seed += [StepShape().with_decode(256), rows]
+    model.seed(
+        [(shape, true_seconds(shape) + (0.2 if i == 1 else 0.0)) for i, shape in enumerate(seed)]
+    )
+    chunk = StepShape().with_decode(300).with_chunk(500, 960)
+    spoiled = model.estimate(chunk)
+    assert spoiled is not None and spoiled > 10 * true_seconds(chunk)
+    # A 1,500-token summary in two steps of a 1,024-token budget, two chats decoding.
+    for start, tokens in ((0, 1022), (1022, 478)):
+        served = StepShape().with_decode(80).with_decode(100).with_chunk(start, tokens)
+        model.observe(served, true_seconds(served))
+    corrected = model.estimate(chunk)
+    assert corrected is not None
+    assert true_seconds(chunk) / 1.5 < corrected < 1.5 * true_seconds(chunk)
+
+
 def test_a_decode_step_is_not_charged_the_prefill_steps_extra_cost() -> None:
     """A dozen decodes alone cost their rows; the same step with a 32-token chunk pays the
     switch to the prefill path once, on top of the chunk's tokens."""

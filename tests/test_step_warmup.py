@@ -1,11 +1,13 @@
 """The step cost model's seed at load (engine/step_warmup.py): each warm-up shape is run three
 times and seeded with the faster of the last two, so a burst of a neighbour (another server
 starting on the box) in one run does not reach the estimates that admit requests, while a box
-that is slow in every run is seeded as slow."""
+that is slow in every run is seeded as slow. A chunk of the step's whole token budget is among
+the shapes, so a short chunk slowed in every run is not extrapolated to a long one."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -27,12 +29,19 @@ def first_chunk(out: SchedulerOutput) -> bool:
     return any(r.request_id == "warmup-prefill" and r.start_pos == 0 for r in out.scheduled)
 
 
+def second_chunk(out: SchedulerOutput) -> bool:
+    return any(r.request_id == "warmup-prefill" and r.start_pos > 0 for r in out.scheduled)
+
+
 def reseed(
-    engine: Engine, slow_runs: set[int], every_shape: bool = False
+    engine: Engine,
+    slow_runs: set[int],
+    every_shape: bool = False,
+    slowed_shape: Callable[[SchedulerOutput], bool] = first_chunk,
 ) -> list[tuple[StepShape, float]]:
-    """Seed a fresh model, the runs numbered in `slow_runs` (0: the unkept first run) of the
-    first prefill chunk, or of every shape, slowed by DELAY_S; returns what the model was
-    given."""
+    """Seed a fresh model, the runs numbered in `slow_runs` (0: the unkept first run) of
+    `slowed_shape` (the first prefill chunk), or of every shape, slowed by DELAY_S; returns
+    what the model was given."""
     runs = 0  # of the first chunk, the first shape of each round
     execute = engine.executor.execute
 
@@ -40,23 +49,23 @@ def reseed(
         nonlocal runs
         if first_chunk(out):
             runs += 1
-        if out.scheduled and (every_shape or first_chunk(out)) and runs - 1 in slow_runs:
+        if out.scheduled and (every_shape or slowed_shape(out)) and runs - 1 in slow_runs:
             time.sleep(DELAY_S)
         return execute(out)
 
     engine.executor.execute = slowed  # type: ignore[method-assign]
     cost = StepCostModel(prompt_rows=engine.scheduler.cost.prompt_rows)
     seen: list[tuple[StepShape, float]] = []
-    observe = cost.observe
+    seed = cost.seed
 
-    def record(shape: StepShape, seconds: float) -> None:
-        seen.append((shape, seconds))
-        observe(shape, seconds)
+    def record(steps: list[tuple[StepShape, float]]) -> None:
+        seen.extend(steps)
+        seed(steps)
 
-    cost.observe = record  # type: ignore[method-assign]
+    cost.seed = record  # type: ignore[method-assign]
     engine.scheduler.cost = cost
     try:
-        assert seed_step_costs(engine) == 4
+        assert seed_step_costs(engine) == 5
     finally:
         engine.executor.execute = execute  # type: ignore[method-assign]
     assert runs == REPEATS == 3
@@ -89,3 +98,29 @@ def test_a_box_slow_in_every_run_is_seeded_as_slow(engine: Engine) -> None:
     for shape, _ in seen:
         estimate = engine.scheduler.cost.estimate(shape)
         assert estimate is not None and estimate >= 0.8 * DELAY_S, (shape, estimate)
+
+
+def test_a_short_chunk_slow_in_every_run_is_not_extrapolated_to_a_budget_chunk(
+    engine: Engine,
+) -> None:
+    # A neighbour slowing the second chunk (128 tokens after 128) in both kept runs: fitted from
+    # the two short chunks alone, that 0.3 s came out as the cost of the pairs the second adds
+    # (16,384) and priced a chunk of the whole budget (its ~4,000x as many pairs) at minutes. The
+    # budget's own chunk, measured, holds the estimate to its time.
+    seen = reseed(engine, {1, 2}, slowed_shape=second_chunk)
+    # The step's token budget, as far as the model's length allows (4,094 tokens here).
+    cfg = engine.config.scheduler
+    budget = min(cfg.max_num_batched_tokens, engine.max_model_len - 2)
+    assert budget >= 1024
+    measured = [s for shape, s in seen if shape.prefill_tokens == budget]
+    assert len(measured) == 1 and [s.prefill_tokens for s, _ in seen][:2] == [128, 128]
+    chunk = StepShape().with_chunk(0, budget)
+    estimate = engine.scheduler.cost.estimate(chunk)
+    assert estimate is not None
+    # At most the slowed chunk's delay over the measured time (the fit shares that error).
+    assert estimate <= measured[0] + DELAY_S, (estimate, measured[0])
+    # A chat admitted behind half of it: priced at most as the whole chunk and its delay.
+    later = StepShape().with_decode(64).with_chunk(budget // 2, budget // 2)
+    later_s = engine.scheduler.cost.estimate(later)
+    assert later_s is not None and later_s <= 2 * (measured[0] + DELAY_S), later_s
+

@@ -56,6 +56,11 @@ FORGET = 0.9995  # the weight a step of its kind keeps per newer step of that ki
 SPEED_RATE = 0.1  # how far each step moves its kind's speed factor toward its own ratio
 ERROR_WINDOW = 128  # steps of each kind the mean absolute error (a stat) is taken over
 REFIT_EVERY = 8  # observations between refits (a 6x6 solve)
+# Until a kind has this many steps it refits on each. Its first served steps are what the
+# load-time seed's few cannot be: a summary's chunks at their real size. With a seed chunk slowed
+# 0.2 s by a neighbour a 960-token chunk was priced at 13 s (0.8 s true), still 9.6 s after two
+# served chunks refitting every 8 steps, 1.0 s refitting on each (tests/test_step_cost.py).
+FRESH_STEPS = 32
 RIDGE = 1e-6
 # A chunk is never cut below this many tokens by time alone: a long prompt always progresses.
 MIN_CHUNK = 16
@@ -253,21 +258,41 @@ class StepCostModel:
         """Fitted from steps with prefill and steps without: only then does it bound chunks."""
         return self.coef is not None and all(s.count for s in self._sums.values())
 
+    def seed(self, steps: list[tuple[StepShape, float]]) -> None:
+        """The load-time warm-up's steps (engine/step_warmup.py): the fit's first rows. The
+        speed factors stay as they are: they measure the box against a fit, and a fit of the
+        seed's first one or two steps is none (a 128-token chunk after another, against a fit
+        of that other alone, tripled the prefill steps' factor)."""
+        for shape, seconds in steps:
+            self._add(shape.as_run(self.prompt_rows), seconds)
+        self.refit()
+
     def observe(self, shape: StepShape, seconds: float) -> None:
+        """A served step."""
         shape = shape.as_run(self.prompt_rows)
         if shape.decode_rows == 0 and shape.prefill_tokens == 0:
             return
         kind = bool(shape.prefill_tokens)
-        x = shape.features()
-        fitted = self._dot(x) if self.coef is not None else 0.0
+        fitted = self._dot(shape.features()) if self.coef is not None else 0.0
         if fitted > 0:
             self._speed[kind] += SPEED_RATE * (seconds / fitted - self._speed[kind])
+        self._add(shape, seconds)
+        if (
+            self.coef is None
+            or self._since_fit >= REFIT_EVERY
+            or self._sums[kind].count <= FRESH_STEPS
+        ):
+            self.refit()
+
+    def _add(self, shape: StepShape, seconds: float) -> None:
+        if shape.decode_rows == 0 and shape.prefill_tokens == 0:
+            return
+        kind = bool(shape.prefill_tokens)
+        x = shape.features()
         self._sums[kind].add(x, seconds, FORGET)
         self._recent[kind].append((x, seconds))
         self.observations += 1
         self._since_fit += 1
-        if self.coef is None or self._since_fit >= REFIT_EVERY:
-            self.refit()
 
     def refit(self) -> None:
         coef = self._sums[False].plus(self._sums[True]).fit()

@@ -1,9 +1,16 @@
 """Seed the scheduler's step cost model at load (core/step_cost.py) with a few timed steps of
 known shape, run through the real executor on free KV blocks: two prefill chunks of one prompt
-(the second attends over the first; each longer than a step of prompt rows), then decode steps
-of one row and of several rows, each timed twice after a first run and seeded with the faster.
-Only where a class sets an SLO (the model is then asked from the first request on); otherwise the
-model learns from the served steps alone."""
+(the second attends over the first; each longer than a step of prompt rows), one chunk of a whole
+step's token budget, then decode steps of one row and of several rows, each timed twice after a
+first run and seeded with the faster. Only where a class sets an SLO (the model is then asked
+from the first request on); otherwise the model learns from the served steps alone.
+
+The budget-sized chunk is the shape admission prices first: a chat arriving behind a summary's
+prompt is estimated before any of that prompt's chunks has been served. Fitted from the two short
+chunks alone, the cost per query-key pair came from the difference of two ~0.1 s steps and was
+extrapolated 40-fold; one of them slowed by 0.2 s priced a 1,024-token chunk at 13 s (0.8 s
+true) and refused a chat (docs/benchmarks.md, Dec 5). Measured at its size, an error in that
+chunk is an error of its own ratio."""
 
 from __future__ import annotations
 
@@ -40,11 +47,14 @@ def seed_step_costs(engine: Engine) -> int:
     half = max(PREFILL_TOKENS // 2, engine.scheduler.cost.prompt_rows + 1)
     half = min(half, cfg.max_num_batched_tokens, (engine.max_model_len - 2) // 2)
     prompt = 2 * half
-    blocks = list(range(-(-(prompt + 1) // bs)))
+    # The budget's chunk, as far as the free blocks and the model's length allow.
+    budget = min(cfg.max_num_batched_tokens, engine.max_model_len - 2)
+    budget = min(budget, engine.kv.num_blocks * bs - 1)
+    blocks = list(range(-(-(max(prompt, budget) + 1) // bs)))
     if prompt < 2 or len(blocks) > engine.kv.num_blocks:
         return 0
     vocab = engine.loaded.args.vocab_size
-    tokens = [(7 * i + 3) % vocab for i in range(prompt)]
+    tokens = [(7 * i + 3) % vocab for i in range(max(prompt, budget))]
     params = SamplingParams(max_tokens=1, temperature=0.0)
     rows = min(DECODE_ROWS, cfg.max_num_seqs)
 
@@ -53,10 +63,12 @@ def seed_step_costs(engine: Engine) -> int:
 
     plans: list[list[ScheduledRequest]] = [
         [step("warmup-prefill", 0, tokens[:half])],
-        [step("warmup-prefill", half, tokens[half:], new=False)],
+        [step("warmup-prefill", half, tokens[half:prompt], new=False)],
         [step("warmup-decode-0", prompt, tokens[:1])],
         [step(f"warmup-decode-{i}", prompt, tokens[:1]) for i in range(rows)],
     ]
+    if budget > prompt:
+        plans.append([step("warmup-budget", 0, tokens[:budget])])
     names = sorted({r.request_id for plan in plans for r in plan})
 
     def output(plan: list[ScheduledRequest]) -> SchedulerOutput:
@@ -75,7 +87,7 @@ def seed_step_costs(engine: Engine) -> int:
         # The runner forgets the warm-up's block tables (the blocks were never the KV
         # manager's: they are written afresh by whoever is given them).
         engine.executor.execute(SchedulerOutput(finished_request_ids=names))
-    for plan, seconds in zip(plans, fastest, strict=True):
-        engine.scheduler.cost.observe(StepShape.of(output(plan)), seconds)
-    engine.scheduler.cost.refit()
+    engine.scheduler.cost.seed(
+        [(StepShape.of(output(plan)), seconds) for plan, seconds in zip(plans, fastest, strict=True)]
+    )
     return len(plans)
