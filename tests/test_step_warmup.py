@@ -123,4 +123,3 @@ def test_a_short_chunk_slow_in_every_run_is_not_extrapolated_to_a_budget_chunk(
     later = StepShape().with_decode(64).with_chunk(budget // 2, budget // 2)
     later_s = engine.scheduler.cost.estimate(later)
     assert later_s is not None and later_s <= 2 * (measured[0] + DELAY_S), later_s
-

@@ -88,6 +88,9 @@ def seed_step_costs(engine: Engine) -> int:
         # manager's: they are written afresh by whoever is given them).
         engine.executor.execute(SchedulerOutput(finished_request_ids=names))
     engine.scheduler.cost.seed(
-        [(StepShape.of(output(plan)), seconds) for plan, seconds in zip(plans, fastest, strict=True)]
+        [
+            (StepShape.of(output(plan)), seconds)
+            for plan, seconds in zip(plans, fastest, strict=True)
+        ]
     )
     return len(plans)
