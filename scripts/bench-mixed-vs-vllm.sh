@@ -17,7 +17,8 @@
 #   torchcodec; libtcmalloc-minimal4 installed). A server named twice runs twice (appliance-1,
 #   appliance-2). SWEEP_SEEDS="" skips the 1.25 req/s runs. INTERLEAVE=1 starts every server at
 #   once and runs each load on each in turn (a drifting box), instead of one server after
-#   another. Run it on a quiet box: nothing else running.
+#   another. STEPS="warm chats 1rps" runs those loads only (the step names: below). Run it on
+#   a quiet box: nothing else running.
 set -u
 cd "$(dirname "$0")/.."
 M=${MODEL:-$HOME/.cache/appliance/models/small}
@@ -34,11 +35,13 @@ wait_up() {
   for _ in $(seq 1 300); do curl -sf "http://127.0.0.1:$1/v1/models" >/dev/null && return 0; sleep 1; done
   return 1
 }
-# The loads, in order, as steps: warm, 1rps, 0.75rps, sweep:SEED, burst:SEED, one.
+# The loads, in order, as steps: warm, 1rps, 0.75rps, sweep:SEED, burst:SEED, one; STEPS
+# names others (chats: the 1 req/s load's chats alone).
 steps=(warm 1rps 0.75rps)
 for seed in $SWEEP_SEEDS; do steps+=("sweep:$seed"); done
 for seed in $BURST_SEEDS; do steps+=("burst:$seed"); done
 steps+=(one)
+[ -n "${STEPS:-}" ] && read -r -a steps <<<"$STEPS"
 run_step() {  # name port step
   local n=$1 url=http://127.0.0.1:$2 step=$3
   case $step in
@@ -71,6 +74,13 @@ run_step() {  # name port step
       .venv/bin/appliance bench serve --url "$url" --profile chat --arrival burst \
         --num-requests 64 --prompt-len 128 --output-len 128 --seed "$seed" $C \
         --json-out "$OUT/$n-burst-seed$seed.json" 2>&1 | tail -12 ;;
+    chats)
+      # The 1 req/s load's chats alone (its 0.8 req/s share, its mean lengths), no summaries:
+      # the floor of their token interval on this server, whatever it does with summaries.
+      echo "== $n chats-alone $(date -u +%H:%M:%S)"
+      .venv/bin/appliance bench serve --url "$url" --profile chat --arrival poisson --rate 0.8 \
+        --num-requests 40 --prompt-len 64 --output-len 96 --seed 0 $C $SLO \
+        --json-out "$OUT/$n-chats.json" 2>&1 | tail -12 ;;
     one)
       echo "== $n one-at-a-time $(date -u +%H:%M:%S)"
       .venv/bin/appliance bench serve --url "$url" --profile chat --arrival burst \
@@ -143,7 +153,7 @@ else
   done
 fi
 base=$(printf '%s\n' "${names[@]}" | grep -m1 '^vllm')
-if [ -n "$SWEEP_SEEDS" ]; then
+if [ -n "$SWEEP_SEEDS" ] && [[ " ${steps[*]} " == *" sweep:"* ]]; then
   echo "== $SWEEP_RATE req/s, seeds $SWEEP_SEEDS, pooled per server"
   args=()
   for n in "${names[@]}"; do
@@ -156,14 +166,16 @@ if [ -n "$SWEEP_SEEDS" ]; then
     --plot "$OUT/slo-scale-${SWEEP_RATE}rps.png"
 fi
 for rate in 1rps 0.75rps; do
+  [ -f "$OUT/${names[0]}-$rate.json" ] || continue
   echo "== $rate: goodput as the chats' SLOs tighten (bench slo-scale)"
   args=()
   for n in "${names[@]}"; do args+=(--reports "$n" "$OUT/$n-$rate.json"); done
   .venv/bin/appliance bench slo-scale "${args[@]}" ${base:+--baseline "$base"} --kinds short \
     --plot "$OUT/slo-scale-$rate.png"
 done
-echo "== 64 at once: output tok/s per burst (seeds $BURST_SEEDS), median"
+[[ " ${steps[*]} " == *" burst:"* ]] && echo "== 64 at once: output tok/s per burst (seeds $BURST_SEEDS), median"
 for n in "${names[@]}"; do
+  [[ " ${steps[*]} " == *" burst:"* ]] || break
   .venv/bin/python - "$n" "$OUT" $BURST_SEEDS <<'PY'
 import json, statistics, sys
 name, out, seeds = sys.argv[1], sys.argv[2], sys.argv[3:]
