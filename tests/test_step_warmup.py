@@ -15,7 +15,7 @@ import pytest
 from appliance.core.scheduler_output import SchedulerOutput
 from appliance.core.step_cost import StepCostModel, StepShape
 from appliance.engine.llm_engine import Engine
-from appliance.engine.step_warmup import REPEATS, needs_seed, seed_step_costs
+from appliance.engine.step_warmup import REPEATS, RUN_ONCE_S, needs_seed, seed_step_costs
 from tests.test_preemption import engine_for
 
 SLO = {
@@ -33,14 +33,19 @@ def second_chunk(out: SchedulerOutput) -> bool:
     return any(r.request_id == "warmup-prefill" and r.start_pos > 0 for r in out.scheduled)
 
 
+def budget_chunk(out: SchedulerOutput) -> bool:
+    return any(r.request_id == "warmup-budget" for r in out.scheduled)
+
+
 def reseed(
     engine: Engine,
     slow_runs: set[int],
     every_shape: bool = False,
     slowed_shape: Callable[[SchedulerOutput], bool] = first_chunk,
+    delay_s: float = DELAY_S,
 ) -> list[tuple[StepShape, float]]:
     """Seed a fresh model, the runs numbered in `slow_runs` (0: the unkept first run) of
-    `slowed_shape` (the first prefill chunk), or of every shape, slowed by DELAY_S; returns
+    `slowed_shape` (the first prefill chunk), or of every shape, slowed by `delay_s`; returns
     what the model was given."""
     runs = 0  # of the first chunk, the first shape of each round
     execute = engine.executor.execute
@@ -50,7 +55,7 @@ def reseed(
         if first_chunk(out):
             runs += 1
         if out.scheduled and (every_shape or slowed_shape(out)) and runs - 1 in slow_runs:
-            time.sleep(DELAY_S)
+            time.sleep(delay_s)
         return execute(out)
 
     engine.executor.execute = slowed  # type: ignore[method-assign]
@@ -123,3 +128,25 @@ def test_a_short_chunk_slow_in_every_run_is_not_extrapolated_to_a_budget_chunk(
     later = StepShape().with_decode(64).with_chunk(budget // 2, budget // 2)
     later_s = engine.scheduler.cost.estimate(later)
     assert later_s is not None and later_s <= 2 * (measured[0] + DELAY_S), later_s
+
+
+def test_a_shape_whose_first_run_is_long_runs_once(engine: Engine) -> None:
+    # The budget's chunk of a large model on a CPU takes seconds: one run, seeded with it, where
+    # a short shape runs three times.
+    runs = 0
+    execute = engine.executor.execute
+
+    def counted(out: SchedulerOutput) -> object:
+        nonlocal runs
+        runs += budget_chunk(out)
+        return execute(out)
+
+    engine.executor.execute = counted  # type: ignore[method-assign]
+    try:
+        seen = reseed(engine, {0}, slowed_shape=budget_chunk, delay_s=RUN_ONCE_S + 0.1)
+    finally:
+        engine.executor.execute = execute  # type: ignore[method-assign]
+    assert runs == 1
+    budget = max(seen, key=lambda step: step[0].prefill_tokens)
+    assert budget[1] > RUN_ONCE_S + 0.1
+    assert all(seconds < RUN_ONCE_S for shape, seconds in seen if shape is not budget[0])
