@@ -15,7 +15,13 @@ import pytest
 from appliance.core.scheduler_output import SchedulerOutput
 from appliance.core.step_cost import StepCostModel, StepShape
 from appliance.engine.llm_engine import Engine
-from appliance.engine.step_warmup import REPEATS, RUN_ONCE_S, needs_seed, seed_step_costs
+from appliance.engine.step_warmup import (
+    BUDGET_CHUNK_MAX,
+    REPEATS,
+    RUN_ONCE_S,
+    needs_seed,
+    seed_step_costs,
+)
 from tests.test_preemption import engine_for
 
 SLO = {
@@ -113,9 +119,9 @@ def test_a_short_chunk_slow_in_every_run_is_not_extrapolated_to_a_budget_chunk(
     # (16,384) and priced a chunk of the whole budget (its ~4,000x as many pairs) at minutes. The
     # budget's own chunk, measured, holds the estimate to its time.
     seen = reseed(engine, {1, 2}, slowed_shape=second_chunk)
-    # The step's token budget, as far as the model's length allows (4,094 tokens here).
+    # The step's token budget, as far as the seed's cap allows (2,048 of 8,192 tokens here).
     cfg = engine.config.scheduler
-    budget = min(cfg.max_num_batched_tokens, engine.max_model_len - 2)
+    budget = min(cfg.max_num_batched_tokens, engine.max_model_len - 2, BUDGET_CHUNK_MAX)
     assert budget >= 1024
     measured = [s for shape, s in seen if shape.prefill_tokens == budget]
     assert len(measured) == 1 and [s.prefill_tokens for s, _ in seen][:2] == [128, 128]

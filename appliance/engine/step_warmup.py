@@ -35,6 +35,10 @@ REPEATS = 3
 # are then a small share of it, and the budget's chunk of a 7B model on a CPU (tens of seconds)
 # is not run three times at load. vLLM's own start-up runs one forward of that size.
 RUN_ONCE_S = 1.0
+# The budget's chunk stops here: from 2,048 tokens an estimate of an 8,192-token budget's chunk
+# extrapolates 4-fold in tokens, not 32-fold as from 256, and its one run stays a short part of
+# a CPU's load time (an 8,192-token prefill of a 7B model is minutes there).
+BUDGET_CHUNK_MAX = 2048
 
 
 def needs_seed(engine: Engine) -> bool:
@@ -51,8 +55,9 @@ def seed_step_costs(engine: Engine) -> int:
     half = max(PREFILL_TOKENS // 2, engine.scheduler.cost.prompt_rows + 1)
     half = min(half, cfg.max_num_batched_tokens, (engine.max_model_len - 2) // 2)
     prompt = 2 * half
-    # The budget's chunk, as far as the free blocks and the model's length allow.
-    budget = min(cfg.max_num_batched_tokens, engine.max_model_len - 2)
+    # The budget's chunk, as far as the free blocks and the model's length allow, and at most
+    # BUDGET_CHUNK_MAX tokens.
+    budget = min(cfg.max_num_batched_tokens, engine.max_model_len - 2, BUDGET_CHUNK_MAX)
     budget = min(budget, engine.kv.num_blocks * bs - 1)
     blocks = list(range(-(-(max(prompt, budget) + 1) // bs)))
     if prompt < 2 or len(blocks) > engine.kv.num_blocks:
