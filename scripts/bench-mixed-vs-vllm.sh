@@ -79,7 +79,8 @@ run_step() {  # name port step
       # the floor of their token interval on this server, whatever it does with summaries.
       echo "== $n chats-alone $(date -u +%H:%M:%S)"
       .venv/bin/appliance bench serve --url "$url" --profile chat --arrival poisson --rate 0.8 \
-        --num-requests 40 --prompt-len 64 --output-len 96 --seed 0 $C $SLO \
+        --num-requests 40 --prompt-len 64 --output-len 96 --seed 0 $C \
+        --slo-ttft-ms 1000 --slo-tpot-ms 100 \
         --json-out "$OUT/$n-chats.json" 2>&1 | tail -12 ;;
     one)
       echo "== $n one-at-a-time $(date -u +%H:%M:%S)"
