@@ -8,8 +8,8 @@ from the first request on); otherwise the model learns from the served steps alo
 The budget-sized chunk is the shape admission prices first: a chat arriving behind a summary's
 prompt is estimated before any of that prompt's chunks has been served. Fitted from the two short
 chunks alone, the cost per query-key pair came from the difference of two ~0.1 s steps and was
-extrapolated 40-fold; one of them slowed by 0.2 s priced a 1,024-token chunk at 13 s (0.8 s
-true) and refused a chat (docs/benchmarks.md, Dec 5). Measured at its size, an error in that
+extrapolated 40-fold; one of them slowed by 0.2 s priced a 960-token chunk at 13 s (0.8 s
+true), and a chat was refused so (docs/benchmarks.md, "Dec 5, evening"). Measured at its size, an error in that
 chunk is an error of its own ratio."""
 
 from __future__ import annotations
@@ -33,8 +33,9 @@ DECODE_ROWS = 8
 REPEATS = 3
 # A shape whose first run took longer is run once and seeded with that run: its one-off costs
 # (the small model's 1,024-token chunk took 0.68 s in its first run on Sapphire Rapids,
-# 0.63-0.65 s after) are then a small share of it, and the budget's chunk of a 7B model on a CPU (tens of seconds)
-# is not run three times at load. vLLM's own start-up runs one forward of that size.
+# 0.63-0.65 s after) are then a small share of it, and the budget's chunk of a 7B model on a
+# CPU (tens of seconds) is not run three times at load. vLLM's own start-up runs one forward
+# of that size.
 RUN_ONCE_S = 5.0
 # The budget's chunk stops here: from 2,048 tokens an estimate of an 8,192-token budget's chunk
 # extrapolates 4-fold in tokens, not 32-fold as from 256, and its one run stays a short part of
