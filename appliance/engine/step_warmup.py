@@ -9,8 +9,8 @@ The budget-sized chunk is the shape admission prices first: a chat arriving behi
 prompt is estimated before any of that prompt's chunks has been served. Fitted from the two short
 chunks alone, the cost per query-key pair came from the difference of two ~0.1 s steps and was
 extrapolated 40-fold; one of them slowed by 0.2 s priced a 960-token chunk at 13 s (0.8 s
-true), and a chat was refused so (docs/benchmarks.md, "Dec 5, evening"). Measured at its size, an error in that
-chunk is an error of its own ratio."""
+true), and a chat was refused so (docs/benchmarks.md, "Dec 5, evening"). Measured at its size,
+an error in that chunk is an error of its own ratio."""
 
 from __future__ import annotations
 
