@@ -174,9 +174,10 @@ for rate in 1rps 0.75rps; do
   .venv/bin/appliance bench slo-scale "${args[@]}" ${base:+--baseline "$base"} --kinds short \
     --plot "$OUT/slo-scale-$rate.png"
 done
-[[ " ${steps[*]} " == *" burst:"* ]] && echo "== 64 at once: output tok/s per burst (seeds $BURST_SEEDS), median"
-for n in "${names[@]}"; do
-  [[ " ${steps[*]} " == *" burst:"* ]] || break
+bursts=()
+[[ " ${steps[*]} " == *" burst:"* ]] && bursts=("${names[@]}")
+[ ${#bursts[@]} -gt 0 ] && echo "== 64 at once: output tok/s per burst (seeds $BURST_SEEDS), median"
+for n in "${bursts[@]}"; do
   .venv/bin/python - "$n" "$OUT" $BURST_SEEDS <<'PY'
 import json, statistics, sys
 name, out, seeds = sys.argv[1], sys.argv[2], sys.argv[3:]

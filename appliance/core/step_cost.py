@@ -264,7 +264,8 @@ class StepCostModel:
         seed's first one or two steps is none (a 128-token chunk after another, against a fit
         of that other alone, tripled the prefill steps' factor)."""
         for shape, seconds in steps:
-            self._add(shape.as_run(self.prompt_rows), seconds)
+            shape = shape.as_run(self.prompt_rows)
+            self._add(bool(shape.prefill_tokens), shape.features(), seconds)
         self.refit()
 
     def observe(self, shape: StepShape, seconds: float) -> None:
@@ -273,10 +274,11 @@ class StepCostModel:
         if shape.decode_rows == 0 and shape.prefill_tokens == 0:
             return
         kind = bool(shape.prefill_tokens)
-        fitted = self._dot(shape.features()) if self.coef is not None else 0.0
+        x = shape.features()
+        fitted = self._dot(x) if self.coef is not None else 0.0
         if fitted > 0:
             self._speed[kind] += SPEED_RATE * (seconds / fitted - self._speed[kind])
-        self._add(shape, seconds)
+        self._add(kind, x, seconds)
         if (
             self.coef is None
             or self._since_fit >= REFIT_EVERY
@@ -284,11 +286,8 @@ class StepCostModel:
         ):
             self.refit()
 
-    def _add(self, shape: StepShape, seconds: float) -> None:
-        if shape.decode_rows == 0 and shape.prefill_tokens == 0:
-            return
-        kind = bool(shape.prefill_tokens)
-        x = shape.features()
+    def _add(self, kind: bool, x: tuple[float, ...], seconds: float) -> None:
+        """A step's row in its kind's sums (`kind`: it has prefill; `x`: its features)."""
         self._sums[kind].add(x, seconds, FORGET)
         self._recent[kind].append((x, seconds))
         self.observations += 1
