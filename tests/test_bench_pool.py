@@ -87,6 +87,51 @@ def test_pooled_goodput_is_all_good_requests_over_all_seconds(
     assert pooled["B"][-1] == "1.00x"
 
 
+def with_requests(seed: int, tpots_ms: list[float]) -> dict:
+    """A report whose short requests each took 100 ms to the first token and then 10 tokens at
+    the given TPOT, plus a refused one and a one-token one (no TPOT)."""
+    data = report(seed, 60.0, (len(tpots_ms) + 2, len(tpots_ms)), (0, 0))
+    data["requests"] = [
+        {"index": i, "prompt_tokens": 64, "output_tokens": 11, "status": 200, "ttft_s": 0.1}
+        | {"e2e_s": 0.1 + 10 * t / 1000, "kind": "short"}
+        for i, t in enumerate(tpots_ms)
+    ] + [
+        {"index": 98, "prompt_tokens": 64, "output_tokens": 0, "status": 429, "ttft_s": None}
+        | {"e2e_s": None, "kind": "short"},
+        {"index": 99, "prompt_tokens": 64, "output_tokens": 1, "status": 200, "ttft_s": 0.1}
+        | {"e2e_s": 0.1, "kind": "short"},
+    ]
+    return data
+
+
+def test_latency_percentiles_pool_every_runs_requests(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A's two runs: TPOTs of 1-50 ms and 51-100 ms; B's the same, doubled.
+    a = [
+        write(tmp_path, "a2.json", with_requests(2, [float(t) for t in range(1, 51)])),
+        write(tmp_path, "a5.json", with_requests(5, [float(t) for t in range(51, 101)])),
+    ]
+    b = [
+        write(tmp_path, "b2.json", with_requests(2, [2.0 * t for t in range(1, 51)])),
+        write(tmp_path, "b5.json", with_requests(5, [2.0 * t for t in range(51, 101)])),
+    ]
+    assert run_pool(["--reports", "A", *a, "--reports", "B", *b, "--baseline", "B", "--json"]) == 0
+    short = json.loads(capsys.readouterr().out)["A"]["latency"]["short"]
+    # 100 TPOTs of 1..100 ms: the nearest rank of p99 is the 99th (no single run holds it: each
+    # run's own p99 is its slowest request, 50 or 100 ms), p50 the 51st (round half to even).
+    assert short["tpot_ms"] == {"p50": 51.0, "p90": 90.0, "p99": 99.0}
+    # Every completed request has a first token (the one-token ones too); the refused has none.
+    assert short["requests"] == 102 and short["ttft_ms"]["p99"] == pytest.approx(100.0)
+    assert short["tpot_p99_vs_baseline"] == pytest.approx(0.5)
+    assert short["ttft_p99_vs_baseline"] == pytest.approx(1.0)
+    assert run_pool(["--reports", "A", *a, "--reports", "B", *b, "--baseline", "B"]) == 0
+    table = capsys.readouterr().out.split("pooled latency per kind")[1].splitlines()
+    rows = {line.split()[0]: line.split() for line in table[3:]}
+    assert rows["A"][1:3] == ["short", "102"] and rows["A"][-2:] == ["1.00x", "0.50x"]
+    assert rows["B"][8] == "198.0"
+
+
 def test_reports_that_cannot_be_compared_are_refused_naming_the_file_or_group(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -145,3 +190,9 @@ def test_pools_the_reports_bench_serve_writes(tiny_model_dir: Path, tmp_path: Pa
     # No long request meets a 1 us TPOT; every request of both runs is counted once.
     assert long_good == 0 and long_requests == sum(r["per_kind"]["long"]["requests"] for r in runs)
     assert served.requests == 10 and served.kinds() == ["long", "short"]
+    # The pooled latencies are those of both runs' completed requests, as each report has them.
+    [long] = [x for x in bench_pool.pooled_latency([served]) if x.kind == "long"]
+    written = [q for r in runs for q in r["requests"] if q["kind"] == "long" and q["status"] == 200]
+    assert long.requests == len(written) > 0
+    tpots = sorted(1000 * q["tpot_s"] for q in written if q["tpot_s"] is not None)
+    assert sorted(long.tpot_ms) == pytest.approx(tpots)

@@ -23,9 +23,67 @@ from dataclasses import dataclass
 
 import msgspec
 
+from appliance.bench.serve import Result, pct
+
 
 class PoolError(ValueError):
     """Reports that cannot be pooled or compared; the message names the file and the field."""
+
+
+class RequestRecord(msgspec.Struct):
+    """The fields of one request of a report that its SLOs are checked on."""
+
+    index: int
+    prompt_tokens: int
+    output_tokens: int
+    status: int | str
+    ttft_s: float | None
+    e2e_s: float | None
+    kind: str = ""
+    priority_class: str = ""
+
+    def result(self) -> Result:
+        return Result(
+            index=self.index,
+            priority_class=self.priority_class,
+            prompt_tokens=self.prompt_tokens,
+            output_tokens=self.output_tokens,
+            status=self.status,
+            ttft_s=self.ttft_s,
+            e2e_s=self.e2e_s,
+            kind=self.kind,
+        )
+
+
+class Requests(msgspec.Struct):
+    requests: list[RequestRecord]
+
+
+class MaybeRequests(msgspec.Struct):
+    """A report's requests where it has them (a report written before they were kept has
+    none)."""
+
+    requests: list[RequestRecord] = []
+
+
+def read_results(path: str) -> list[Result]:
+    """The requests of a report `bench pool` has already read and checked."""
+    try:
+        with open(path, "rb") as f:
+            records = msgspec.json.decode(f.read(), type=Requests).requests
+    except msgspec.ValidationError as exc:
+        raise PoolError(f"{path}: its requests cannot be read: {exc}") from exc
+    return [r.result() for r in records]
+
+
+def read_results_if_any(path: str) -> list[Result]:
+    """read_results, or no requests for a report that has none."""
+    try:
+        with open(path, "rb") as f:
+            records = msgspec.json.decode(f.read(), type=MaybeRequests).requests
+    except msgspec.ValidationError as exc:
+        raise PoolError(f"{path}: its requests cannot be read: {exc}") from exc
+    return [r.result() for r in records]
 
 
 class RunCounts(msgspec.Struct):
@@ -150,6 +208,96 @@ def pool(groups: list[tuple[str, list[str]]]) -> list[Pooled]:
     return pooled
 
 
+QUANTILES = (50, 90, 99)
+
+
+@dataclass(frozen=True)
+class PooledLatency:
+    """One server's completed requests of one kind over all its runs. One 48-request run has
+    ~39 chats, whose p99 is its slowest chat; five runs' 190 put two chats above the p99."""
+
+    group: str
+    kind: str
+    requests: int
+    ttft_ms: tuple[float, ...]
+    tpot_ms: tuple[float, ...]
+
+    def at(self, metric: str, q: float) -> float | None:
+        """The q-th percentile of "ttft" or "tpot", as `bench serve` computes its own."""
+        return pct(list(self.ttft_ms if metric == "ttft" else self.tpot_ms), q)
+
+
+def pooled_latency(pooled: list[Pooled]) -> list[PooledLatency]:
+    """Every group's latencies per kind, from its reports' requests (none where a report keeps
+    none)."""
+    out = []
+    for g in pooled:
+        done = [r for run in g.runs for r in read_results_if_any(run.path) if r.ok]
+        for kind in sorted({r.kind for r in done}):
+            mine = [r for r in done if r.kind == kind]
+            out.append(
+                PooledLatency(
+                    g.name,
+                    kind,
+                    len(mine),
+                    tuple(1000 * r.ttft_s for r in mine if r.ttft_s is not None),
+                    tuple(1000 * t for r in mine if (t := r.tpot_s) is not None),
+                )
+            )
+    return out
+
+
+def _ratio(mine: float | None, base: float | None) -> float | None:
+    return None if mine is None or not base else mine / base
+
+
+def print_latency(latency: list[PooledLatency], baseline: str | None) -> None:
+    if not latency:
+        return
+    base = {x.kind: x for x in latency if x.group == baseline}
+    cols = [(m, q) for m in ("ttft", "tpot") for q in QUANTILES]
+    print()
+    print("pooled latency per kind, ms (percentiles over every run's completed requests)")
+    head = f"{'pooled':<14} {'kind':<8} {'reqs':>5}"
+    head += "".join(f" {f'{m.upper()} p{q}':>10}" for m, q in cols)
+    if base:
+        head += f" {'TTFT p99 vs ' + str(baseline):>22} {'TPOT p99 vs ' + str(baseline):>22}"
+    print(head)
+    print("-" * len(head))
+    for x in latency:
+        line = f"{x.group:<14} {x.kind or '-':<8} {x.requests:>5}"
+        line += "".join(f" {_fmt(x.at(m, q)):>10}" for m, q in cols)
+        if base and (b := base.get(x.kind)) is not None:
+            for m in ("ttft", "tpot"):
+                r = _ratio(x.at(m, 99), b.at(m, 99))
+                line += f" {'-' if r is None else f'{r:.2f}x':>22}"
+        print(line)
+
+
+def _fmt(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f}"
+
+
+def latency_json(latency: list[PooledLatency], group: str, baseline: str | None) -> dict:
+    base = {x.kind: x for x in latency if x.group == baseline}
+    out: dict[str, dict[str, object]] = {}
+    for x in latency:
+        if x.group != group:
+            continue
+        entry: dict[str, object] = {"requests": x.requests}
+        for m in ("ttft", "tpot"):
+            entry[f"{m}_ms"] = {f"p{q}": _round(x.at(m, q)) for q in QUANTILES}
+            b = base.get(x.kind)
+            ratio = _ratio(x.at(m, 99), b.at(m, 99)) if b is not None else None
+            entry[f"{m}_p99_vs_baseline"] = _round(ratio, 3)
+        out[x.kind] = entry
+    return out
+
+
+def _round(v: float | None, digits: int = 2) -> float | None:
+    return None if v is None else round(v, digits)
+
+
 def print_pool(pooled: list[Pooled], baseline: str | None) -> None:
     head = (
         f"{'group':<14} {'profile':<8} {'rate':>6} {'seed':>5} {'good':>5} {'reqs':>5} "
@@ -185,10 +333,12 @@ def print_pool(pooled: list[Pooled], baseline: str | None) -> None:
             ratio = f"{g.goodput / base.goodput:.2f}x" if base.goodput > 0 else "-"
             line += f" {ratio:>14}"
         print(line)
+    print_latency(pooled_latency(pooled), baseline)
 
 
 def as_json(pooled: list[Pooled], baseline: str | None) -> str:
     base = next((g for g in pooled if g.name == baseline), None)
+    latency = pooled_latency(pooled)
     return json.dumps(
         {
             g.name: {
@@ -205,6 +355,7 @@ def as_json(pooled: list[Pooled], baseline: str | None) -> str:
                 "vs_baseline": (
                     round(g.goodput / base.goodput, 3) if base and base.goodput > 0 else None
                 ),
+                "latency": latency_json(latency, g.name, baseline),
             }
             for g in pooled
         }

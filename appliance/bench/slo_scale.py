@@ -18,52 +18,17 @@ import json
 import sys
 from dataclasses import asdict, dataclass
 
-import msgspec
-
 from appliance.bench.goodput import METRICS, SLO, SLOs, count
-from appliance.bench.pool import Pooled, PoolError, add_report_groups, pool, report_groups
-from appliance.bench.serve import Result
+from appliance.bench.pool import (
+    Pooled,
+    PoolError,
+    add_report_groups,
+    pool,
+    read_results,
+    report_groups,
+)
 
 DEFAULT_SCALES = (2.0, 1.5, 1.0, 0.75, 0.5, 0.4, 0.3, 0.25, 0.2)
-
-
-class RequestRecord(msgspec.Struct):
-    """The fields of one request of a report that its SLOs are checked on."""
-
-    index: int
-    prompt_tokens: int
-    output_tokens: int
-    status: int | str
-    ttft_s: float | None
-    e2e_s: float | None
-    kind: str = ""
-    priority_class: str = ""
-
-    def result(self) -> Result:
-        return Result(
-            index=self.index,
-            priority_class=self.priority_class,
-            prompt_tokens=self.prompt_tokens,
-            output_tokens=self.output_tokens,
-            status=self.status,
-            ttft_s=self.ttft_s,
-            e2e_s=self.e2e_s,
-            kind=self.kind,
-        )
-
-
-class Requests(msgspec.Struct):
-    requests: list[RequestRecord]
-
-
-def read_results(path: str) -> list[Result]:
-    """The requests of a report `bench pool` has already read and checked."""
-    try:
-        with open(path, "rb") as f:
-            records = msgspec.json.decode(f.read(), type=Requests).requests
-    except msgspec.ValidationError as exc:
-        raise PoolError(f"{path}: its requests cannot be read: {exc}") from exc
-    return [r.result() for r in records]
 
 
 def stated_slos(group: Pooled) -> SLOs:
