@@ -195,8 +195,13 @@ class SchedulerConfig(_Section):
     # serve them, or at its target if that is tighter. It paces the pauses of a summary's
     # prefill for the chats' decodes (scheduler.interleave_decodes) and leaves the
     # summaries' decode rows that do not fit out of a chats' decode step, never two steps
-    # running (StepBuilder.defer_untimed_decodes). None: the target alone.
+    # running by default (StepBuilder.defer_untimed_decodes). None: the target alone.
     untimed_work_share: PositiveFloat | None = None
+    # How many steps running a decode row of a class without a TPOT target may be left out of
+    # a chats' step by the share: 1, it gets every other token at worst, and with N such rows
+    # the chats' token interval averages their own step plus half the N rows' cost whatever the
+    # share; k, a k+1-th of it. Its tokens then come at most k+1 chats' steps apart.
+    untimed_max_deferrals: PositiveInt = 1
     # The share is suspended while a request of a class without a TPOT target has waited
     # longer than this for its first token: the box is not keeping up with the summaries, and
     # they get its full pace back until none waits that long (core/untimed_share.py).

@@ -98,6 +98,46 @@ def test_summaries_that_do_not_fit_wait_one_step_at_most(share: float) -> None:
     assert s.counters.deferred_decode_rows - deferred_before == 12 * 3 - summary_tokens
 
 
+@pytest.mark.parametrize("most", [1, 2, 3])
+def test_max_deferrals_bounds_how_long_a_summary_waits_and_thins_the_chats_steps(
+    most: int,
+) -> None:
+    """scheduler.untimed_max_deferrals: with a share so tight that no summary row fits, each
+    waits exactly `most` steps and then rides one; the chats' steps then carry 3 / (most + 1)
+    rows on average, which is what sets their token interval."""
+    s = make(
+        {**CLASSES, "scheduler.untimed_work_share": 0.05, "scheduler.untimed_max_deferrals": most},
+        num_blocks=1024,
+    )
+    s.cost = trained()
+    chats_and_summaries_decoding(s)
+    runs: dict[str, int] = {}
+    longest = 0
+    summary_tokens = 0
+    seconds = 0.0
+    steps = 12 * (most + 1)
+    for _ in range(steps):
+        out = step(s)
+        ids = {r.request_id for r in out.scheduled}
+        assert {"chat-0", "chat-1"} <= ids
+        seconds += true_seconds(StepShape.of(out))
+        for rid in (f"summary-{i}" for i in range(3)):
+            runs[rid] = 0 if rid in ids else runs.get(rid, 0) + 1
+            longest = max(longest, runs[rid])
+            summary_tokens += rid in ids
+    assert longest == most
+    assert summary_tokens == pytest.approx(3 * steps / (most + 1), abs=3)
+    # Each summary row costs 5.5 ms a step it rides; the chats' own rows ~7.4 ms.
+    chats = chats_alone_s(s)
+    assert seconds / steps == pytest.approx(chats + 3 * 5.5e-3 / (most + 1), rel=0.1)
+
+
+@pytest.mark.parametrize("bad", [0, -1])
+def test_max_deferrals_below_one_is_a_config_error_naming_the_key(bad: int) -> None:
+    with pytest.raises(ConfigError, match="untimed_max_deferrals"):
+        load_config(None, {"scheduler.untimed_max_deferrals": bad})
+
+
 def shape_of(out: Any, prefix: str) -> StepShape:
     """The step's rows whose request id starts with `prefix`, as StepShape.of reads them."""
     shape = StepShape()

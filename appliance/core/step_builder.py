@@ -204,8 +204,9 @@ class StepBuilder:
         alone (six summaries at 1.5k tokens added 40% to a 54-token prompt's step, holding
         that chat's first token and the decoding chats' next: docs/benchmarks.md, "Sapphire
         Rapids, Dec 5, morning"). A step that prefills a summary keeps them: they ride its
-        chunk. Deferred, a row goes first next time and never waits two steps running: it
-        still gets every other token at worst."""
+        chunk. Deferred, a row goes first next time and waits at most
+        scheduler.untimed_max_deferrals steps running (1: it still gets every other token at
+        worst)."""
         s = self.s
         if s.untimed_share is None or not s.cost.ready:
             return
@@ -228,7 +229,8 @@ class StepBuilder:
         # The ones that waited last step first (stable: the policy's order otherwise).
         for r in sorted(untimed, key=lambda r: -r.decode_deferrals):
             with_it = self._add(shape, r, self.granted[r.request_id])
-            if r.decode_deferrals or (s.cost.estimate(with_it) or 0.0) <= limit:
+            overdue = r.decode_deferrals >= s.cfg.untimed_max_deferrals
+            if overdue or (s.cost.estimate(with_it) or 0.0) <= limit:
                 shape, r.decode_deferrals = with_it, 0
             else:
                 r.decode_deferrals += 1
