@@ -66,21 +66,13 @@ class MaybeRequests(msgspec.Struct):
     requests: list[RequestRecord] = []
 
 
-def read_results(path: str) -> list[Result]:
-    """The requests of a report `bench pool` has already read and checked."""
+def read_results(path: str, *, required: bool = True) -> list[Result]:
+    """The requests of a report `bench pool` has already read and checked; required=False:
+    none for a report that keeps none, instead of an error."""
+    shape: type[Requests | MaybeRequests] = Requests if required else MaybeRequests
     try:
         with open(path, "rb") as f:
-            records = msgspec.json.decode(f.read(), type=Requests).requests
-    except msgspec.ValidationError as exc:
-        raise PoolError(f"{path}: its requests cannot be read: {exc}") from exc
-    return [r.result() for r in records]
-
-
-def read_results_if_any(path: str) -> list[Result]:
-    """read_results, or no requests for a report that has none."""
-    try:
-        with open(path, "rb") as f:
-            records = msgspec.json.decode(f.read(), type=MaybeRequests).requests
+            records = msgspec.json.decode(f.read(), type=shape).requests
     except msgspec.ValidationError as exc:
         raise PoolError(f"{path}: its requests cannot be read: {exc}") from exc
     return [r.result() for r in records]
@@ -232,7 +224,7 @@ def pooled_latency(pooled: list[Pooled]) -> list[PooledLatency]:
     none)."""
     out = []
     for g in pooled:
-        done = [r for run in g.runs for r in read_results_if_any(run.path) if r.ok]
+        done = [r for run in g.runs for r in read_results(run.path, required=False) if r.ok]
         for kind in sorted({r.kind for r in done}):
             mine = [r for r in done if r.kind == kind]
             out.append(
