@@ -55,29 +55,6 @@ class RequestRecord(msgspec.Struct):
         )
 
 
-class Requests(msgspec.Struct):
-    requests: list[RequestRecord]
-
-
-class MaybeRequests(msgspec.Struct):
-    """A report's requests where it has them (a report written before they were kept has
-    none)."""
-
-    requests: list[RequestRecord] = []
-
-
-def read_results(path: str, *, required: bool = True) -> list[Result]:
-    """The requests of a report `bench pool` has already read and checked; required=False:
-    none for a report that keeps none, instead of an error."""
-    shape: type[Requests | MaybeRequests] = Requests if required else MaybeRequests
-    try:
-        with open(path, "rb") as f:
-            records = msgspec.json.decode(f.read(), type=shape).requests
-    except msgspec.ValidationError as exc:
-        raise PoolError(f"{path}: its requests cannot be read: {exc}") from exc
-    return [r.result() for r in records]
-
-
 class RunCounts(msgspec.Struct):
     """The part of a `bench serve` summary (the whole run's, or one kind's) that pooling needs."""
 
@@ -98,6 +75,8 @@ class ServeReport(msgspec.Struct):
     summary: RunCounts
     slo_per_kind: dict[str, dict[str, float | None]] = {}
     per_kind: dict[str, RunCounts] = {}
+    # Each request's latencies (a report written before they were kept has none).
+    requests: list[RequestRecord] = []
 
     def load(self) -> tuple[str, str, float, int, int]:
         """What makes two runs the same load: the same requests at the same arrival times."""
@@ -112,6 +91,11 @@ class ServeReport(msgspec.Struct):
 class Run:
     path: str
     report: ServeReport
+
+    def results(self) -> list[Result]:
+        """The run's requests as `bench serve` recorded them (none where the report keeps
+        none)."""
+        return [r.result() for r in self.report.requests]
 
 
 def read_report(path: str) -> Run:
@@ -224,7 +208,7 @@ def pooled_latency(pooled: list[Pooled]) -> list[PooledLatency]:
     none)."""
     out = []
     for g in pooled:
-        done = [r for run in g.runs for r in read_results(run.path, required=False) if r.ok]
+        done = [r for run in g.runs for r in run.results() if r.ok]
         for kind in sorted({r.kind for r in done}):
             mine = [r for r in done if r.kind == kind]
             out.append(

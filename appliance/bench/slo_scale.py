@@ -24,7 +24,6 @@ from appliance.bench.pool import (
     PoolError,
     add_report_groups,
     pool,
-    read_results,
     report_groups,
 )
 
@@ -74,7 +73,9 @@ def curve(
             f"{pooled[0].runs[0].path}: it was run without SLOs: nothing to scale "
             "(bench serve --slo-ttft-ms / --slo-tpot-ms)"
         )
-    results = {run.path: read_results(run.path) for g in pooled for run in g.runs}
+    results = {run.path: run.results() for g in pooled for run in g.runs}
+    if missing := next((p for p, r in results.items() if not r), None):
+        raise PoolError(f"{missing}: it keeps no requests to check the SLOs on")
     points = []
     for factor in scales:
         at = scaled(slos, factor, kinds)

@@ -204,9 +204,8 @@ class StepBuilder:
         alone (six summaries at 1.5k tokens added 40% to a 54-token prompt's step, holding
         that chat's first token and the decoding chats' next: docs/benchmarks.md, "Sapphire
         Rapids, Dec 5, morning"). A step that prefills a summary keeps them: they ride its
-        chunk. Deferred, a row goes first next time and waits at most
-        scheduler.untimed_max_deferrals steps running (1: it still gets every other token at
-        worst)."""
+        chunk. Deferred, a row goes first next time, for at most
+        scheduler.untimed_max_deferrals steps running (1: every other token at worst)."""
         s = self.s
         if s.untimed_share is None or not s.cost.ready:
             return
