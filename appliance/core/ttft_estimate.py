@@ -5,11 +5,15 @@ the running classes and the classes outranking the chunk's; else the token budge
 chunks in serve order: running requests still prefilling (those the new one does not outrank),
 then the waiting and swapped requests admitted before the new one (its policy's queue order),
 then the new one, then the running prefills it outranks; every chunk gets at
-least MIN_CHUNK tokens, as the builder gives it. The estimate is the sum of the simulated
-steps' costs until the new request's prompt is done. Where steps interleave their decodes
+least MIN_CHUNK tokens, as the builder gives it, and in a step that admits a request the
+prompts it outranks get at most that (the builder's cap: a chat's first token is not held for a
+summary's chunk). The estimate is the sum of the simulated steps' costs until the new
+request's prompt is done. Where steps interleave their decodes
 (scheduler.interleave_decodes, in an engine whose steps can pause), chunks take the token budget
 and a step that outlasts its decodes' target pays their decode steps, one per slice of it, as
-the engine runs them (the decodes that ride its steps, Scheduler.rides_prefill, in them).
+the engine runs them (the decodes that ride its steps, Scheduler.rides_prefill, in them);
+one that carries a prompt as urgent as its decodes keeps them, unpaced
+(StepBuilder.detach_decodes).
 
 It models the prefill work, which is what long summaries ahead of a short chat cost; a full
 batch of sequence slots is the departure-rate estimate's business (core/wait_estimate.py).
@@ -20,7 +24,8 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from appliance.core.step_cost import MIN_SLICE_FRACTION, StepShape, rowable
+from appliance.core.request import RequestStatus
+from appliance.core.step_cost import MIN_CHUNK, MIN_SLICE_FRACTION, StepShape, rowable
 
 if TYPE_CHECKING:
     from appliance.core.request import Request
@@ -81,23 +86,35 @@ def estimate_ttft_s(sched: Scheduler, req: Request, interleave: bool = False) ->
     # then come at their token interval (Scheduler.token_interval_s: tighter with
     # scheduler.untimed_work_share).
     pacing = (step_limit, sched.token_interval_s(apart)) if interleave and step_limit else None
+    # The requests not yet started (the waiting ones ahead, and req): the step that admits
+    # one gives the prompts it outranks MIN_CHUNK tokens (StepBuilder.admit, schedule_deferred).
+    fresh = [r.status is not RequestStatus.RUNNING for r in ahead] + [True] + [False] * len(behind)
     total, steps = 0.0, 0
     while own[1] > 0:
         shape, budget = decodes, sched.cfg.max_num_batched_tokens - decodes.decode_rows
         lower = StepShape()
-        for item, limit, low, ok in zip(work, limits, outranked, as_rows, strict=True):
+        started: int | None = None  # the most urgent rank admitted in this step
+        whole = False  # a prompt as urgent as the decodes: the step keeps them, unpaced
+        for i, item in enumerate(work):
             if item[1] <= 0 or budget <= 0:
                 continue
             chunk = min(item[1], budget)
-            if limit is not None:
-                chunk = cost.max_chunk(shape, item[0], chunk, limit, ok)
-            shape = shape.with_chunk(item[0], chunk, ok)
-            if low:
-                lower = lower.with_chunk(item[0], chunk, ok)
+            if started is not None and ranks[i] > started:
+                chunk = min(chunk, MIN_CHUNK)
+            if (limit := limits[i]) is not None:
+                chunk = cost.max_chunk(shape, item[0], chunk, limit, as_rows[i])
+            shape = shape.with_chunk(item[0], chunk, as_rows[i])
+            if outranked[i]:
+                lower = lower.with_chunk(item[0], chunk, as_rows[i])
+            else:
+                whole = True
+            if fresh[i]:
+                fresh[i] = False
+                started = ranks[i] if started is None else min(started, ranks[i])
             budget -= chunk
             item[0] += chunk
             item[1] -= chunk
-        total += _step_s(sched, shape, lower, riding, decode_s, pacing)
+        total += _step_s(sched, shape, lower, riding, decode_s, None if whole else pacing)
         steps += 1
         if steps >= MAX_STEPS:
             # A queue this deep: the rest of req's prompt at the last step's pace.
