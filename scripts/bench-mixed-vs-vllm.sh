@@ -162,7 +162,7 @@ if [ -n "$SWEEP_SEEDS" ] && [[ " ${steps[*]} " == *" sweep:"* ]]; then
   .venv/bin/appliance bench pool "${args[@]}" ${base:+--baseline "$base"}
   echo "== $SWEEP_RATE req/s pooled, goodput as the chats' SLOs tighten"
   .venv/bin/appliance bench slo-scale "${args[@]}" ${base:+--baseline "$base"} --kinds short \
-    --plot "$OUT/slo-scale-${SWEEP_RATE}rps.png"
+    --plot "$OUT/slo-scale-${SWEEP_RATE}rps-pooled.png"
 fi
 for rate in 1rps 0.75rps; do
   [ -f "$OUT/${names[0]}-$rate.json" ] || continue
