@@ -95,22 +95,24 @@ def estimate_ttft_s(sched: Scheduler, req: Request, interleave: bool = False) ->
         lower = StepShape()
         started: int | None = None  # the most urgent rank admitted in this step
         whole = False  # a prompt as urgent as the decodes: the step keeps them, unpaced
-        for i, item in enumerate(work):
+        for i, (item, limit, low, ok, rank) in enumerate(
+            zip(work, limits, outranked, as_rows, ranks, strict=True)
+        ):
             if item[1] <= 0 or budget <= 0:
                 continue
             chunk = min(item[1], budget)
-            if started is not None and ranks[i] > started:
+            if started is not None and rank > started:
                 chunk = min(chunk, MIN_CHUNK)
-            if (limit := limits[i]) is not None:
-                chunk = cost.max_chunk(shape, item[0], chunk, limit, as_rows[i])
-            shape = shape.with_chunk(item[0], chunk, as_rows[i])
-            if outranked[i]:
-                lower = lower.with_chunk(item[0], chunk, as_rows[i])
+            if limit is not None:
+                chunk = cost.max_chunk(shape, item[0], chunk, limit, ok)
+            shape = shape.with_chunk(item[0], chunk, ok)
+            if low:
+                lower = lower.with_chunk(item[0], chunk, ok)
             else:
                 whole = True
             if fresh[i]:
                 fresh[i] = False
-                started = ranks[i] if started is None else min(started, ranks[i])
+                started = rank if started is None else min(started, rank)
             budget -= chunk
             item[0] += chunk
             item[1] -= chunk
