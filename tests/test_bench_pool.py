@@ -77,14 +77,17 @@ def test_pooled_goodput_is_all_good_requests_over_all_seconds(
     assert out["B"]["goodput"] == pytest.approx(52 / 125)
     assert out["A"]["vs_baseline"] == pytest.approx(0.70 / (52 / 125), abs=1e-3)
     assert out["B"]["vs_baseline"] == 1.0
+    # At most: A's 80 requests all good in its 100 s, against B's 52 good in 125 s.
+    assert out["A"]["ceiling_vs_baseline"] == pytest.approx(0.80 / (52 / 125), abs=1e-3)
+    assert out["B"]["ceiling_vs_baseline"] == pytest.approx(80 / 52, abs=1e-3)
     assert out["A"]["per_kind"]["long"] == {"good": 10, "requests": 16, "goodput": 0.1}
     assert out["B"]["per_kind"]["short"]["goodput"] == pytest.approx(40 / 125)
     # The table: a row per run, a pooled row per server with the ratio to the baseline.
     assert run_pool(["--reports", "A", *a, "--reports", "B", *b, "--baseline", "B"]) == 0
     table = capsys.readouterr().out
     pooled = {line.split()[0]: line.split() for line in table.split("pooled")[1].splitlines()[2:]}
-    assert pooled["A"][1:4] == ["2", "70", "80"] and pooled["A"][-1] == "1.68x"
-    assert pooled["B"][-1] == "1.00x"
+    assert pooled["A"][1:4] == ["2", "70", "80"] and pooled["A"][-2:] == ["1.68x", "1.92x"]
+    assert pooled["B"][-2:] == ["1.00x", "1.54x"]
 
 
 def with_requests(seed: int, tpots_ms: list[float]) -> dict:

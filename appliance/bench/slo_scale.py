@@ -62,6 +62,11 @@ class Point:
     def goodput(self) -> float:
         return self.good / self.seconds
 
+    def ceiling_vs(self, base: Point) -> float | None:
+        """The ratio to `base` were every one of this group's requests good (pool.py's
+        Pooled.ceiling_vs): where the baseline meets most SLOs, no server gets past it."""
+        return self.requests / self.seconds / base.goodput if base.good else None
+
 
 def curve(
     pooled: list[Pooled], scales: list[float], kinds: frozenset[str] | None
@@ -97,7 +102,7 @@ def print_curve(
     head = f"{'scale':>6} {'SLOs scaled':<34}"
     head += "".join(f" {g:>20}" for g in groups)
     if baseline in groups:
-        head += "".join(f" {g + ' vs ' + baseline:>22}" for g in others)
+        head += "".join(f" {g + ' vs ' + baseline + ' (at most)':>32}" for g in others)
     print(head)
     print("-" * len(head))
     for factor in scales:
@@ -113,12 +118,15 @@ def print_curve(
             p = at[g]
             line += f" {p.goodput:>9.3f} ({p.good:>3}/{p.requests:<3})"
         if baseline in groups:
-            base = at[baseline].goodput
+            base = at[baseline]
             for g in others:
-                ratio = f"{at[g].goodput / base:.2f}x" if base > 0 else "-"
-                line += f" {ratio:>22}"
+                ceiling = at[g].ceiling_vs(base)
+                ratio = f"{at[g].goodput / base.goodput:.2f}x" if base.good else "-"
+                bound = "" if ceiling is None else f" ({ceiling:.2f}x)"
+                line += f" {ratio + bound:>32}"
         print(line)
-    print("(limits per kind as ttft/tpot/e2e ms where given)")
+    print("(limits per kind as ttft/tpot/e2e ms where given; at most: the ratio were every one")
+    print(" of a group's requests good, in its seconds)")
 
 
 def plot_curve(points: list[Point], path: str, title: str) -> None:
