@@ -153,10 +153,12 @@ else
 fi
 base=$(printf '%s\n' "${names[@]}" | grep -m1 '^vllm')
 if [ -n "$SWEEP_SEEDS" ] && [[ " ${steps[*]} " == *" sweep:"* ]]; then
-  echo "== $SWEEP_RATE req/s, seeds $SWEEP_SEEDS, pooled per server"
+  echo "== $SWEEP_RATE req/s, seeds $SWEEP_SEEDS (and the fixed seed at that rate, if run), pooled per server"
   args=()
   for n in "${names[@]}"; do
     args+=(--reports "$n")
+    # With SWEEP_RATE=1 or 0.75 the fixed-seed run at that rate is one more draw of the load.
+    [ -f "$OUT/$n-${SWEEP_RATE}rps.json" ] && args+=("$OUT/$n-${SWEEP_RATE}rps.json")
     for seed in $SWEEP_SEEDS; do args+=("$OUT/$n-${SWEEP_RATE}rps-seed$seed.json"); done
   done
   .venv/bin/appliance bench pool "${args[@]}" ${base:+--baseline "$base"}
