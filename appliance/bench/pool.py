@@ -115,6 +115,17 @@ def read_report(path: str) -> Run:
     return Run(path, report)
 
 
+# Printed under a table with an "at most" figure (`bench pool`, `bench slo-scale`).
+AT_MOST_NOTE = "(at most: the ratio were every one of a group's requests good, in its seconds)"
+
+
+def ceiling_ratio(requests: int, seconds: float, base_goodput: float) -> float | None:
+    """The most a server's goodput could be against a baseline's: every one of its `requests`
+    good, in its runs' `seconds`. Where the baseline meets most of the SLOs this bounds the
+    ratio whatever the server does. None where the baseline has no good request."""
+    return requests / seconds / base_goodput if base_goodput > 0 else None
+
+
 @dataclass(frozen=True)
 class Pooled:
     """One server's runs, pooled: good requests over the runs' total seconds."""
@@ -139,10 +150,7 @@ class Pooled:
         return self.good / self.seconds
 
     def ceiling_vs(self, base: Pooled) -> float | None:
-        """The most this group's goodput could be against `base`'s: every one of its requests
-        good, in its runs' seconds. Where the baseline meets most of the SLOs this bounds the
-        ratio whatever the server does (vLLM good in 249 of 288: at most ~1.16x)."""
-        return self.requests / self.seconds / base.goodput if base.goodput > 0 else None
+        return ceiling_ratio(self.requests, self.seconds, base.goodput)
 
     @property
     def attainment(self) -> float:
@@ -317,7 +325,7 @@ def print_pool(pooled: list[Pooled], baseline: str | None) -> None:
             line += f" {ratio:>14} {'-' if ceiling is None else f'{ceiling:.2f}x':>8}"
         print(line)
     if base is not None:
-        print("(at most: the ratio were every one of a group's requests good, in its seconds)")
+        print(AT_MOST_NOTE)
     print_latency(pooled_latency(pooled), baseline)
 
 

@@ -20,9 +20,11 @@ from dataclasses import asdict, dataclass
 
 from appliance.bench.goodput import METRICS, SLO, SLOs, count
 from appliance.bench.pool import (
+    AT_MOST_NOTE,
     Pooled,
     PoolError,
     add_report_groups,
+    ceiling_ratio,
     pool,
     report_groups,
 )
@@ -61,11 +63,6 @@ class Point:
     @property
     def goodput(self) -> float:
         return self.good / self.seconds
-
-    def ceiling_vs(self, base: Point) -> float | None:
-        """The ratio to `base` were every one of this group's requests good (pool.py's
-        Pooled.ceiling_vs): where the baseline meets most SLOs, no server gets past it."""
-        return self.requests / self.seconds / base.goodput if base.good else None
 
 
 def curve(
@@ -120,13 +117,14 @@ def print_curve(
         if baseline in groups:
             base = at[baseline]
             for g in others:
-                ceiling = at[g].ceiling_vs(base)
+                ceiling = ceiling_ratio(at[g].requests, at[g].seconds, base.goodput)
                 ratio = f"{at[g].goodput / base.goodput:.2f}x" if base.good else "-"
                 bound = "" if ceiling is None else f" ({ceiling:.2f}x)"
                 line += f" {ratio + bound:>32}"
         print(line)
-    print("(limits per kind as ttft/tpot/e2e ms where given; at most: the ratio were every one")
-    print(" of a group's requests good, in its seconds)")
+    print("(limits per kind as ttft/tpot/e2e ms where given)")
+    if baseline in groups:
+        print(AT_MOST_NOTE)
 
 
 def plot_curve(points: list[Point], path: str, title: str) -> None:
