@@ -222,6 +222,13 @@ class PriorityClass(_Section):
     # classes a step decodes; arrivals expected past the TTFT target refused (docs/admission.md).
     tpot_slo_ms: PositiveFloat | None = None
     ttft_slo_s: PositiveFloat | None = None
+    # A first-token goal the steps are paced for and never refused on (ttft_slo_s refuses):
+    # while a queued request of this class would get its first token later, the token interval
+    # of the classes decoding stretches toward their tpot_ceiling_ms (core/first_token_goal.py).
+    ttft_goal_s: PositiveFloat | None = None
+    # The longest this class's token interval stretches to, from tpot_slo_ms, for another
+    # class's ttft_goal_s (unset: never stretched).
+    tpot_ceiling_ms: PositiveFloat | None = None
 
 
 def served_model_name(
@@ -376,6 +383,18 @@ class ApplianceConfig(_Section):
         cls = self.priority_classes.get(priority_class)
         return cls.ttft_slo_s if cls is not None else None
 
+    def ttft_goal_s(self, priority_class: str) -> float | None:
+        cls = self.priority_classes.get(priority_class)
+        return cls.ttft_goal_s if cls is not None else None
+
+    def tpot_ceiling_s(self, priority_class: str) -> float | None:
+        """How far a class's token interval may stretch (core/first_token_goal.py): its
+        tpot_ceiling_ms, else its TPOT target; None where it sets no target."""
+        cls = self.priority_classes.get(priority_class)
+        if cls is None or not cls.tpot_slo_ms:
+            return None
+        return (cls.tpot_ceiling_ms or cls.tpot_slo_ms) / 1e3
+
     def class_limits(self, priority_class: str) -> ClassLimits:
         """A class's own limits where it sets them (non-zero), else the scheduler-wide ones."""
         cls = self.priority_classes.get(priority_class) or PriorityClass(priority=0)
@@ -431,6 +450,14 @@ def _check_consistency(cfg: ApplianceConfig, source: str) -> None:
             f"scheduler.long_prompt_class ({s.long_prompt_class!r}) are set together: "
             "long_prompt_tokens >= 1 and a class name, or neither"
         )
+    for name, cls in cfg.priority_classes.items():
+        ceiling = cls.tpot_ceiling_ms
+        if ceiling is not None and (cls.tpot_slo_ms is None or ceiling < cls.tpot_slo_ms):
+            raise ConfigError(
+                f"{source}: priority_classes.{name}.tpot_ceiling_ms ({ceiling}) stretches the "
+                f"class's tpot_slo_ms ({cls.tpot_slo_ms}): set that target, and a ceiling at "
+                "or above it"
+            )
     cache = cfg.cache
     if cache.kv_cache_scales == "per_token" and cache.kv_cache_dtype != "int8":
         raise ConfigError(

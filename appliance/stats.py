@@ -49,6 +49,9 @@ class SchedulerCounters(msgspec.Struct, kw_only=True):
     # Steps built without the share because a summary had waited past
     # scheduler.untimed_share_max_wait_s for its first token (core/untimed_share.py).
     untimed_share_suspended_steps: int = 0
+    # Steps whose decodes' token interval stretched past their TPOT target, toward their
+    # tpot_ceiling_ms, for a queued request's ttft_goal_s (core/first_token_goal.py).
+    tpot_stretched_steps: int = 0
 
     def count_preemption(self, mode: str, priority_class: str) -> None:
         self.preemptions += 1

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 
 from appliance.config import ApplianceConfig
+from appliance.core.first_token_goal import GoalPlan, plan_goals, stretched_interval_s
 from appliance.core.kv_cache_manager import KVCacheManager
 from appliance.core.lora_slots import LoraSlotTable
 from appliance.core.policy import make_policy
@@ -85,6 +86,9 @@ class Scheduler:
         # scheduler.untimed_work_share as the current step is built with it: None while the
         # summaries fall behind (core/untimed_share.py).
         self.untimed_share = self.cfg.untimed_work_share
+        # What the first-token goals ask of the current step (core/first_token_goal.py): the
+        # share of the box the queued prefills need, and who yields its turn.
+        self.goals = GoalPlan()
 
     def reconfigure(self, config: ApplianceConfig) -> None:
         """Live knobs, between two steps: the next step reads them. Running requests above a
@@ -218,12 +222,16 @@ class Scheduler:
             for r in queue:
                 self._class_seen[r.priority_class] = now
         self.untimed_share = share_in_force(self, now)
+        self.goals = plan_goals(self, now)
         out.schedule_running()
         out.admit()
         out.schedule_deferred()
         out.detach_decodes()
         out.defer_untimed_decodes()
         result = out.build()
+        interval = result.decode_interval_s
+        if interval is not None and out.limit_s is not None and interval > out.limit_s:
+            self.counters.tpot_stretched_steps += 1
         assert result.num_scheduled_tokens <= self.cfg.max_num_batched_tokens
         assert len(self.running) <= seq_limit
         return result
@@ -231,6 +239,13 @@ class Scheduler:
     def rank(self, req: Request) -> int:
         """A request's urgency in the policy's queue order (lower: more urgent)."""
         return self.policy.queue_key(req)[0]
+
+    def admission_key(self, req: Request) -> tuple[object, ...]:
+        """The order queued requests are admitted in: the policy's, but a request that can no
+        longer meet its first-token goal after those of its rank that can
+        (core/first_token_goal.py)."""
+        rank, *rest = self.policy.queue_key(req)
+        return (rank, req.request_id in self.goals.yielding, *rest)
 
     # -- cut-in steps (engine: a step paused between two half-layers) ----------------------------
     def cut_in_rank(self, step: SchedulerOutput) -> int | None:
@@ -321,12 +336,16 @@ class Scheduler:
 
     def token_interval_s(self, decodes: list[Request]) -> float | None:
         """How far apart the tokens of `decodes` (rows of classes with a TPOT target) may come:
-        their tightest target, or less where scheduler.untimed_work_share bounds it by what
-        a decode step of theirs alone is expected to cost (while it is in force:
+        their tightest target, stretched toward their ceiling while a first-token goal needs
+        it (core/first_token_goal.py), or less where scheduler.untimed_work_share bounds it by
+        what a decode step of theirs alone is expected to cost (while it is in force:
         core/untimed_share.py)."""
         limit = self.time_limit_s(decodes)
+        if limit is None:
+            return None
+        limit = stretched_interval_s(self, decodes, limit, self.goals.need)
         share = self.untimed_share
-        if limit is None or share is None or not self.cost.ready:
+        if share is None or not self.cost.ready:
             return limit
         shape = StepShape()
         for r in decodes:

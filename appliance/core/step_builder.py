@@ -320,7 +320,7 @@ class StepBuilder:
         if not s.policy.may_admit(bool(s.running or self.order)):
             return  # a static batch runs until all of its members finish
         queued = s.waiting + s.swapped if only is None else [r for r in s.waiting if only(r)]
-        candidates = sorted(queued, key=s.policy.queue_key)
+        candidates = sorted(queued, key=s.admission_key)
         for req in candidates:
             # Admitted behind a more urgent prompt in the same step (a summary after a chat's),
             # it progresses by MIN_CHUNK tokens only: the chat's first token comes with the

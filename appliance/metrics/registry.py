@@ -162,6 +162,13 @@ class Metrics:
             m,
             registry=reg,
         )
+        self.tpot_stretched = Counter(
+            "appliance_tpot_stretched_steps",
+            "Steps whose decodes' token interval stretched past their class's TPOT target, "
+            "toward its tpot_ceiling_ms, for a queued request's ttft_goal_s.",
+            m,
+            registry=reg,
+        )
         self.drain = Counter(
             "appliance_drain_requests",
             "Requests in flight when a drain began: drained (finished in time) or cut.",
@@ -300,6 +307,7 @@ class Metrics:
             "interleaved_decodes": _CounterMirror(self.interleaved_decodes),
             "deferred_decodes": _CounterMirror(self.deferred_decodes),
             "untimed_share_suspended": _CounterMirror(self.untimed_share_suspended),
+            "tpot_stretched": _CounterMirror(self.tpot_stretched),
         }
 
     # -- request level (API process) -------------------------------------------------------------
@@ -474,6 +482,7 @@ class Metrics:
         mir["interleaved_decodes"].set_total((name,), s.counters.interleaved_decode_steps)
         mir["deferred_decodes"].set_total((name,), s.counters.deferred_decode_rows)
         mir["untimed_share_suspended"].set_total((name,), s.counters.untimed_share_suspended_steps)
+        mir["tpot_stretched"].set_total((name,), s.counters.tpot_stretched_steps)
         self.spec_decode.update(name, s.spec_decode)
         if s.max_loras:
             # One series, the current one, stamped with the time (as vLLM does).

@@ -61,6 +61,8 @@ class ClassKnobs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_waiting_requests: NonNegInt | UnsetType = UNSET
     tpot_slo_ms: PositiveFloatOrNone | UnsetType = UNSET
     ttft_slo_s: PositiveFloatOrNone | UnsetType = UNSET
+    ttft_goal_s: PositiveFloatOrNone | UnsetType = UNSET
+    tpot_ceiling_ms: PositiveFloatOrNone | UnsetType = UNSET
 
 
 class LivePatch(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
