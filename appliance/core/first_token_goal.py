@@ -1,14 +1,17 @@
-"""A class's first-token goal (priority_classes.X.ttft_goal_s) and how far the chats' token
-interval stretches for it (their tpot_ceiling_ms).
+"""A class's first-token goal (priority_classes.X.ttft_goal_s): a goal the steps are paced for,
+never refused on, and how far the decoding classes' token interval stretches for it (their
+tpot_ceiling_ms).
 
 A summary's prefill that pauses for the chats' decode steps (scheduler.interleave_decodes) gets
-what is left of each of their token intervals after their step: on 2 cores, a chats' step of
-~20 ms in a 35 ms interval leaves the prefill under half of the box. Alone a summary's prompt
-takes ~1-1.5 s; sixteen of them in 26 s then queued for their first token, which came 5-16 s
-after they arrived (docs/admission.md, "First-token goals"). While a queued request would miss
-its goal at the current pace, the interval stretches to the least that gives the prefills the
-share they need, and never past the ceiling; a request that would miss its goal with the whole
-box, or already has, stretches nothing (its prefill still counts for those behind it)."""
+what is left of each of their token intervals after their step: on a slow 2-core box, a chats'
+step of ~20 ms in a 35 ms interval left the prefill about half of it. Sixteen summaries in
+26 s then queued for their first token, which came 5-16 s after they arrived
+(docs/admission.md, "First-token goals"). Each step is planned for the queued requests that
+can still meet their goal: the chats' interval stretches to the least that gives the prefills
+the share of the box those need, never past the ceiling; and a request that would miss its
+goal even with the whole box, or already has, yields its turn to those that can, until it has
+waited twice its goal.
+"""
 
 from __future__ import annotations
 
@@ -42,7 +45,8 @@ def plan_goals(sched: Scheduler, now: float) -> GoalPlan:
     when it takes its turn again (a stream of arrivals that can never starves it). None of
     this before the cost model is ready."""
     cost = sched.cost
-    if not cost.ready:
+    goals = any(c.ttft_goal_s for c in sched.config.priority_classes.values())
+    if not goals or not cost.ready:
         return GoalPlan()
     key = sched.policy.queue_key
     # Served in this order: the prompts already being prefilled, then the queues' in their order.
