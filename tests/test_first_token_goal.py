@@ -17,6 +17,7 @@ from appliance.core.scheduler import Scheduler
 from appliance.core.step_cost import StepShape
 from tests.test_scheduler import make, req, step
 from tests.test_step_cost import trained, true_seconds
+from tests.test_untimed_share import chats_alone_s
 
 TARGET_S = 0.035
 CEILING_S = 0.100
@@ -135,14 +136,6 @@ def test_a_prompt_being_prefilled_counts_its_remaining_tokens_only() -> None:
     )
 
 
-def chats_step_s(s: Scheduler) -> float:
-    shape = StepShape()
-    for r in s.running:
-        if r.priority_class == "interactive":
-            shape = shape.with_decode(r.num_computed_tokens)
-    return true_seconds(shape)
-
-
 @pytest.mark.parametrize("need", [None, 0.0, 0.5, 0.9, 0.99, 1.0, 1.5])
 def test_the_interval_leaves_the_prefill_that_share_between_the_target_and_the_ceiling(
     need: float | None,
@@ -150,7 +143,7 @@ def test_the_interval_leaves_the_prefill_that_share_between_the_target_and_the_c
     s = scheduler()
     chat_decoding(s)
     chats = list(s.running)
-    step_s = chats_step_s(s)  # ~5.7 ms
+    step_s = chats_alone_s(s)  # ~5.7 ms
     interval = stretched_interval_s(s, chats, TARGET_S, need)
     if need is None:
         assert interval == TARGET_S
@@ -187,7 +180,7 @@ def test_a_late_summary_stretches_the_chats_interval_and_a_fresh_one_does_not() 
     # ~57 ms.
     interval = paused_interval(late, GOAL_S - 1.8)
     need = summary_s() / 1.8
-    assert interval == pytest.approx(chats_step_s(late) / (1 - need), rel=0.1)
+    assert interval == pytest.approx(chats_alone_s(late) / (1 - need), rel=0.1)
     assert TARGET_S < interval < CEILING_S  # type: ignore[operator]
     assert late.counters.tpot_stretched_steps == 1
     # Past its goal: stretching would not get it there, so the chats keep their target.

@@ -129,6 +129,11 @@ def test_raised_max_num_seqs_lands_at_the_next_step(server: ServerProcess) -> No
             400,
             "scheduler.long_prefill_token_threshold",
         ),  # fmt: skip
+        (
+            {"priority_classes": {"batch": {"tpot_ceiling_ms": 0.5}}},
+            400,
+            "priority_classes.batch.tpot_ceiling_ms",
+        ),  # fmt: skip (a ceiling below the class's TPOT target, or without one)
         ({"cache": {"num_blocks": 8}}, 409, "cache.num_blocks"),
         ({"model": {"dtype": "bfloat16"}}, 409, "model.dtype"),
         ({"scheduler": {"policy": "priority"}}, 409, "scheduler.policy"),

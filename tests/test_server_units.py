@@ -136,6 +136,7 @@ def test_engine_counters_stay_monotonic_across_rebuilds() -> None:
             preemptions=preemptions,
             preemptions_by={"recompute/batch": preemptions},
             rejected_by={"queue_timeout/realtime": 1},
+            tpot_stretched_steps=preemptions,
         )
         return EngineStats(
             model_name="m",
@@ -177,6 +178,7 @@ def test_engine_counters_stay_monotonic_across_rebuilds() -> None:
     assert _sample(m, "appliance_requests_rejected_total", reason="queue_timeout") == 2
     assert _sample(m, "vllm:num_requests_waiting") == 2
     assert _sample(m, "appliance_kv_blocks", state="cached") == 2
+    assert _sample(m, "appliance_tpot_stretched_steps_total") == 7
 
 
 def test_series_exist_at_zero_from_the_engine_start_and_a_reload_keeps_them() -> None:
