@@ -57,7 +57,7 @@ def plan_goals(sched: Scheduler, now: float) -> GoalPlan:
     need: float | None = None
     yielding: set[str] = set()
     ahead_s = 0.0
-    for r in prefilling + queued:
+    for r, started in [(r, True) for r in prefilling] + [(r, False) for r in queued]:
         own_s = _prefill_s(sched, r)
         goal = sched.config.ttft_goal_s(r.priority_class)
         if goal is None or r.num_output_tokens:
@@ -66,7 +66,7 @@ def plan_goals(sched: Scheduler, now: float) -> GoalPlan:
         waited = now - r.arrival_time
         left = goal - waited
         if left <= 0 or ahead_s + own_s > left:  # missed, or missed even with the whole box
-            if r in queued and waited < 2 * goal:
+            if not started and waited < 2 * goal:
                 yielding.add(r.request_id)
                 continue  # served after those that can still meet theirs
             ahead_s += own_s
