@@ -208,7 +208,9 @@ def plan_change(raw: Any, current: ApplianceConfig, loaded: ApplianceConfig) -> 
     try:
         new = config_from_dict(tree, "PATCH /admin/config")
     except ConfigError as exc:
-        raise LiveConfigError(400, next(iter(wanted), ""), str(exc)) from None
+        # The key the error names (a ceiling below its target), else the patch's first.
+        named = [key for key in wanted if key in str(exc)]
+        raise LiveConfigError(400, (named or [*wanted, ""])[0], str(exc)) from None
     before = msgspec.to_builtins(current)
     after = msgspec.to_builtins(new)
     changes = [
