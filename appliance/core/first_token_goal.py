@@ -60,20 +60,15 @@ def plan_goals(sched: Scheduler, now: float) -> GoalPlan:
     for r, started in [(r, True) for r in prefilling] + [(r, False) for r in queued]:
         own_s = _prefill_s(sched, r)
         goal = sched.config.ttft_goal_s(r.priority_class)
-        if goal is None or r.num_output_tokens:
-            ahead_s += own_s
-            continue
-        waited = now - r.arrival_time
-        left = goal - waited
-        if left <= 0 or ahead_s + own_s > left:  # missed, or missed even with the whole box
-            if not started and waited < 2 * goal:
+        if goal is not None and not r.num_output_tokens:
+            waited = now - r.arrival_time
+            left = goal - waited
+            if 0 < left and ahead_s + own_s <= left:
+                need = max(need or 0.0, (ahead_s + own_s) / left)
+            elif not started and waited < 2 * goal:  # missed, or would with the whole box
                 yielding.add(r.request_id)
                 continue  # served after those that can still meet theirs
-            ahead_s += own_s
-            continue
         ahead_s += own_s
-        share = ahead_s / left
-        need = share if need is None else max(need, share)
     return GoalPlan(need, frozenset(yielding))
 
 
