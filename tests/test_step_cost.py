@@ -132,9 +132,12 @@ def test_a_decode_step_is_not_charged_the_prefill_steps_extra_cost() -> None:
     """A dozen decodes alone cost their rows; the same step with a 32-token chunk pays the
     switch to the prefill path once, on top of the chunk's tokens."""
     model = trained()
-    decodes = StepShape()
-    for _ in range(12):
-        decodes = decodes.with_decode(600)
+    decodes = StepShape.decoding([600] * 12)
+    assert (decodes.decode_rows, decodes.decode_context, decodes.prefill_tokens) == (
+        12,
+        12 * 601,
+        0,
+    )
     alone = model.estimate(decodes)
     with_chunk = model.estimate(decodes.with_chunk(0, 32))
     assert alone is not None and with_chunk is not None

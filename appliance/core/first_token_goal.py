@@ -94,10 +94,7 @@ def stretched_interval_s(
     ceiling = min((c for c in ceilings if c is not None), default=limit)
     if ceiling <= limit:
         return limit
-    shape = StepShape()
-    for r in decodes:
-        shape = shape.with_decode(r.num_computed_tokens)
-    step_s = sched.cost.estimate(shape)
+    step_s = sched.cost.estimate(StepShape.decoding(r.num_computed_tokens for r in decodes))
     if step_s is None:
         return limit
     if need >= 1.0:

@@ -301,10 +301,9 @@ class Scheduler:
         interval = step.decode_interval_s
         if interval is None:
             return None
-        shape = StepShape()
-        for r in self.detached_decodes(step.request_ids()):
-            shape = shape.with_decode(r.num_computed_tokens)
-        expected = self.cost.estimate(shape) or 0.0
+        detached = self.detached_decodes(step.request_ids())
+        expected = self.cost.estimate(StepShape.decoding(r.num_computed_tokens for r in detached))
+        expected = expected or 0.0
         return max(interval - expected, interval * MIN_SLICE_FRACTION)
 
     def rides_prefill(self, decode: Request, prefill_rank: int) -> bool:
@@ -347,10 +346,7 @@ class Scheduler:
         share = self.untimed_share
         if share is None or not self.cost.ready:
             return limit
-        shape = StepShape()
-        for r in decodes:
-            shape = shape.with_decode(r.num_computed_tokens)
-        alone = self.cost.estimate(shape)
+        alone = self.cost.estimate(StepShape.decoding(r.num_computed_tokens for r in decodes))
         return limit if alone is None else min(limit, (1.0 + share) * alone)
 
     def class_present(self, priority_class: str, now: float | None = None) -> bool:

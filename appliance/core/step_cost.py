@@ -36,6 +36,7 @@ Python: the core stays torch-free.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,6 +100,15 @@ class StepShape:
                     shape = shape.with_decode(r.start_pos + j)
             else:
                 shape = shape.with_chunk(r.start_pos, n, rowable(r.sampling_params))
+        return shape
+
+    @classmethod
+    def decoding(cls, contexts: Iterable[int]) -> StepShape:
+        """A decode-only step of one row per request, each after `contexts`' computed tokens
+        (what the scheduler asks a step of its running decodes to cost)."""
+        shape = cls()
+        for computed in contexts:
+            shape = shape.with_decode(computed)
         return shape
 
     # The constructor, not dataclasses.replace: these run for every row of every step the

@@ -56,9 +56,7 @@ def estimate_ttft_s(sched: Scheduler, req: Request, interleave: bool = False) ->
     work.append(own)
     work += [[r.num_computed_tokens, r.num_tokens - r.num_computed_tokens] for r in behind]
     decoding = [r for r in sched.running if r.num_tokens - r.num_computed_tokens <= 1]
-    decodes = StepShape()
-    for r in decoding:
-        decodes = decodes.with_decode(r.num_computed_tokens)
+    decodes = StepShape.decoding(r.num_computed_tokens for r in decoding)
     step_limit = sched.time_limit_s(decoding)
     # Each chunk's limit also holds the TPOT targets of the classes outranking its own.
     limits = [
