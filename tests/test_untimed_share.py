@@ -51,11 +51,8 @@ def chats_and_summaries_decoding(s: Scheduler) -> None:
 
 
 def chats_alone_s(s: Scheduler) -> float:
-    shape = StepShape()
-    for r in s.running:
-        if r.priority_class == "interactive":
-            shape = shape.with_decode(r.num_computed_tokens)
-    return true_seconds(shape)
+    chats = [r for r in s.running if r.priority_class == "interactive"]
+    return true_seconds(StepShape.decoding(r.num_computed_tokens for r in chats))
 
 
 def test_without_a_share_every_row_decodes_every_step() -> None:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from appliance.core.step_cost import StepShape
 
 if TYPE_CHECKING:
+    from appliance.core.decode_pacing import DecodePacing
     from appliance.core.request import Request
     from appliance.core.scheduler import Scheduler
 
@@ -82,7 +83,7 @@ def _prefill_s(sched: Scheduler, r: Request) -> float:
 
 
 def stretched_interval_s(
-    sched: Scheduler, decodes: list[Request], limit: float, need: float | None
+    sched: DecodePacing, decodes: list[Request], limit: float, need: float | None
 ) -> float:
     """The token interval of `decodes` (their tightest TPOT target: `limit`) that leaves a
     prefill pausing for them the share `need` of the box (plan_goals): their step,
